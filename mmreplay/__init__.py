@@ -1,0 +1,32 @@
+"""mmreplay: a disk-backed replay memory that keeps every frame exactly once.
+
+    from mmreplay import ReplayStore
+    store = ReplayStore.create("runs/buf", capacity=1_000_000, obs_shape=(84, 84), frame_stack=4)
+"""
+
+from .errors import (
+    EmptyStoreError,
+    InvalidInputError,
+    InvalidStoreError,
+    MmreplayError,
+    ReadOnlyError,
+    StoreLockedError,
+    UnknownIdError,
+)
+from .spec import StoreSpec
+from .store import ReplayStore
+from .torch_batch import Batch
+
+__all__ = [
+    "Batch",
+    "EmptyStoreError",
+    "InvalidInputError",
+    "InvalidStoreError",
+    "MmreplayError",
+    "ReadOnlyError",
+    "ReplayStore",
+    "StoreLockedError",
+    "StoreSpec",
+    "UnknownIdError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,38 @@
+"""The exception hierarchy of mmreplay.
+
+Every error the library raises on purpose is a :class:`MmreplayError` and also a
+builtin exception of the matching kind, so callers can catch either.
+"""
+
+from __future__ import annotations
+
+
+class MmreplayError(Exception):
+    """Base class of every error mmreplay raises on purpose."""
+
+
+class InvalidInputError(MmreplayError, ValueError):
+    """An argument does not match the store (shape, dtype, value, call order)."""
+
+
+class InvalidStoreError(MmreplayError, ValueError):
+    """A directory is not a store, is damaged, or has a format this code cannot read."""
+
+
+class StoreLockedError(MmreplayError, RuntimeError):
+    """Another process holds the store open for writing."""
+
+
+class ReadOnlyError(MmreplayError, PermissionError):
+    """A mutating call on a store opened with ``mode="r"``."""
+
+
+class EmptyStoreError(MmreplayError, LookupError):
+    """Sampling from a store that holds no sampleable transition."""
+
+
+class UnknownIdError(MmreplayError, KeyError):
+    """A transition id that is not (or no longer) sampleable."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes
+        return str(self.args[0]) if self.args else ""

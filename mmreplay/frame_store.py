@@ -1,0 +1,257 @@
+"""Where frames live: a plain zarr v3 array on disk plus an unfinished tail in RAM.
+
+Layout::
+
+    <root>/frames/zarr.json              zarr v3 array metadata
+    <root>/frames/c/<env>/<chunk>/0/0    one chunk = `chunk_frames` consecutive slots of one env
+
+The array has shape ``(num_envs, slots_per_env, *obs_shape)`` and chunk shape
+``(1, chunk_frames, *obs_shape)``; codecs are ``bytes -> zstd -> crc32c``, so
+``zarr.open_group(root)["frames"]`` reads it with no help from mmreplay.
+
+Frames arrive one slot at a time per env (the ring's cursor). The chunk being
+filled lives in RAM (the *tail*); it is encoded and written whole, atomically
+(temp file + rename), as soon as its last slot arrives, so no chunk is ever
+read-modify-written. Before it writes a chunk it calls ``before_chunk_write`` so
+the owner can give up (in a committed manifest) the old frames that chunk held.
+
+This module knows slots, chunks, codecs and caches; it knows nothing of
+episodes, stacking, priorities or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+
+from .errors import InvalidStoreError
+from .spec import StoreSpec
+
+FRAMES = "frames"
+TMP_DIR = "tmp"
+TMP_SUFFIX = ".mmtmp"
+ChunkHook = Callable[[int, int], None]
+
+
+def create_frames_array(root: Path, spec: StoreSpec) -> None:
+    """Create the zarr group at `root` and its empty `frames` array."""
+    group = zarr.open_group(str(root), mode="w-", zarr_format=3)
+    group.create_array(
+        FRAMES,
+        shape=(spec.num_envs, spec.slots_per_env, *spec.obs_shape),
+        chunks=(1, spec.chunk_frames, *spec.obs_shape),
+        dtype=spec.obs_dtype,
+        compressors=[ZstdCodec(level=spec.codec_level), Crc32cCodec()],
+        fill_value=0,
+    )
+
+
+def write_atomic(path: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    """Write `data` to `path` through a temp file in `tmp_dir` and a rename.
+
+    Readers never see a torn file; a crash leaves at most a temp file, which
+    the next writable open sweeps (all temp files live in one directory).
+    """
+    tmp = tmp_dir / f"{path.name}.{os.getpid()}{TMP_SUFFIX}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ChunkCodec:
+    """Encodes one chunk exactly as zarr's ``bytes -> zstd -> crc32c`` chain does."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self._zstd = numcodecs.Zstd(level=spec.codec_level)
+        self._dtype = np.dtype(spec.obs_dtype).newbyteorder("<")
+        self._shape = (spec.chunk_frames, *spec.obs_shape)
+        self._nbytes = int(np.prod(self._shape)) * self._dtype.itemsize
+
+    def encode(self, frames: np.ndarray) -> bytes:
+        payload = self._zstd.encode(np.ascontiguousarray(frames, dtype=self._dtype).tobytes())
+        return bytes(payload) + struct.pack("<I", google_crc32c.value(bytes(payload)))
+
+    def decode(self, data: bytes, where: str) -> np.ndarray:
+        if len(data) < 5:
+            raise InvalidStoreError(f"frame chunk {where} is truncated ({len(data)} bytes)")
+        payload, stored = data[:-4], struct.unpack("<I", data[-4:])[0]
+        if google_crc32c.value(payload) != stored:
+            raise InvalidStoreError(f"frame chunk {where} fails its crc32c checksum")
+        try:
+            raw = self._zstd.decode(payload)
+        except Exception as exc:  # numcodecs raises RuntimeError on bad frames
+            raise InvalidStoreError(f"frame chunk {where} does not decode: {exc}") from None
+        if len(raw) != self._nbytes:
+            raise InvalidStoreError(
+                f"frame chunk {where} decodes to {len(raw)} bytes, expected {self._nbytes}")
+        return np.frombuffer(raw, dtype=self._dtype).reshape(self._shape)
+
+
+class ChunkCache:
+    """A byte-budgeted LRU of decoded chunks, keyed by (env, chunk)."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def put(self, key: tuple[int, int], value: np.ndarray) -> None:
+        self.drop(key)
+        self._items[key] = value
+        self.nbytes += value.nbytes
+        while self.nbytes > self.budget and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def drop(self, key: tuple[int, int]) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+
+
+class FrameStore:
+    """Batched frame reads and appends over the zarr `frames` array.
+
+    Slots are addressed *flat*: ``env * slots_per_env + slot``; ``-1`` reads as
+    a frame of zeros (stack padding).
+    """
+
+    def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
+                 cache_bytes: int = 256 << 20, before_chunk_write: ChunkHook | None = None):
+        self.spec = spec
+        self._dir = Path(root) / FRAMES
+        self._tmp_dir = Path(root) / TMP_DIR
+        self._writable = writable
+        self._durable = durable
+        self._codec = ChunkCodec(spec)
+        self._cache = ChunkCache(cache_bytes)
+        self._hook = before_chunk_write
+        self._chunk_len = spec.chunk_frames
+        self.num_chunks = -(-spec.slots_per_env // spec.chunk_frames)
+        self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
+        self.tail_fill = np.zeros(spec.num_envs, np.int64)
+        self.next_slot = np.zeros(spec.num_envs, np.int64)
+        self._unsynced: list[Path] = []
+
+    # -- layout ---------------------------------------------------------------
+    def chunk_path(self, env: int, chunk: int) -> Path:
+        zeros = "/".join("0" for _ in self.spec.obs_shape)
+        return self._dir / "c" / str(env) / str(chunk) / zeros
+
+    def chunk_slots(self, chunk: int) -> int:
+        """Real slots in `chunk`; the last chunk of the ring may be short."""
+        return min(self._chunk_len, self.spec.slots_per_env - chunk * self._chunk_len)
+
+    # -- writing --------------------------------------------------------------
+    def append(self, envs: np.ndarray, slots: np.ndarray, frames: np.ndarray) -> None:
+        """Put one frame per listed env at that env's next slot (the ring's cursor)."""
+        for env, slot, frame in zip(envs.tolist(), slots.tolist(), frames, strict=True):
+            chunk, offset = divmod(slot, self._chunk_len)
+            assert offset == self.tail_fill[env], "frames must arrive in slot order"
+            self.tail[env, offset] = frame
+            self.tail_fill[env] = offset + 1
+            self.next_slot[env] = (slot + 1) % self.spec.slots_per_env
+            if offset + 1 == self.chunk_slots(chunk):
+                self._write_chunk(env, chunk)
+
+    def _write_chunk(self, env: int, chunk: int) -> None:
+        if self._hook is not None:
+            self._hook(env, chunk)
+        frames = self.tail[env].copy()
+        frames[self.tail_fill[env]:] = 0
+        path = self.chunk_path(env, chunk)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
+        if self._durable:
+            self._unsynced.append(path)
+        self._cache.put((env, chunk), frames)
+        self.tail_fill[env] = 0
+
+    def sync(self) -> None:
+        """fsync every chunk written since the last sync, then their directories."""
+        dirs = {p.parent for p in self._unsynced}
+        for path in self._unsynced:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        for d in dirs:
+            fsync_dir(d)
+        self._unsynced.clear()
+
+    # -- the RAM tail ---------------------------------------------------------
+    def tail_frames(self) -> np.ndarray:
+        """The unfinished chunk of every env (rows past `tail_fill` are zeros)."""
+        out = self.tail.copy()
+        for env, fill in enumerate(self.tail_fill.tolist()):
+            out[env, fill:] = 0
+        return out
+
+    def load_tail(self, frames: np.ndarray, next_slots: np.ndarray) -> None:
+        """Restore the RAM tail; `next_slots` is each env's write cursor."""
+        self.next_slot[...] = next_slots
+        self.tail_fill[...] = self.next_slot % self._chunk_len
+        self.tail[...] = frames
+
+    # -- reading --------------------------------------------------------------
+    def read(self, flat_slots: np.ndarray) -> np.ndarray:
+        """Frames at `flat_slots` (any shape); -1 gives zeros. One pass per distinct chunk."""
+        flat = np.asarray(flat_slots, dtype=np.int64)
+        out = np.zeros((*flat.shape, *self.spec.obs_shape), self.spec.obs_dtype)
+        wanted = flat >= 0
+        env, slot = np.divmod(flat[wanted], self.spec.slots_per_env)
+        chunk, offset = np.divmod(slot, self._chunk_len)
+        frames = np.empty((env.size, *self.spec.obs_shape), self.spec.obs_dtype)
+        tail_chunk = self.next_slot[env] // self._chunk_len
+        in_tail = (chunk == tail_chunk) & (offset < self.tail_fill[env])
+        frames[in_tail] = self.tail[env[in_tail], offset[in_tail]]
+        on_disk = ~in_tail
+        keys = env[on_disk] * self.num_chunks + chunk[on_disk]
+        frames[on_disk] = self._gather_disk(keys, offset[on_disk])
+        out[wanted] = frames
+        return out
+
+    def _gather_disk(self, keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        out = np.empty((keys.size, *self.spec.obs_shape), self.spec.obs_dtype)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        for i, key in enumerate(uniq.tolist()):
+            rows = inverse == i
+            out[rows] = self._load_chunk(*divmod(key, self.num_chunks))[offsets[rows]]
+        return out
+
+    def _load_chunk(self, env: int, chunk: int) -> np.ndarray:
+        cached = self._cache.get((env, chunk))
+        if cached is not None:
+            return cached
+        path = self.chunk_path(env, chunk)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise InvalidStoreError(f"frame chunk {path} is missing") from None
+        frames = self._codec.decode(data, str(path))
+        self._cache.put((env, chunk), frames)
+        return frames

@@ -1,0 +1,262 @@
+"""Which transitions exist and which frames they read: the per-env rings of step columns.
+
+Every env has a stream of frames numbered 0, 1, 2, ... (its *frame numbers*).
+Frame ``f`` of env ``e`` lives in slot ``f % S`` (``S = slots_per_env``) and flat
+slot ``e * S + f % S``. Only the most recent ``S`` frames are kept::
+
+    frame numbers   0 ........ oldest ............... written-1 | written (next)
+                    [ evicted ][ kept: at most S frames          ]
+
+A *step* belongs to the frame it starts from: slot ``f`` holds the action,
+reward and flags of the step ``o_f -> o_{f+1}`` (``has_step``) and that
+transition's id. Episodes are runs of consecutive frame numbers; ``pos`` is a
+frame's position in its episode (0 = ``o_0``).
+
+The transition at frame ``t`` is *valid* (sampleable) iff
+
+* it has a step,
+* every real frame its stack reads is kept: ``max(t - k + 1, t - pos[t]) >= oldest``,
+* its n-step window is complete: ``n`` steps follow in the episode, or the
+  episode ended (terminated or truncated) inside the window.
+
+Validity is refreshed lazily (``refresh``) for the frames touched since the last
+refresh, so ``append`` stays O(1). This module knows no pixels, codecs, RNG or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .spec import StoreSpec
+
+
+def step_dtype(spec: StoreSpec) -> np.dtype:
+    """The record of one slot; persisted as-is in the step blocks."""
+    return np.dtype([
+        ("pos", "<i8"),
+        ("episode", "<i8"),
+        ("id", "<i8"),
+        ("has_step", "?"),
+        ("terminated", "?"),
+        ("truncated", "?"),
+        ("reward", "<f4"),
+        ("action", np.dtype(spec.action_dtype).newbyteorder("<"), spec.action_shape),
+    ])
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the store needs to build a batch for some flat slots (all numpy)."""
+
+    obs_slots: np.ndarray       # (B, k) flat slots of the stack, -1 = zero padding
+    next_obs_slots: np.ndarray  # (B, k) flat slots of the next stack
+    action: np.ndarray
+    reward: np.ndarray          # float64 n-step return
+    terminated: np.ndarray
+    truncated: np.ndarray
+    discount: np.ndarray        # float64
+    ids: np.ndarray
+
+
+class StepRing:
+    """Per-env cursors, step columns, episode bounds and the validity mask."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+        self.S = spec.slots_per_env
+        self.E = spec.num_envs
+        self.steps = np.zeros((self.E, self.S), step_dtype(spec))
+        self.steps["id"] = -1
+        self.written = np.zeros(self.E, np.int64)     # frames ever written per env
+        self.kept_from = np.zeros(self.E, np.int64)   # extra lower bound (from a manifest)
+        self.running = np.zeros(self.E, bool)         # episode open: accepts steps
+        self.next_id = 0
+        self.next_episode = 0
+        self.valid = np.zeros(self.E * self.S, bool)
+        self._id_loc = np.full(self.E * self.S, -1, np.int64)
+        self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
+        self.dirty_blocks: set[int] = set()
+
+    # -- frame numbers ----------------------------------------------------------
+    @property
+    def oldest(self) -> np.ndarray:
+        """First kept frame number per env."""
+        return np.minimum(np.maximum(self.kept_from, self.written - self.S), self.written)
+
+    def frame_at(self, flat: np.ndarray) -> np.ndarray:
+        """Frame number currently in each flat slot (negative: never written)."""
+        env, slot = np.divmod(flat, self.S)
+        last = self.written[env] - 1
+        return last - (last - slot) % self.S
+
+    # -- recording --------------------------------------------------------------
+    def begin_episodes(self, envs: np.ndarray) -> np.ndarray:
+        """Start a new episode (o_0) in each env; returns the slots to write o_0 to."""
+        self.truncate_running(envs)
+        slots = self._new_frames(envs)
+        rec = self.steps[envs, slots]
+        rec["pos"] = 0
+        rec["episode"] = self.next_episode + np.arange(envs.size)
+        self.steps[envs, slots] = rec
+        self.next_episode += envs.size
+        self.running[envs] = True
+        return slots
+
+    def truncate_running(self, envs: np.ndarray) -> None:
+        """End running episodes as truncated at their last recorded step."""
+        cut = envs[self.running[envs] & (self.written[envs] >= 2)]
+        last = self.written[cut] - 2
+        has = self.steps["has_step"][cut, last % self.S] & (
+            self.steps["pos"][cut, (last + 1) % self.S] > 0)
+        cut, last = cut[has], last[has]
+        self.steps["truncated"][cut, last % self.S] = True
+        self._touch(cut, last)
+        self.running[envs] = False
+
+    def record_steps(self, envs: np.ndarray, action: np.ndarray, reward: np.ndarray,
+                     terminated: np.ndarray, truncated: np.ndarray) -> np.ndarray:
+        """Record one step per env (all running); returns the slots for the next frames."""
+        t = self.written[envs] - 1
+        prev = self.steps[envs, t % self.S]
+        ids = self.next_id + np.arange(envs.size, dtype=np.int64)
+        prev["has_step"], prev["terminated"], prev["truncated"] = True, terminated, truncated
+        prev["reward"], prev["action"], prev["id"] = reward, action, ids
+        self.steps[envs, t % self.S] = prev
+        self._id_loc[ids % self._id_loc.size] = envs * self.S + t % self.S
+        self._touch(envs, t)
+        self.next_id += envs.size
+        slots = self._new_frames(envs)
+        rec = self.steps[envs, slots]
+        rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
+        self.steps[envs, slots] = rec
+        self.running[envs] = ~(terminated | truncated)
+        return slots
+
+    def _new_frames(self, envs: np.ndarray) -> np.ndarray:
+        slots = self.written[envs] % self.S
+        self.steps[envs, slots] = np.zeros((), self.steps.dtype)
+        self.steps["id"][envs, slots] = -1
+        self._touch(envs, self.written[envs])
+        self.written[envs] += 1
+        return slots
+
+    def _touch(self, envs: np.ndarray, frames: np.ndarray) -> None:
+        np.minimum.at(self._dirty_lo, envs, frames)
+        self.dirty_blocks.update((frames % self.S // self.spec.block_slots).tolist())
+
+    # -- validity ---------------------------------------------------------------
+    def refresh(self) -> tuple[np.ndarray, np.ndarray]:
+        """Recompute validity where it may have changed; returns (flat slots, valid)."""
+        env, frames = self._candidates()
+        flat = env * self.S + frames % self.S
+        ok = self.transition_valid(env, frames)
+        self.valid[flat] = ok
+        self._dirty_lo[:] = self.written
+        return flat, ok
+
+    def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
+        k, n = self.spec.frame_stack, self.spec.n_step
+        oldest, envs, frames = self.oldest, [], []
+        for e in range(self.E):
+            new = np.arange(max(oldest[e], self._dirty_lo[e] - n - 1), self.written[e])
+            gone = np.arange(oldest[e], min(oldest[e] + k, self.written[e]))
+            both = np.union1d(new, gone)
+            frames.append(both)
+            envs.append(np.full(both.size, e, np.int64))
+        return np.concatenate(envs), np.concatenate(frames).astype(np.int64)
+
+    def rebuild_validity(self) -> None:
+        """Recompute the whole mask and id map (after loading from disk)."""
+        flat = np.arange(self.E * self.S, dtype=np.int64)
+        env, frames = np.divmod(flat, self.S)[0], self.frame_at(flat)
+        kept = frames >= self.oldest[env]
+        self.valid[:] = False
+        self.valid[flat[kept]] = self.transition_valid(env[kept], frames[kept])
+        ids = self.steps["id"].reshape(-1)
+        live = kept & (ids >= 0)
+        self._id_loc[:] = -1
+        self._id_loc[ids[live] % self._id_loc.size] = flat[live]
+        self._dirty_lo[:] = self.written
+
+    def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
+        cols = self.steps[env, t % self.S]
+        lower = np.maximum(t - self.spec.frame_stack + 1, t - cols["pos"])
+        ok = cols["has_step"] & (lower >= self.oldest[env])
+        alive, complete = ok.copy(), np.zeros_like(ok)
+        for j in range(self.spec.n_step):
+            u = t + j
+            uc = self.steps[env, u % self.S]
+            alive &= (u < self.written[env] - 1) & uc["has_step"] & (
+                uc["episode"] == cols["episode"])
+            done = alive & (uc["terminated"] | uc["truncated"])
+            complete |= done
+            alive &= ~done
+        return ok & (complete | alive)
+
+    # -- ids --------------------------------------------------------------------
+    def flat_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat slots, found mask) for transition ids; found = id is sampleable now."""
+        in_window = (ids >= 0) & (ids < self.next_id) & (ids >= self.next_id - self._id_loc.size)
+        flat = np.where(in_window, self._id_loc[ids % self._id_loc.size], -1)
+        found = in_window & (flat >= 0)
+        flat = np.where(found, flat, 0)
+        found &= self.steps["id"].reshape(-1)[flat] == ids
+        found &= self.valid[flat]
+        return flat, found
+
+    def valid_flat(self) -> np.ndarray:
+        return np.flatnonzero(self.valid)
+
+    # -- lookups ----------------------------------------------------------------
+    def lookup(self, flat: np.ndarray) -> Lookup:
+        """Everything a batch needs for valid flat slots, computed by index."""
+        env, t = flat // self.S, self.frame_at(flat)
+        cols = self.steps[env, t % self.S]
+        ret, m, term, trunc = self._n_step(env, t)
+        gamma = self.spec.gamma
+        discount = np.where(term, 0.0, gamma ** m.astype(np.float64))
+        start = t - cols["pos"]
+        return Lookup(
+            obs_slots=self._stack_slots(env, t, start),
+            next_obs_slots=self._stack_slots(env, t + m, start),
+            action=cols["action"], reward=ret, terminated=term, truncated=trunc,
+            discount=discount, ids=cols["id"])
+
+    def _n_step(self, env: np.ndarray, t: np.ndarray):
+        gamma, size = self.spec.gamma, t.size
+        ret, m = np.zeros(size), np.zeros(size, np.int64)
+        term, trunc, alive = np.zeros(size, bool), np.zeros(size, bool), np.ones(size, bool)
+        for j in range(self.spec.n_step):
+            uc = self.steps[env, (t + j) % self.S]
+            ret += np.where(alive, gamma**j * uc["reward"].astype(np.float64), 0.0)
+            m += alive
+            term |= alive & uc["terminated"]
+            trunc |= alive & uc["truncated"] & ~uc["terminated"]
+            alive &= ~(uc["terminated"] | uc["truncated"])
+        return ret, m, term, trunc
+
+    def _stack_slots(self, env: np.ndarray, last: np.ndarray, start: np.ndarray) -> np.ndarray:
+        k = self.spec.frame_stack
+        frames = last[:, None] - np.arange(k - 1, -1, -1)[None, :]
+        before = frames < start[:, None]
+        if self.spec.stack_padding == "first":
+            frames = np.maximum(frames, start[:, None])
+        flat = env[:, None] * self.S + frames % self.S
+        if self.spec.stack_padding == "zero":
+            flat = np.where(before, -1, flat)
+        return flat
+
+    # -- invariants ---------------------------------------------------------------
+    def check_valid(self) -> None:
+        """Raise RuntimeError if the incremental mask differs from a full recompute."""
+        self.refresh()
+        mask = self.valid.copy()
+        self.rebuild_validity()
+        if not np.array_equal(mask, self.valid):
+            bad = np.flatnonzero(mask != self.valid)[:10]
+            raise RuntimeError(f"validity mask out of date at flat slots {bad.tolist()}")
+        if (self.oldest > self.written).any() or (self.written < 0).any():
+            raise RuntimeError(f"cursors inconsistent: oldest {self.oldest}, written {self.written}")

@@ -1,0 +1,165 @@
+"""The frozen configuration of a store, its validation and its JSON form.
+
+`StoreSpec` is everything fixed at ``ReplayStore.create`` time. It owns the
+derived sizes (slots per env, chunk length) and round-trips through plain JSON
+dicts; it never touches files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError, InvalidStoreError
+
+STACK_PADDINGS = ("zero", "first")
+CODECS = ("zstd",)
+SAMPLERS = ("uniform", "prioritized", "rank")
+# Dtypes a store may hold; anything else (object, void, strings) is refused.
+ALLOWED_DTYPES = (
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "bool",
+)
+MAX_CAPACITY = 1 << 40
+TARGET_CHUNK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Configuration of a store; all sizes count frames (observations)."""
+
+    capacity: int
+    obs_shape: tuple[int, ...]
+    obs_dtype: str = "uint8"
+    num_envs: int = 1
+    frame_stack: int = 1
+    n_step: int = 1
+    gamma: float = 0.99
+    stack_padding: str = "zero"
+    action_shape: tuple[int, ...] = ()
+    action_dtype: str = "int64"
+    chunk_frames: int = 0  # 0 = chosen from the frame size at create time
+    codec: str = "zstd"
+    codec_level: int = 1
+    block_slots: int = 4096
+    sampler: str = "uniform"
+    alpha: float = 0.6
+    priority_eps: float = 1e-6
+
+    @property
+    def slots_per_env(self) -> int:
+        """Frames each env keeps: ``capacity // num_envs``."""
+        return self.capacity // self.num_envs
+
+    @property
+    def frame_bytes(self) -> int:
+        return int(np.prod(self.obs_shape, dtype=np.int64)) * np.dtype(self.obs_dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["obs_shape"] = list(self.obs_shape)
+        out["action_shape"] = list(self.action_shape)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StoreSpec:
+        """Parse a manifest's spec; any problem is an `InvalidStoreError`."""
+        if not isinstance(data, dict):
+            raise InvalidStoreError(f"spec must be a JSON object, got {type(data).__name__}")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidStoreError(f"spec has unknown fields {sorted(unknown)}")
+        try:
+            return make_spec(**data)
+        except (InvalidInputError, TypeError) as exc:
+            raise InvalidStoreError(f"invalid spec in manifest: {exc}") from None
+
+
+def make_spec(**kwargs: Any) -> StoreSpec:
+    """Validate user-facing arguments and return a complete `StoreSpec`."""
+    spec = StoreSpec(
+        capacity=parse_int("capacity", kwargs.pop("capacity"), low=2, high=MAX_CAPACITY),
+        obs_shape=parse_shape("obs_shape", kwargs.pop("obs_shape")),
+        obs_dtype=parse_dtype("obs_dtype", kwargs.pop("obs_dtype", "uint8")),
+        num_envs=parse_int("num_envs", kwargs.pop("num_envs", 1), low=1, high=1 << 20),
+        frame_stack=parse_int("frame_stack", kwargs.pop("frame_stack", 1), low=1, high=64),
+        n_step=parse_int("n_step", kwargs.pop("n_step", 1), low=1, high=1000),
+        gamma=parse_float("gamma", kwargs.pop("gamma", 0.99), low=0.0, high=1.0),
+        stack_padding=parse_choice("stack_padding", kwargs.pop("stack_padding", "zero"),
+                                   STACK_PADDINGS),
+        action_shape=parse_shape("action_shape", kwargs.pop("action_shape", ()), allow_empty=True),
+        action_dtype=parse_dtype("action_dtype", kwargs.pop("action_dtype", "int64")),
+        chunk_frames=parse_int("chunk_frames", kwargs.pop("chunk_frames", 0), low=0, high=1 << 16),
+        codec=parse_choice("codec", kwargs.pop("codec", "zstd"), CODECS),
+        codec_level=parse_int("codec_level", kwargs.pop("codec_level", 1), low=-5, high=22),
+        block_slots=parse_int("block_slots", kwargs.pop("block_slots", 4096), low=1, high=1 << 24),
+        sampler=parse_choice("sampler", kwargs.pop("sampler", "uniform"), SAMPLERS),
+        alpha=parse_float("alpha", kwargs.pop("alpha", 0.6), low=0.0, high=10.0),
+        priority_eps=parse_float("priority_eps", kwargs.pop("priority_eps", 1e-6), low=0.0,
+                                 high=1e6),
+    )
+    if kwargs:
+        raise InvalidInputError(f"unknown store options {sorted(kwargs)}")
+    return _complete(spec)
+
+
+def _complete(spec: StoreSpec) -> StoreSpec:
+    if spec.slots_per_env < 2:
+        raise InvalidInputError(
+            f"capacity // num_envs must be >= 2 frames per env, got "
+            f"{spec.capacity} // {spec.num_envs} = {spec.slots_per_env}")
+    chunk = spec.chunk_frames or default_chunk_frames(spec.frame_bytes)
+    chunk = min(chunk, spec.slots_per_env)
+    return StoreSpec(**{**spec.__dict__, "chunk_frames": chunk})
+
+
+def default_chunk_frames(frame_bytes: int) -> int:
+    """Largest power of two whose chunk stays within ~64 KiB raw (8 for 84x84 uint8)."""
+    frames = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes))
+    return min(4096, 1 << int(math.log2(frames)))
+
+
+def parse_int(name: str, value: Any, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidInputError(f"{name} must be an int, got {value!r}")
+    if not low <= int(value) <= high:
+        raise InvalidInputError(f"{name} must be in [{low}, {high}], got {value}")
+    return int(value)
+
+
+def parse_float(name: str, value: Any, *, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise InvalidInputError(f"{name} must be a number, got {value!r}")
+    if not (math.isfinite(float(value)) and low <= float(value) <= high):
+        raise InvalidInputError(f"{name} must be a finite number in [{low}, {high}], got {value}")
+    return float(value)
+
+
+def parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise InvalidInputError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return str(value)
+
+
+def parse_shape(name: str, value: Any, *, allow_empty: bool = False) -> tuple[int, ...]:
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, tuple | list) or len(value) > 8:
+        raise InvalidInputError(f"{name} must be a tuple of at most 8 ints, got {value!r}")
+    dims = tuple(parse_int(f"{name} dimension", d, low=1, high=1 << 20) for d in value)
+    if not dims and not allow_empty:
+        raise InvalidInputError(f"{name} must have at least one dimension, got ()")
+    return dims
+
+
+def parse_dtype(name: str, value: Any) -> str:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise InvalidInputError(f"{name} must be a numpy dtype, got {value!r}") from None
+    if dtype.name not in ALLOWED_DTYPES:
+        raise InvalidInputError(f"{name} must be one of {list(ALLOWED_DTYPES)}, got {dtype}")
+    return dtype.name

@@ -1,0 +1,370 @@
+"""`ReplayStore`: the public facade — create/open, record, sample, flush. Orchestration only.
+
+Directory layout (a zarr v3 group; see README "On-disk format")::
+
+    <root>/zarr.json                 zarr group
+    <root>/frames/...                every frame once (`frame_store`)
+    <root>/manifest.json             commit point (`manifest`)
+    <root>/steps/bNNNNNN.gGGGGGGGG.npy   step-column blocks, copy-on-write per generation
+    <root>/tail/tail.gGGGGGGGG.npy       the unfinished frame chunk of every env
+    <root>/tmp/                      temp files of in-flight atomic writes
+    <root>/lock                      flock'ed by the one writer
+
+Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
+policy in `samplers`, torch conversion in `torch_batch`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import validate
+from .errors import (
+    EmptyStoreError,
+    InvalidInputError,
+    InvalidStoreError,
+    ReadOnlyError,
+    StoreLockedError,
+    UnknownIdError,
+)
+from .frame_store import TMP_DIR, TMP_SUFFIX, FrameStore, create_frames_array
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    load_npy,
+    read_manifest,
+    save_npy,
+    write_manifest,
+)
+from .ring import StepRing, step_dtype
+from .samplers import make_sampler
+from .spec import StoreSpec, make_spec
+from .torch_batch import Batch, make_batch
+
+LOCK = "lock"
+
+
+class ReplayStore:
+    """A disk-backed replay memory that keeps every frame once (see README)."""
+
+    # -- construction -------------------------------------------------------------
+    def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
+                 cache_bytes: int, lock_fd: int | None) -> None:
+        self.path = root
+        self.spec = spec
+        self.writable = writable
+        self.durable = durable
+        self._lock_fd = lock_fd
+        self._ring = StepRing(spec)
+        self._frames = FrameStore(root, spec, writable=writable, durable=durable,
+                                  cache_bytes=cache_bytes,
+                                  before_chunk_write=self._before_chunk_write)
+        self._sampler = make_sampler(spec)
+        self._rng = np.random.default_rng()
+        self._committed: dict[str, Any] = {}
+        self._closed = False
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], *, capacity: int, obs_shape: Any,
+               obs_dtype: Any = np.uint8, num_envs: int = 1, frame_stack: int = 1,
+               n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
+               action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
+               durable: bool = False, cache_bytes: int = 256 << 20,
+               **options: Any) -> ReplayStore:
+        """Create a new, empty store at `path` (which must not exist or be empty)."""
+        spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
+                         num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
+                         stack_padding=stack_padding, action_shape=action_shape,
+                         action_dtype=action_dtype, **options)
+        root = Path(path)
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            raise InvalidInputError(f"{root} already exists and is not an empty directory")
+        create_frames_array(root, spec)
+        (root / TMP_DIR).mkdir()
+        store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
+                    lock_fd=_lock(root))
+        store._rng = np.random.default_rng(seed)
+        store.flush()
+        return store
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
+             cache_bytes: int = 256 << 20) -> ReplayStore:
+        """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only."""
+        if mode not in ("r", "r+"):
+            raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
+        root = Path(path)
+        if not root.is_dir():
+            raise InvalidStoreError(f"{root} is not a directory")
+        lock_fd = _lock(root) if mode == "r+" else None
+        try:
+            manifest = read_manifest(root)
+            spec = StoreSpec.from_dict(manifest["spec"])
+            store = cls(root, spec, writable=mode == "r+", durable=durable,
+                        cache_bytes=cache_bytes, lock_fd=lock_fd)
+            store._load(manifest)
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+        if store.writable:
+            store._sweep()
+        return store
+
+    # -- recording ----------------------------------------------------------------
+    def reset(self, obs: Any, env_ids: Any = None) -> None:
+        """Write o_0 of a new episode for all envs, or for the listed `env_ids`.
+
+        A running episode in a listed env ends as truncated at its last step.
+        """
+        self._check_writable("reset")
+        if self.spec.num_envs == 1 and env_ids is not None:
+            envs = validate.env_ids(self.spec, env_ids)
+            frames = validate.observations(self.spec, obs, 1)
+        else:
+            envs = validate.env_ids(self.spec, env_ids)
+            frames = validate.observations(self.spec, obs, envs.size)
+        slots = self._ring.begin_episodes(envs)
+        self._frames.append(envs, slots, frames)
+
+    def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
+            autoreset: Any = None) -> None:
+        """Record one step of every env (see README for the autoreset rule)."""
+        self._check_writable("add")
+        spec = self.spec
+        frames = validate.observations(spec, next_obs, spec.num_envs, "next_obs")
+        auto = validate.flags(spec, "autoreset", autoreset)
+        term = validate.flags(spec, "terminated", terminated)
+        trunc = validate.flags(spec, "truncated", truncated)
+        act, rew = validate.actions(spec, action), validate.rewards(spec, reward)
+        step = ~auto
+        idle = np.flatnonzero(step & ~self._ring.running)
+        if idle.size:
+            raise InvalidInputError(
+                f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
+                f"(or pass autoreset=True for it) first")
+        steppers, resetters = np.flatnonzero(step), np.flatnonzero(auto)
+        slots = self._ring.record_steps(steppers, act[steppers], rew[steppers], term[steppers],
+                                        trunc[steppers])
+        self._frames.append(steppers, slots, frames[steppers])
+        if resetters.size:
+            self._frames.append(resetters, self._ring.begin_episodes(resetters),
+                                frames[resetters])
+
+    # -- reading ------------------------------------------------------------------
+    def sample(self, batch_size: int) -> Batch:
+        """`batch_size` sampleable transitions, uniformly with replacement."""
+        size = validate.batch_size(batch_size)
+        self._refresh()
+        if self._sampler.count() == 0:
+            raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
+        draw = self._sampler.sample(self._rng, size)
+        return self._batch(draw.slots, draw.weights)
+
+    def get(self, ids: Any) -> Batch:
+        """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
+        wanted = validate.transition_ids(ids)
+        self._refresh()
+        flat, found = self._ring.flat_of_ids(wanted)
+        if not found.all():
+            bad = wanted[~found][:5].tolist()
+            raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
+        return self._batch(flat, np.ones(flat.size, np.float32))
+
+    def valid_ids(self) -> np.ndarray:
+        """Every sampleable transition id, increasing."""
+        self._refresh()
+        flat = self._ring.valid_flat()
+        return np.sort(self._ring.steps["id"].reshape(-1)[flat])
+
+    def __len__(self) -> int:
+        self._refresh()
+        return self._sampler.count()
+
+    def _refresh(self) -> None:
+        slots, valid = self._ring.refresh()
+        self._sampler.update(slots, valid)
+
+    def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
+        look = self._ring.lookup(flat)
+        both = self._frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
+        return make_batch(obs=both[0], action=look.action, reward=look.reward,
+                          next_obs=both[1], terminated=look.terminated,
+                          truncated=look.truncated, discount=look.discount, weights=weights,
+                          ids=look.ids)
+
+    # -- persistence --------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        """Number of the last committed manifest."""
+        return int(self._committed.get("generation", 0))
+
+    def flush(self) -> None:
+        """Commit everything recorded so far; writes only what changed since the last flush."""
+        self._check_writable("flush")
+        if self.durable:
+            self._frames.sync()
+        gen = self.generation + 1
+        files = dict(self._committed.get("files", {}))
+        blocks = list(self._committed.get("blocks", [None] * self._num_blocks()))
+        for b in sorted(self._ring.dirty_blocks):
+            name = f"steps/b{b:06d}.g{gen:08d}.npy"
+            files.pop(blocks[b], None)
+            blocks[b] = name
+            files[name] = self._save(name, self._ring.steps[:, self._block_range(b)])
+        tail = f"tail/tail.g{gen:08d}.npy"
+        files.pop(self._committed.get("tail"), None)
+        files[tail] = self._save(tail, self._frames.tail_frames())
+        manifest = self._manifest(gen, blocks, tail, files)
+        write_manifest(self.path, manifest, self._tmp, durable=self.durable)
+        old, self._committed = self._committed, manifest
+        self._ring.dirty_blocks.clear()
+        self._remove_unnamed(old)
+
+    def close(self) -> None:
+        """Flush (if writable) and release the writer lock. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.writable:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __enter__(self) -> ReplayStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
+                f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
+
+    # -- persistence helpers --------------------------------------------------------
+    @property
+    def _tmp(self) -> Path:
+        return self.path / TMP_DIR
+
+    def _num_blocks(self) -> int:
+        return -(-self.spec.slots_per_env // self.spec.block_slots)
+
+    def _block_range(self, b: int) -> slice:
+        size = self.spec.block_slots
+        return slice(b * size, min((b + 1) * size, self.spec.slots_per_env))
+
+    def _save(self, name: str, array: np.ndarray) -> int:
+        return save_npy(self.path, name, array, self._tmp, durable=self.durable)
+
+    def _manifest(self, gen: int, blocks: list[str | None], tail: str,
+                  files: dict[str, int]) -> dict[str, Any]:
+        ring = self._ring
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "generation": gen,
+            "spec": self.spec.to_dict(),
+            "written": ring.written.tolist(), "kept_from": ring.oldest.tolist(),
+            "running": ring.running.tolist(), "next_id": ring.next_id,
+            "next_episode": ring.next_episode,
+            "rng": self._rng.bit_generator.state,
+            "blocks": blocks, "tail": tail, "files": files,
+        }
+
+    def _remove_unnamed(self, old: dict[str, Any]) -> None:
+        """Delete files the previous manifest named and the new one does not."""
+        keep = self._committed["files"]
+        for name in old.get("files", {}):
+            if name not in keep:
+                (self.path / name).unlink(missing_ok=True)
+
+    def _before_chunk_write(self, env: int, chunk: int) -> None:
+        """Give up, in a committed manifest, the old frames a chunk write destroys.
+
+        The chunk about to be written holds the env's newest frames; the frames
+        it overwrites are exactly ``S`` older. If the committed manifest still
+        claims any of them, commit a copy that claims none of them (and, to
+        amortise, up to ``S // 16`` frames beyond) before the bytes change.
+        """
+        committed = self._committed
+        last_new = int(self._ring.written[env]) - 1
+        last_old = last_new - self.spec.slots_per_env
+        if last_old < committed["kept_from"][env]:
+            return
+        ahead = max(self.spec.chunk_frames, self.spec.slots_per_env // 16)
+        kept = list(committed["kept_from"])
+        kept[env] = min(last_old + 1 + ahead, committed["written"][env])
+        gen = self.generation + 1
+        self._committed = {**committed, "kept_from": kept, "generation": gen}
+        write_manifest(self.path, self._committed, self._tmp, durable=self.durable)
+
+    def _load(self, manifest: dict[str, Any]) -> None:
+        spec, ring = self.spec, self._ring
+        if manifest["blocks"] and len(manifest["blocks"]) != self._num_blocks():
+            raise InvalidStoreError("manifest block list does not match the spec")
+        for b, name in enumerate(manifest["blocks"]):
+            if name is not None:
+                rows = self._block_range(b)
+                ring.steps[:, rows] = load_npy(
+                    self.path, name, manifest["files"].get(name), dtype=step_dtype(spec),
+                    shape=(spec.num_envs, rows.stop - rows.start))
+        ring.written[:] = _int_list(manifest, "written", spec.num_envs)
+        ring.kept_from[:] = _int_list(manifest, "kept_from", spec.num_envs)
+        ring.running[:] = np.asarray(manifest["running"], dtype=bool)
+        ring.next_id, ring.next_episode = manifest["next_id"], manifest["next_episode"]
+        tail = load_npy(self.path, manifest["tail"], manifest["files"].get(manifest["tail"]),
+                        dtype=self._frames.tail.dtype, shape=self._frames.tail.shape)
+        self._frames.load_tail(tail, ring.written % spec.slots_per_env)
+        ring.rebuild_validity()
+        ring.dirty_blocks.clear()
+        self._sampler.update(np.arange(ring.valid.size), ring.valid)
+        self._set_rng_state(manifest["rng"])
+        self._committed = manifest
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        if state.get("bit_generator") != "PCG64":
+            raise InvalidStoreError(f"manifest rng must be a PCG64 state, got {state!r:.80}")
+        try:
+            self._rng = np.random.Generator(np.random.PCG64())
+            self._rng.bit_generator.state = state
+        except (ValueError, TypeError, KeyError, OverflowError) as exc:
+            raise InvalidStoreError(f"manifest rng state is invalid: {exc}") from None
+
+    def _sweep(self) -> None:
+        """Remove temp files and step/tail files the manifest does not name."""
+        named = set(self._committed["files"])
+        for sub in ("steps", "tail"):
+            for path in (self.path / sub).glob("*.npy"):
+                if f"{sub}/{path.name}" not in named:
+                    path.unlink()
+        for path in self._tmp.glob(f"*{TMP_SUFFIX}"):
+            path.unlink()
+
+    def _check_writable(self, what: str) -> None:
+        if self._closed:
+            raise InvalidInputError(f"{what} on a closed store")
+        if not self.writable:
+            raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
+
+
+def _lock(root: Path) -> int:
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLockedError(f"{root} is already open for writing by another process") from None
+    return fd
+
+
+def _int_list(manifest: dict[str, Any], key: str, size: int) -> np.ndarray:
+    value = manifest[key]
+    if len(value) != size or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise InvalidStoreError(f"manifest field {key!r} must be {size} non-negative ints")
+    return np.asarray(value, dtype=np.int64)

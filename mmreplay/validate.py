@@ -1,0 +1,108 @@
+"""Parse the arguments of ``reset``/``add``/``get`` into checked numpy arrays.
+
+Every function either returns arrays with a leading env (or batch) dimension or
+raises `InvalidInputError` naming what was expected and what arrived. Nothing
+here mutates a store, so a rejected call leaves the store unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError
+from .spec import StoreSpec
+
+
+def env_ids(spec: StoreSpec, ids: Any) -> np.ndarray:
+    """The envs a ``reset`` applies to: all of them, or the listed ones."""
+    if ids is None:
+        return np.arange(spec.num_envs, dtype=np.int64)
+    arr = np.atleast_1d(np.asarray(ids))
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidInputError(f"env_ids must be a 1-d sequence of ints, got {ids!r}")
+    arr = arr.astype(np.int64)
+    bad = arr[(arr < 0) | (arr >= spec.num_envs)]
+    if bad.size:
+        raise InvalidInputError(
+            f"unknown env id {int(bad[0])}: the store has envs 0..{spec.num_envs - 1}")
+    if np.unique(arr).size != arr.size:
+        raise InvalidInputError(f"env_ids has duplicates: {arr.tolist()}")
+    return arr
+
+
+def observations(spec: StoreSpec, obs: Any, count: int, name: str = "obs") -> np.ndarray:
+    arr = np.asarray(obs)
+    want = (count, *spec.obs_shape)
+    if spec.num_envs == 1 and count == 1:
+        if arr.shape != spec.obs_shape:
+            raise InvalidInputError(
+                f"{name} shape {arr.shape} != store obs_shape {spec.obs_shape}")
+        arr = arr[None]
+    elif arr.shape != want:
+        raise InvalidInputError(f"{name} shape {arr.shape} != expected {want} "
+                                f"(leading dimension = number of envs)")
+    if arr.dtype != np.dtype(spec.obs_dtype):
+        raise InvalidInputError(f"{name} dtype {arr.dtype} != store obs_dtype {spec.obs_dtype}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise InvalidInputError(f"{name} contains NaN or inf")
+    return arr
+
+
+def per_env(spec: StoreSpec, name: str, value: Any, tail: tuple[int, ...] = ()) -> np.ndarray:
+    """A per-env argument: scalar-shaped for one env, leading dim num_envs otherwise."""
+    arr = np.asarray(value)
+    want = (spec.num_envs, *tail)
+    if spec.num_envs == 1 and arr.shape == tail:
+        return arr[None]
+    if arr.shape != want:
+        single = f" or {tail}" if spec.num_envs == 1 else ""
+        raise InvalidInputError(f"{name} shape {arr.shape} != expected {want}{single}")
+    return arr
+
+
+def actions(spec: StoreSpec, action: Any) -> np.ndarray:
+    arr = per_env(spec, "action", action, spec.action_shape)
+    want = np.dtype(spec.action_dtype)
+    if not np.can_cast(arr.dtype, want, casting="same_kind") or (
+            arr.dtype.kind == "f" and want.kind in "iu"):
+        raise InvalidInputError(f"action dtype {arr.dtype} cannot be stored as {want}")
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        raise InvalidInputError("action contains NaN or inf")
+    return arr.astype(want)
+
+
+def rewards(spec: StoreSpec, reward: Any) -> np.ndarray:
+    arr = per_env(spec, "reward", reward)
+    if arr.dtype.kind not in "iuf" or arr.dtype == np.bool_:
+        raise InvalidInputError(f"reward must be numeric, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise InvalidInputError(f"reward must be finite, got {arr.tolist()}")
+    return arr.astype(np.float32)
+
+
+def flags(spec: StoreSpec, name: str, value: Any) -> np.ndarray:
+    if value is None and name == "autoreset":
+        return np.zeros(spec.num_envs, bool)
+    arr = per_env(spec, name, value)
+    if arr.dtype != np.bool_:
+        raise InvalidInputError(f"{name} must be bool, got dtype {arr.dtype}")
+    return arr
+
+
+def batch_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise InvalidInputError(f"batch_size must be a positive int, got {value!r}")
+    return int(value)
+
+
+def transition_ids(ids: Any) -> np.ndarray:
+    arr = np.atleast_1d(np.asarray(ids))
+    if hasattr(ids, "numpy"):  # a torch tensor
+        arr = np.atleast_1d(ids.detach().cpu().numpy())
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
+                                f"shape {arr.shape}")
+    return arr.astype(np.int64)

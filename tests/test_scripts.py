@@ -1,0 +1,121 @@
+"""Smoke tests: every script runs with tiny arguments and leaves sensible output.
+
+Scripts run as subprocesses, the way a user runs them (cleanrl ``tests/test_atari_gymnasium.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ale_py")
+pytest.importorskip("gymnasium")
+pytest.importorskip("cv2")
+
+import zarr  # noqa: E402
+
+from mmreplay import ReplayStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `scripts/<name>` with the repository importable, as `pip install -e .` would make it."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+@pytest.fixture
+def ale_frames(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """`scripts/ale_frames.py`, imported the way `bench.py` imports it."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import ale_frames
+
+    return ale_frames
+
+
+def test_record_atari_writes_a_store_that_reopens(tmp_path: Path) -> None:
+    out = tmp_path / "store"
+    steps = 200
+    proc = run_script("record_atari.py", "--steps", str(steps), "--out", str(out), "--seed", "1",
+                      "--capacity", "1000")
+    assert proc.returncode == 0, proc.stderr
+    assert "sample(32)" in proc.stdout
+
+    # Every step writes its next_obs and every episode its o_0: steps + episodes frames.
+    episodes = int(proc.stdout.split("episodes")[-1].split()[0])
+    assert episodes >= 1
+    frames_line = next(line for line in proc.stdout.splitlines() if line.startswith("frames "))
+    assert int(frames_line.split()[1]) == steps + episodes
+
+    frames = zarr.open_group(str(out), mode="r")["frames"]
+    assert frames.shape == (1, 1000, 84, 84)
+    assert frames.dtype == np.uint8
+    with ReplayStore.open(out, mode="r") as store:
+        assert 0 < len(store) <= steps
+        batch = store.sample(8)
+        assert tuple(batch.obs.shape) == (8, 4, 84, 84)
+        assert tuple(batch.next_obs.shape) == (8, 4, 84, 84)
+        assert int(batch.obs.max()) > 0  # real pixels, not padding only
+
+
+def test_record_atari_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "store"
+    assert run_script("record_atari.py", "--steps", "20", "--out", str(out)).returncode == 0
+    again = run_script("record_atari.py", "--steps", "20", "--out", str(out))
+    assert again.returncode != 0
+    assert "--overwrite" in again.stderr
+    forced = run_script("record_atari.py", "--steps", "30", "--out", str(out), "--overwrite")
+    assert forced.returncode == 0, forced.stderr
+    with ReplayStore.open(out, mode="r") as store:
+        assert len(store) <= 30
+
+
+def test_bench_quick_writes_positive_figures(tmp_path: Path) -> None:
+    out_dir = tmp_path / "bench"
+    proc = run_script("bench.py", "--quick", "--out-dir", str(out_dir),
+                      "--cache-dir", str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out_dir / "core_quick.json").read_text())
+
+    assert {"machine", "config", "record", "add", "sample", "numpy_floor", "naive_zarr",
+            "ratios"} <= set(result)
+    assert result["machine"]["cpu_count"] >= 1
+    assert result["record"]["frames"] == 2000
+    assert result["add"]["steps_per_s"] > 0
+    for name in ("sample", "numpy_floor", "naive_zarr"):
+        assert 0 < result[name]["median_ms"] <= result[name]["p90_ms"]
+    assert result["sample"]["obs_shape"] == [32, 4, 84, 84]
+    assert result["naive_zarr"]["array_shape"] == [1, 2000, 84, 84]
+    assert all(ratio > 0 for ratio in result["ratios"].values())
+    assert "naive_zarr" in proc.stdout
+
+
+def test_ale_frames_stream_is_consistent_and_cached(ale_frames: ModuleType, tmp_path: Path) -> None:
+    rec = ale_frames.record_frames("ALE/Breakout-v5", 400, seed=3, cache_dir=tmp_path)
+    assert rec.frames.shape == (400, 84, 84)
+    assert rec.frames.dtype == np.uint8
+    assert rec.is_first[0]
+    # An episode ends exactly where the next one starts.
+    ended = rec.terminated | rec.truncated
+    np.testing.assert_array_equal(rec.is_first[1:], ended[:-1])
+    assert not rec.actions[rec.is_first].any() and not ended[rec.is_first].any()
+
+    path = ale_frames.cache_path("ALE/Breakout-v5", 400, 3, tmp_path)
+    assert path.exists()
+    again = ale_frames.record_frames("ALE/Breakout-v5", 400, seed=3, cache_dir=tmp_path)
+    for name in ale_frames.FIELDS:
+        np.testing.assert_array_equal(getattr(again, name), getattr(rec, name))
+    fresh = ale_frames.record("ALE/Breakout-v5", 400, seed=3)  # same seed, same stream
+    np.testing.assert_array_equal(fresh.frames, rec.frames)
