@@ -259,4 +259,5 @@ class StepRing:
             bad = np.flatnonzero(mask != self.valid)[:10]
             raise RuntimeError(f"validity mask out of date at flat slots {bad.tolist()}")
         if (self.oldest > self.written).any() or (self.written < 0).any():
-            raise RuntimeError(f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
+            raise RuntimeError(
+                f"cursors inconsistent: oldest {self.oldest}, written {self.written}")

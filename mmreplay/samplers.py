@@ -25,13 +25,17 @@ class Draw:
 
 
 class Sampler(Protocol):
-    def update(self, slots: np.ndarray, valid: np.ndarray) -> None:
-        """Mark `slots` sampleable where `valid` is True, else give them no mass."""
+    def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
+        """Mark `slots` sampleable where `valid` is True, else give them no mass.
+
+        `ids` are the transition ids now in those slots: a slot whose id changed
+        holds a new transition (prioritized samplers give it the max priority).
+        """
 
     def count(self) -> int:
         """Number of sampleable slots."""
 
-    def sample(self, rng: np.random.Generator, batch_size: int) -> Draw:
+    def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
         """Draw `batch_size` slots with replacement (the store checks count > 0 first)."""
 
 
@@ -46,13 +50,13 @@ class UniformSampler:
     def __init__(self, num_slots: int) -> None:
         self._tree = SumTree(num_slots)
 
-    def update(self, slots: np.ndarray, valid: np.ndarray) -> None:
+    def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._tree.set(slots, valid.astype(np.float64))
 
     def count(self) -> int:
         return int(round(self._tree.total()))
 
-    def sample(self, rng: np.random.Generator, batch_size: int) -> Draw:
+    def sample(self, rng: np.random.Generator, batch_size: int, beta: float = 0.0) -> Draw:
         k = rng.integers(0, self.count(), size=batch_size)
         slots = self._tree.find(k.astype(np.float64) + 0.5)
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,17 @@ from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
 LOCK = "lock"
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """Totals since creation (written, transitions, episodes) and what is kept now."""
+
+    frames_written: int
+    frames_kept: int
+    transitions: int
+    episodes: int
+    sampleable: int
 
 
 class ReplayStore:
@@ -163,7 +175,7 @@ class ReplayStore:
         self._refresh()
         if self._sampler.count() == 0:
             raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
-        draw = self._sampler.sample(self._rng, size)
+        draw = self._sampler.sample(self._rng, size, 0.0)
         return self._batch(draw.slots, draw.weights)
 
     def get(self, ids: Any) -> Batch:
@@ -186,9 +198,18 @@ class ReplayStore:
         self._refresh()
         return self._sampler.count()
 
+    @property
+    def counts(self) -> StoreCounts:
+        """How much the store has seen and holds now."""
+        ring = self._ring
+        return StoreCounts(
+            frames_written=int(ring.written.sum()),
+            frames_kept=int((ring.written - ring.oldest).sum()),
+            transitions=ring.next_id, episodes=ring.next_episode, sampleable=len(self))
+
     def _refresh(self) -> None:
         slots, valid = self._ring.refresh()
-        self._sampler.update(slots, valid)
+        self._sampler.update(slots, valid, self._ring.steps["id"].reshape(-1)[slots])
 
     def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
         look = self._ring.lookup(flat)
@@ -323,7 +344,7 @@ class ReplayStore:
         self._frames.load_tail(tail, ring.written % spec.slots_per_env)
         ring.rebuild_validity()
         ring.dirty_blocks.clear()
-        self._sampler.update(np.arange(ring.valid.size), ring.valid)
+        self._sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
         self._set_rng_state(manifest["rng"])
         self._committed = manifest
 

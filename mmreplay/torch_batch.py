@@ -37,13 +37,19 @@ def make_batch(*, obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
                discount: np.ndarray, weights: np.ndarray, ids: np.ndarray) -> Batch:
     """Wrap numpy arrays (copied, contiguous) as a `Batch` of CPU tensors."""
     return Batch(
-        obs=torch.from_numpy(np.ascontiguousarray(obs)),
-        action=torch.from_numpy(np.ascontiguousarray(action)),
-        reward=torch.from_numpy(reward.astype(np.float32)),
-        next_obs=torch.from_numpy(np.ascontiguousarray(next_obs)),
-        terminated=torch.from_numpy(terminated.astype(bool)),
-        truncated=torch.from_numpy(truncated.astype(bool)),
-        discount=torch.from_numpy(discount.astype(np.float32)),
-        weights=torch.from_numpy(weights.astype(np.float32)),
-        ids=torch.from_numpy(ids.astype(np.int64)),
+        obs=_tensor(obs, obs.dtype),
+        action=_tensor(action, action.dtype),
+        reward=_tensor(reward, np.float32),
+        next_obs=_tensor(next_obs, next_obs.dtype),
+        terminated=_tensor(terminated, np.bool_),
+        truncated=_tensor(truncated, np.bool_),
+        discount=_tensor(discount, np.float32),
+        weights=_tensor(weights, np.float32),
+        ids=_tensor(ids, np.int64),
     )
+
+
+def _tensor(array: np.ndarray, dtype: np.dtype | type) -> torch.Tensor:
+    """A fresh, C-contiguous, native-byte-order copy as a tensor."""
+    native = np.dtype(dtype).newbyteorder("=")
+    return torch.from_numpy(np.array(array, dtype=native, order="C", copy=True))

@@ -197,7 +197,8 @@ class Driver:
         else:
             reward = rng.integers(-4, 5, size=n) * 0.25
         terminated = rng.random(n) < case.p_terminate
-        truncated = rng.random(n) < case.p_truncate
+        # Both flags at once is covered by its own test below; streams keep them exclusive.
+        truncated = (rng.random(n) < case.p_truncate) & ~terminated
         frames = [self._next_frame(e, bool(autoreset[e])) for e in range(n)]
         for e in range(n):
             if not autoreset[e] and (terminated[e] or truncated[e]):

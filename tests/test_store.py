@@ -1,0 +1,422 @@
+"""ReplayStore facade: API contract, episode edges, bad input, persistence, locking."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from mmreplay import (
+    EmptyStoreError,
+    InvalidInputError,
+    InvalidStoreError,
+    ReadOnlyError,
+    ReplayStore,
+    StoreLockedError,
+    UnknownIdError,
+)
+
+OBS = (4, 3)
+
+
+def frame(value: int) -> np.ndarray:
+    return np.full(OBS, value % 256, np.uint8)
+
+
+def make(tmp_path, **kw):
+    kw.setdefault("capacity", 64)
+    kw.setdefault("obs_shape", OBS)
+    kw.setdefault("seed", 0)
+    return ReplayStore.create(tmp_path / "store", **kw)
+
+
+def run_episode(store, start: int, length: int, *, terminated=True, reward=1.0) -> int:
+    """Record o_start..o_{start+length}; returns the next free frame value."""
+    store.reset(frame(start))
+    for i in range(1, length + 1):
+        last = i == length
+        store.add(i % 3, reward, frame(start + i), terminated and last, False)
+    return start + length + 1
+
+
+def snapshot(store):
+    ids = store.valid_ids()
+    return ids, (store.get(ids) if ids.size else None)
+
+
+def assert_same_batches(a, b):
+    for field in ("obs", "action", "reward", "next_obs", "terminated", "truncated",
+                  "discount", "ids"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+
+
+# -- contract -----------------------------------------------------------------------
+
+
+def test_batch_fields_shapes_and_dtypes(tmp_path):
+    store = make(tmp_path, frame_stack=4)
+    run_episode(store, 0, 10)
+    batch = store.sample(5)
+    assert batch.obs.shape == (5, 4, *OBS) and batch.obs.dtype == torch.uint8
+    assert batch.next_obs.shape == (5, 4, *OBS) and batch.next_obs.dtype == torch.uint8
+    assert batch.action.shape == (5,) and batch.action.dtype == torch.int64
+    assert batch.reward.dtype == torch.float32 and batch.discount.dtype == torch.float32
+    assert batch.terminated.dtype == torch.bool and batch.weights.dtype == torch.float32
+    assert batch.ids.dtype == torch.int64 and torch.all(batch.weights == 1)
+
+
+def test_stack_and_next_stack_by_index_with_zero_padding(tmp_path):
+    store = make(tmp_path, frame_stack=3)
+    run_episode(store, 10, 4)  # frames 10..14
+    batch = store.get([0, 1, 3])
+    firsts = batch.obs[:, :, 0, 0].tolist()
+    assert firsts == [[0, 0, 10], [0, 10, 11], [11, 12, 13]]
+    assert batch.next_obs[:, :, 0, 0].tolist() == [[0, 10, 11], [10, 11, 12], [12, 13, 14]]
+    assert batch.terminated.tolist() == [False, False, True]
+    assert batch.discount[2] == 0 and batch.discount[0] == pytest.approx(0.99)
+
+
+def test_first_padding_repeats_o0(tmp_path):
+    store = make(tmp_path, frame_stack=3, stack_padding="first")
+    run_episode(store, 10, 2)
+    assert store.get([0]).obs[0, :, 0, 0].tolist() == [10, 10, 10]
+
+
+def test_stack_never_reads_previous_episode(tmp_path):
+    store = make(tmp_path, frame_stack=4)
+    nxt = run_episode(store, 0, 3)
+    run_episode(store, nxt, 3)
+    batch = store.get([3])  # first step of episode 2
+    assert batch.obs[0, :, 0, 0].tolist() == [0, 0, 0, nxt]
+
+
+def test_n_step_return_and_discount(tmp_path):
+    store = make(tmp_path, n_step=3, gamma=0.5)
+    store.reset(frame(0))
+    for i, r in enumerate([1.0, 2.0, 4.0, 8.0]):
+        store.add(0, r, frame(i + 1), i == 3, False)
+    batch = store.get(store.valid_ids())
+    assert batch.ids.tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(batch.reward, [1 + 1 + 1, 2 + 2 + 2, 4 + 4, 8])
+    np.testing.assert_allclose(batch.discount, [0.125, 0.0, 0.0, 0.0])
+    assert batch.next_obs[:, 0, 0, 0].tolist() == [3, 4, 4, 4]
+
+
+def test_open_window_is_not_sampleable(tmp_path):
+    store = make(tmp_path, n_step=3)
+    store.reset(frame(0))
+    store.add(0, 1.0, frame(1), False, False)
+    store.add(0, 1.0, frame(2), False, False)
+    assert len(store) == 0
+    with pytest.raises(UnknownIdError):
+        store.get([0])
+    store.add(0, 1.0, frame(3), False, False)
+    assert store.valid_ids().tolist() == [0]
+
+
+def test_truncated_bootstraps_from_final_observation(tmp_path):
+    store = make(tmp_path, gamma=0.9)
+    store.reset(frame(0))
+    store.add(1, 1.0, frame(1), False, True)
+    batch = store.get([0])
+    assert batch.truncated.tolist() == [True] and batch.terminated.tolist() == [False]
+    assert batch.discount.item() == pytest.approx(0.9)
+    assert batch.next_obs[0, 0, 0, 0] == 1
+
+
+def test_reset_of_running_episode_truncates_it(tmp_path):
+    store = make(tmp_path, n_step=3)
+    store.reset(frame(0))
+    store.add(0, 1.0, frame(1), False, False)
+    store.add(0, 1.0, frame(2), False, False)
+    assert len(store) == 0
+    store.reset(frame(3))
+    batch = store.get([0, 1])
+    assert batch.truncated.tolist() == [True, True]  # both n-step windows end at the cut
+    assert batch.discount.tolist() == pytest.approx([0.99**2, 0.99])
+    assert batch.next_obs[:, 0, 0, 0].tolist() == [2, 2]
+
+
+def test_fifo_capacity_and_eviction(tmp_path):
+    store = make(tmp_path, capacity=10, frame_stack=2, chunk_frames=4)
+    store.reset(frame(0))
+    for i in range(1, 30):
+        store.add(0, 0.0, frame(i), False, False)
+    # frames 20..29 are kept; transition t needs frames t-1..t+1
+    assert store.counts.frames_kept == 10
+    assert store.valid_ids().tolist() == list(range(21, 29))
+    with pytest.raises(UnknownIdError):
+        store.get([20])
+
+
+def test_multi_env_ids_in_env_order_and_autoreset(tmp_path):
+    store = make(tmp_path, num_envs=3, capacity=60)
+    obs = np.stack([frame(v) for v in (0, 100, 200)])
+    store.reset(obs)
+    store.add(np.array([0, 1, 2]), np.zeros(3), obs + 1, np.array([False, True, False]),
+              np.zeros(3, bool))
+    auto = np.array([False, True, False])
+    store.add(np.array([0, 1, 2]), np.ones(3), obs + 2, np.zeros(3, bool), np.zeros(3, bool),
+              autoreset=auto)
+    assert store.counts.transitions == 5  # env 1's autoreset step has no transition
+    batch = store.get(store.valid_ids())
+    assert batch.ids.tolist() == [0, 1, 2, 3, 4]
+    assert batch.obs[:, 0, 0, 0].tolist() == [0, 100, 200, 1, 201]
+    assert batch.terminated.tolist() == [False, True, False, False, False]
+    store.add(np.array([0, 1, 2]), np.ones(3), obs + 3, np.zeros(3, bool), np.zeros(3, bool))
+    assert store.get([6]).obs[0, 0, 0, 0] == 102  # env 1's new episode starts at o_0 = 102
+
+
+def test_reset_subset_of_envs(tmp_path):
+    store = make(tmp_path, num_envs=2, capacity=40)
+    store.reset(np.stack([frame(0), frame(50)]))
+    store.add(np.array([0, 0]), np.zeros(2), np.stack([frame(1), frame(51)]),
+              np.zeros(2, bool), np.zeros(2, bool))
+    store.reset(frame(60)[None], env_ids=[1])
+    assert store.get([1]).truncated.item() is True
+    assert store.get([0]).truncated.item() is False  # env 0 keeps running
+
+
+def test_non_image_float_observations(tmp_path):
+    store = ReplayStore.create(tmp_path / "s", capacity=100, obs_shape=(4,),
+                               obs_dtype=np.float32, frame_stack=2, seed=1)
+    store.reset(np.arange(4, dtype=np.float32))
+    store.add(1, 0.5, np.arange(4, dtype=np.float32) + 10, True, False)
+    batch = store.get([0])
+    assert batch.obs.dtype == torch.float32
+    assert batch.obs[0].tolist() == [[0, 0, 0, 0], [0, 1, 2, 3]]
+    assert batch.next_obs[0, 1].tolist() == [10, 11, 12, 13]
+
+
+def test_vector_actions(tmp_path):
+    store = make(tmp_path, action_shape=(2,), action_dtype=np.float32)
+    store.reset(frame(0))
+    store.add(np.array([0.5, -1.0], np.float32), 0.0, frame(1), True, False)
+    assert store.get([0]).action.tolist() == [[0.5, -1.0]]
+
+
+# -- bad input ----------------------------------------------------------------------
+
+BAD_ADDS = [
+    (dict(next_obs=np.zeros((4, 4), np.uint8)), "shape"),
+    (dict(next_obs=np.zeros(OBS, np.float32)), "dtype"),
+    (dict(reward=float("nan")), "finite"),
+    (dict(reward=float("inf")), "finite"),
+    (dict(terminated=1), "bool"),
+    (dict(action=np.array([1, 2])), "shape"),
+    (dict(action=1.5), "int64"),
+    (dict(autoreset=np.array([True, False])), "shape"),
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_ADDS)
+def test_bad_add_is_rejected_and_changes_nothing(tmp_path, override, message):
+    store = make(tmp_path, frame_stack=2)
+    run_episode(store, 0, 3, terminated=False)
+    before_ids, before = snapshot(store)
+    args = dict(action=0, reward=1.0, next_obs=frame(9), terminated=False, truncated=False)
+    args.update(override)
+    with pytest.raises(InvalidInputError, match=message):
+        store.add(**args)
+    after_ids, after = snapshot(store)
+    assert np.array_equal(before_ids, after_ids)
+    assert_same_batches(before, after)
+    store.add(0, 1.0, frame(4), True, False)  # and the store still works
+    assert store.counts.transitions == 4
+
+
+def test_add_before_reset(tmp_path):
+    store = make(tmp_path)
+    with pytest.raises(InvalidInputError, match="reset"):
+        store.add(0, 0.0, frame(1), False, False)
+    run_episode(store, 0, 2)
+    with pytest.raises(InvalidInputError, match="reset"):
+        store.add(0, 0.0, frame(9), False, False)
+
+
+def test_wrong_leading_dimension_and_unknown_env(tmp_path):
+    store = make(tmp_path, num_envs=2, capacity=20)
+    with pytest.raises(InvalidInputError, match="leading dimension"):
+        store.reset(np.stack([frame(0)] * 3))
+    with pytest.raises(InvalidInputError, match="unknown env id 5"):
+        store.reset(frame(0)[None], env_ids=[5])
+    with pytest.raises(InvalidInputError, match="duplicates"):
+        store.reset(np.stack([frame(0)] * 2), env_ids=[1, 1])
+    assert store.counts.frames_written == 0
+
+
+def test_sample_empty_and_bad_batch_size(tmp_path):
+    store = make(tmp_path)
+    with pytest.raises(EmptyStoreError):
+        store.sample(4)
+    run_episode(store, 0, 2)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InvalidInputError, match="batch_size"):
+            store.sample(bad)
+
+
+def test_get_rejects_unknown_ids(tmp_path):
+    store = make(tmp_path)
+    run_episode(store, 0, 3)
+    for bad in ([3], [-1], [0, 99]):
+        with pytest.raises(UnknownIdError, match="not .*sampleable"):
+            store.get(bad)
+    with pytest.raises(InvalidInputError):
+        store.get([0.5])
+
+
+def test_create_refuses_bad_config_and_existing_dir(tmp_path):
+    with pytest.raises(InvalidInputError, match="stack_padding"):
+        make(tmp_path, stack_padding="edge")
+    with pytest.raises(InvalidInputError, match="capacity"):
+        make(tmp_path, capacity=0)
+    with pytest.raises(InvalidInputError, match="obs_dtype"):
+        make(tmp_path, obs_dtype=object)
+    make(tmp_path).close()
+    with pytest.raises(InvalidInputError, match="already exists"):
+        make(tmp_path)
+
+
+# -- persistence --------------------------------------------------------------------
+
+
+def test_open_rejects_non_store_and_newer_format(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidStoreError, match="not an mmreplay store"):
+        ReplayStore.open(tmp_path / "empty")
+    with pytest.raises(InvalidStoreError, match="not a directory"):
+        ReplayStore.open(tmp_path / "missing")
+    make(tmp_path).close()
+    path = tmp_path / "store" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 99
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(InvalidStoreError, match="newer"):
+        ReplayStore.open(tmp_path / "store")
+
+
+def test_reopen_is_bit_identical(tmp_path):
+    store = make(tmp_path, capacity=30, num_envs=2, frame_stack=4, n_step=3, chunk_frames=4)
+    rng = np.random.default_rng(0)
+    store.reset(np.stack([frame(0), frame(100)]))
+    for i in range(1, 50):
+        done = rng.random(2) < 0.1
+        store.add(rng.integers(0, 4, 2), rng.normal(size=2),
+                  np.stack([frame(i), frame(100 + i)]), done, np.zeros(2, bool),
+                  autoreset=None if i == 1 else prev_done)
+        prev_done = done
+    ids, before = snapshot(store)
+    store.close()
+    with ReplayStore.open(tmp_path / "store", mode="r") as again:
+        ids2, after = snapshot(again)
+    assert np.array_equal(ids, ids2) and ids.size > 10
+    assert_same_batches(before, after)
+
+
+def test_exact_resume_of_the_sampled_sequence(tmp_path):
+    store = make(tmp_path, frame_stack=2)
+    run_episode(store, 0, 40)
+    store.sample(8)
+    store.flush()
+    expected = [store.sample(16).ids.tolist() for _ in range(3)]
+    store.close()  # close flushes the RNG state after those draws: reopen from the flush
+    reopened = ReplayStore.open(tmp_path / "store")
+    # the close() flush stored the RNG after the three draws; resume continues from there
+    cont = [reopened.sample(16).ids.tolist() for _ in range(2)]
+    reference = make(tmp_path / "ref", frame_stack=2)
+    run_episode(reference, 0, 40)
+    reference.sample(8)
+    ref_seq = [reference.sample(16).ids.tolist() for _ in range(5)]
+    assert ref_seq[:3] == expected and ref_seq[3:] == cont
+
+
+def test_flush_is_incremental(tmp_path):
+    store = make(tmp_path, capacity=4000, block_slots=100, chunk_frames=8)
+    run_episode(store, 0, 1000, terminated=False)
+    store.flush()
+    before = set((tmp_path / "store" / "steps").iterdir())
+    for i in range(1001, 1011):
+        store.add(0, 0.0, frame(i), False, False)
+    store.flush()
+    after = set((tmp_path / "store" / "steps").iterdir())
+    assert len(after - before) == 1  # only the block holding the 10 new steps
+    assert len(after) == len(before)  # and the file it replaced is gone
+
+
+def test_frames_array_is_plain_zarr(tmp_path):
+    store = make(tmp_path, capacity=20, chunk_frames=4)
+    run_episode(store, 0, 9)  # frames 0..9: chunks 0,1 on disk, 8..9 in the tail
+    store.close()
+    frames = zarr.open_group(str(tmp_path / "store"), mode="r")["frames"]
+    assert frames.shape == (1, 20, *OBS)
+    assert frames[0, :8, 0, 0].tolist() == list(range(8))
+
+
+def test_tail_survives_reopen(tmp_path):
+    store = make(tmp_path, capacity=20, chunk_frames=8, frame_stack=2)
+    run_episode(store, 0, 5)  # every frame still in the RAM tail
+    ids, before = snapshot(store)
+    store.close()
+    with ReplayStore.open(tmp_path / "store") as again:
+        assert_same_batches(before, again.get(ids))
+
+
+def test_wrap_without_flush_gives_up_old_frames_in_the_manifest(tmp_path):
+    store = make(tmp_path, capacity=16, chunk_frames=4)
+    run_episode(store, 0, 10, terminated=False)
+    store.flush()
+    committed = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    for i in range(11, 30):  # wraps: chunks holding committed frames get overwritten
+        store.add(0, 0.0, frame(i), False, False)
+    manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
+    assert manifest["written"] == committed["written"]  # nothing new committed...
+    assert manifest["kept_from"][0] > committed["kept_from"][0]  # ...but old frames given up
+    # a crash now reopens the committed state minus what was given up, bit-exact
+    crashed = ReplayStore.open(tmp_path / "store", mode="r")
+    batch = crashed.get(crashed.valid_ids()) if len(crashed) else None
+    if batch is not None:
+        assert torch.equal(batch.obs[:, 0, 0, 0], batch.ids.to(torch.uint8))
+
+
+def test_read_only_mode(tmp_path):
+    make(tmp_path).close()
+    store = ReplayStore.open(tmp_path / "store", mode="r")
+    with pytest.raises(ReadOnlyError):
+        store.reset(frame(0))
+    with pytest.raises(ReadOnlyError):
+        store.flush()
+    with pytest.raises(InvalidInputError, match="mode"):
+        ReplayStore.open(tmp_path / "store", mode="w")
+
+
+def test_second_writer_is_refused(tmp_path):
+    store = make(tmp_path)
+    with pytest.raises(StoreLockedError):
+        ReplayStore.open(tmp_path / "store")
+    code = f"from mmreplay import ReplayStore; ReplayStore.open({str(tmp_path / 'store')!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode != 0 and "already open for writing" in proc.stderr
+    store.close()
+    ReplayStore.open(tmp_path / "store").close()
+
+
+def test_reader_in_other_process_sees_last_flush(tmp_path):
+    store = make(tmp_path)
+    run_episode(store, 0, 5)
+    store.flush()
+    store.reset(frame(50))
+    store.add(0, 0.0, frame(51), True, False)  # not flushed
+    code = textwrap.dedent(f"""
+        from mmreplay import ReplayStore
+        s = ReplayStore.open({str(tmp_path / 'store')!r}, mode="r")
+        print(s.valid_ids().tolist())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out) == [0, 1, 2, 3, 4]
