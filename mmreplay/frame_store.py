@@ -158,6 +158,7 @@ class FrameStore:
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
         self._unsynced: list[Path] = []
+        self._made_dirs: set[Path] = set()
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
@@ -186,7 +187,9 @@ class FrameStore:
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
         path = self.chunk_path(env, chunk)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in self._made_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made_dirs.add(path.parent)
         write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
         if self._durable:
             self._unsynced.append(path)

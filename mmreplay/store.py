@@ -113,7 +113,10 @@ class ReplayStore:
         root = Path(path)
         if not root.is_dir():
             raise InvalidStoreError(f"{root} is not a directory")
-        lock_fd = _lock(root) if mode == "r+" else None
+        lock_fd = None
+        if mode == "r+":
+            (root / TMP_DIR).mkdir(exist_ok=True)
+            lock_fd = _lock(root)
         try:
             manifest = read_manifest(root)
             spec = StoreSpec.from_dict(manifest["spec"])
