@@ -1,0 +1,88 @@
+"""frame_store: chunk layout, zarr compatibility, RAM tail, checksums, cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zarr
+
+from mmreplay.errors import InvalidStoreError
+from mmreplay.frame_store import ChunkCache, FrameStore, create_frames_array
+from mmreplay.spec import make_spec
+
+
+def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None):
+    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3, 2), chunk_frames=chunk)
+    create_frames_array(tmp_path, spec)
+    (tmp_path / "tmp").mkdir()
+    return spec, FrameStore(tmp_path, spec, writable=True, before_chunk_write=hook)
+
+
+def fill(store, env, values):
+    for v in values:
+        slot = int(store.next_slot[env])
+        store.append(np.array([env]), np.array([slot]), np.full((1, 3, 2), v, np.uint8))
+
+
+@pytest.mark.parametrize(("slots", "chunk"), [(7, 4), (8, 4), (5, 1), (6, 6)])
+def test_written_chunks_read_back_with_plain_zarr(tmp_path, slots, chunk):
+    spec, store = make(tmp_path, slots=slots, chunk=chunk)
+    fill(store, 1, range(10, 10 + slots))  # one full lap: every chunk written
+    arr = zarr.open_group(str(tmp_path), mode="r")["frames"]
+    assert arr[1, :, 0, 0].tolist() == list(range(10, 10 + slots))
+    assert arr[0].max() == 0
+
+
+def test_reads_frames_written_by_zarr(tmp_path):
+    spec, _ = make(tmp_path)
+    arr = zarr.open_group(str(tmp_path), mode="r+")["frames"]
+    arr[0, 4:7] = np.arange(3, dtype=np.uint8)[:, None, None] + 40
+    fresh = FrameStore(tmp_path, spec, writable=False)
+    fresh.load_tail(np.zeros_like(fresh.tail), np.zeros(2, np.int64))
+    assert fresh.read(np.array([4, 5, 6]))[:, 0, 0].tolist() == [40, 41, 42]
+
+
+def test_tail_comes_from_ram_and_minus_one_is_zeros(tmp_path):
+    _, store = make(tmp_path)
+    fill(store, 0, [1, 2, 3, 4, 5, 6])  # chunk 0 on disk, slots 4..5 in the tail
+    assert not store.chunk_path(0, 1).exists()
+    got = store.read(np.array([[0, 3, 4, 5, -1]]))
+    assert got.shape == (1, 5, 3, 2)
+    assert got[0, :, 0, 0].tolist() == [1, 4, 5, 6, 0]
+
+
+def test_hook_runs_before_each_chunk_write(tmp_path):
+    calls = []
+    _, store = make(tmp_path, hook=lambda env, chunk: calls.append((env, chunk)))
+    fill(store, 0, range(7))
+    fill(store, 1, range(4))
+    assert calls == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_corrupted_or_missing_chunk_is_detected(tmp_path):
+    spec, store = make(tmp_path)
+    fill(store, 0, range(8))
+    path = store.chunk_path(0, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    fresh = FrameStore(tmp_path, spec, writable=False)
+    with pytest.raises(InvalidStoreError, match="checksum"):
+        fresh.read(np.array([0]))
+    path.unlink()
+    with pytest.raises(InvalidStoreError, match="missing"):
+        fresh.read(np.array([1]))
+
+
+def test_no_temp_files_left_after_writes(tmp_path):
+    _, store = make(tmp_path)
+    fill(store, 0, range(20))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_cache_respects_its_byte_budget():
+    cache = ChunkCache(budget_bytes=250)
+    for key in range(10):
+        cache.put((0, key), np.zeros(100, np.uint8))
+    assert cache.nbytes <= 250
+    assert cache.get((0, 9)) is not None and cache.get((0, 0)) is None
