@@ -3,17 +3,28 @@
 A sampler is told which flat slots are sampleable (``update``) and draws
 ``(slots, weights)`` with a `np.random.Generator` the store owns and passes in.
 It knows no frames, files or torch.
+
+Three distributions: `UniformSampler`; `PrioritizedSampler` (proportional,
+``P(i) ∝ (p_i + eps)^alpha``) and `RankSampler` (``P(i) ∝ rank_i^-alpha``), both
+stratified over a `SumTree` of masses and both `PrioritySampler`s.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from .errors import EmptyStoreError, InvalidInputError, InvalidStoreError
 from .spec import StoreSpec
 from .sum_tree import SumTree
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,356 @@ class UniformSampler:
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
 
 
+class PrioritySampler(Sampler, Protocol):
+    """A `Sampler` with per-transition priorities: what the store calls beyond `Sampler`."""
+
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        """New raw priorities for valid, unique `slots` (the store validates the values)."""
+
+    def priorities(self) -> np.ndarray:
+        """Raw priority per slot, float64 ``(num_slots,)``, for persistence."""
+
+    def slot_ids(self) -> np.ndarray:
+        """Transition id each slot's priority belongs to, int64 ``(num_slots,)``."""
+
+    def max_priority(self) -> float:
+        """Priority a new transition enters with."""
+
+    def load(self, priorities: np.ndarray, slot_ids: np.ndarray, max_priority: float,
+             valid: np.ndarray) -> None:
+        """Rebuild from persisted arrays; later draws match the sampler that was saved."""
+
+    def check_valid(self) -> None:
+        """Raise `RuntimeError` if internal state is inconsistent."""
+
+
+class _PriorityTable:
+    """Raw priority, transition id and validity per slot; the part both priority samplers share.
+
+    Invariants (``check_valid``):
+      * ``p`` is finite, ``0 <= p[s] <= max_p``;
+      * ``max_p`` is the largest of 1.0 and every priority ever set, never lowered, so a new
+        transition (``p[s] = max_p`` when its id first appears in slot ``s``) is at least as
+        likely as any transition seen before it;
+      * ``count == valid.sum()`` and every valid slot holds an id >= 0.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.p: FloatArray = np.zeros(num_slots, np.float64)
+        self.ids: IntArray = np.full(num_slots, -1, np.int64)
+        self.valid: BoolArray = np.zeros(num_slots, np.bool_)
+        self.count = 0
+        self.max_p = 1.0
+
+    def admit(self, slots: IntArray, valid: BoolArray, ids: IntArray) -> BoolArray:
+        """Record an `update`; return the mask of `slots` whose mass must change rank or value.
+
+        A slot whose id changed holds a new transition and gets ``max_p`` (valid or not, so a
+        transition that becomes valid later keeps the priority it got when it appeared).
+        """
+        new = ids != self.ids[slots]
+        self.p[slots[new]] = self.max_p
+        self.ids[slots] = ids
+        was_valid = self.valid[slots]
+        self.count += int(np.count_nonzero(valid)) - int(np.count_nonzero(was_valid))
+        self.valid[slots] = valid
+        return (valid != was_valid) | (new & valid)
+
+    def set(self, slots: IntArray, priorities: FloatArray) -> None:
+        self.p[slots] = priorities
+        if priorities.size:
+            self.max_p = max(self.max_p, float(priorities.max()))
+
+    def load(self, priorities: FloatArray, slot_ids: IntArray, max_p: float,
+             valid: BoolArray) -> None:
+        self.p, self.ids, self.valid = priorities.copy(), slot_ids.copy(), valid.copy()
+        self.max_p = max_p
+        self.count = int(np.count_nonzero(valid))
+
+    def check_valid(self) -> None:
+        if not (np.all(np.isfinite(self.p)) and np.all(self.p >= 0.0)):
+            raise RuntimeError("priority table holds a negative or non-finite priority")
+        if not (self.max_p >= 1.0 and np.all(self.p <= self.max_p)):
+            raise RuntimeError(f"max priority {self.max_p!r} is below 1.0 or a held priority")
+        if self.count != int(np.count_nonzero(self.valid)):
+            raise RuntimeError(f"valid count {self.count} != {np.count_nonzero(self.valid)}")
+        if np.any(self.ids[self.valid] < 0):
+            raise RuntimeError("a valid slot holds no transition id")
+
+
+def _as_priorities(priorities: np.ndarray, n: int) -> FloatArray:
+    p = np.asarray(priorities, dtype=np.float64)
+    if p.shape != (n,):
+        raise InvalidInputError(f"priorities shape {p.shape} != slots shape ({n},)")
+    if not (np.all(np.isfinite(p)) and np.all(p >= 0.0)):
+        raise InvalidInputError("priorities must be finite and >= 0")
+    return p
+
+
+def _checked_state(num_slots: int, priorities: np.ndarray, slot_ids: np.ndarray,
+                   max_priority: float, valid: np.ndarray) -> tuple[FloatArray, IntArray, BoolArray]:
+    """Persisted sampler arrays as the right dtypes, or `InvalidStoreError` saying what is off."""
+    p = np.asarray(priorities, dtype=np.float64)
+    ids = np.asarray(slot_ids)
+    ok = np.asarray(valid)
+    want = (num_slots,)
+    if p.shape != want or ids.shape != want or ok.shape != want:
+        raise InvalidStoreError(
+            f"sampler arrays of shapes {p.shape}, {ids.shape}, {ok.shape} != {want}")
+    if not (np.issubdtype(ids.dtype, np.integer) and ok.dtype == np.bool_):
+        raise InvalidStoreError(f"slot ids dtype {ids.dtype} / valid dtype {ok.dtype} != int/bool")
+    if not (np.all(np.isfinite(p)) and np.all(p >= 0.0)):
+        raise InvalidStoreError("persisted priorities must be finite and >= 0")
+    top = float(p.max(initial=0.0))
+    if not (math.isfinite(max_priority) and max_priority >= max(1.0, top)):
+        raise InvalidStoreError(f"max priority {max_priority!r} < max(1.0, largest held {top!r})")
+    if np.any(ids[ok] < 0):
+        raise InvalidStoreError("a valid slot has no persisted transition id (-1)")
+    return p, ids.astype(np.int64), ok
+
+
+def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
+                     beta: float) -> Draw:
+    """One target per equal slice of the mass: ``t_b = (b + u_b) * total / B``, ``u_b ~ U[0,1)``.
+
+    ``P(i) = m_i / total``, so ``(N P(i))^-beta / max_j (N P(j))^-beta == (m_i / m_min)^-beta``:
+    N and the total cancel, and the largest weight (1.0) belongs to the smallest positive mass.
+    """
+    total = tree.total()
+    if total <= 0.0:
+        raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
+    targets = (np.arange(batch_size) + rng.random(batch_size)) * total / batch_size
+    slots = tree.find(targets)
+    weights = (tree.get(slots) / tree.min_nonzero()) ** -beta
+    return Draw(slots=slots, weights=weights.astype(np.float32))
+
+
+def _tree_probabilities(tree: SumTree) -> FloatArray:
+    masses = tree.get(np.arange(tree.capacity))
+    total = tree.total()
+    return masses / total if total > 0.0 else masses
+
+
+class PrioritizedSampler:
+    """Proportional prioritization (Schaul et al. 2016): ``P(i) ∝ (p_i + eps)^alpha``.
+
+    Only valid slots carry mass; an invalid slot keeps its priority and id for when it becomes
+    valid. Invariant: tree leaf ``s == (p[s] + eps)^alpha`` if ``valid[s]`` else 0.0, exactly (both
+    sides are the same float expression). With ``eps == 0`` a zero priority gives a valid slot no
+    mass: `count` still counts it, it is never drawn, and a sampler whose valid slots all have
+    zero mass raises `EmptyStoreError` from `sample`.
+
+    The tree is a function of its leaves only (`SumTree` rebuilds internal nodes from children),
+    so `load` rebuilds exactly the tree that was saved and draws continue identically.
+    """
+
+    def __init__(self, num_slots: int, *, alpha: float, eps: float) -> None:
+        self.alpha = float(alpha)
+        self.eps = float(eps)
+        self._table = _PriorityTable(num_slots)
+        self._tree = SumTree(num_slots)
+
+    def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
+        self._table.admit(slots, valid, ids)
+        self._tree.set(slots, self._masses(self._table.p[slots], valid))
+
+    def count(self) -> int:
+        return self._table.count
+
+    def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
+        return _stratified_draw(self._tree, rng, batch_size, beta)
+
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        p = _as_priorities(priorities, len(slots))
+        # The tree validates the masses before writing, so a rejected call changes nothing.
+        self._tree.set(slots, self._masses(p, self._table.valid[slots]))
+        self._table.set(slots, p)
+
+    def priorities(self) -> np.ndarray:
+        return self._table.p.copy()
+
+    def slot_ids(self) -> np.ndarray:
+        return self._table.ids.copy()
+
+    def max_priority(self) -> float:
+        return self._table.max_p
+
+    def probabilities(self) -> np.ndarray:
+        """Exact ``P(slot)`` for every slot, float64 (diagnostics and tests; O(num_slots))."""
+        return _tree_probabilities(self._tree)
+
+    def load(self, priorities: np.ndarray, slot_ids: np.ndarray, max_priority: float,
+             valid: np.ndarray) -> None:
+        p, ids, ok = _checked_state(self._tree.capacity, priorities, slot_ids, max_priority, valid)
+        self._tree.set_all(self._masses(p, ok))
+        self._table.load(p, ids, float(max_priority), ok)
+
+    def check_valid(self) -> None:
+        self._table.check_valid()
+        self._tree.check_valid()
+        want = self._masses(self._table.p, self._table.valid)
+        if not np.array_equal(self._tree.get(np.arange(self._tree.capacity)), want):
+            raise RuntimeError("sum tree masses disagree with (priority + eps)^alpha of valid slots")
+
+    def _masses(self, p: FloatArray, valid: BoolArray) -> FloatArray:
+        return np.where(valid, (p + self.eps) ** self.alpha, 0.0)
+
+
+class RankSampler:
+    """Rank-based prioritization (Schaul et al. 2016): ``P(i) ∝ (1 / rank_i)^alpha``.
+
+    ``rank 1`` is the largest priority among valid slots; ties go to the smaller slot. ``eps``
+    is accepted for a uniform constructor and ignored: adding it does not change the order.
+
+    Ranks are re-sorted lazily. A full sort (``argsort``, O(N log N)) records a *snapshot*: the
+    sorted keys ``(-p, slot)`` of the valid slots. A slot whose priority or validity changes
+    afterwards is *dirty*; it gets rank ``1 + #{other snapshot keys < its key}`` at once
+    (``searchsorted``, O(log N)) and invalid slots get no mass at once; clean slots keep their
+    snapshot rank. Each dirty slot moves any other slot's true rank by at most one, so::
+
+        |rank used - exact rank| <= D   for every valid slot, where
+        D = number of distinct dirty slots  <=  floor(stale_fraction * count())
+
+    because any `update` or `set_priorities` that makes ``D`` exceed that limit re-sorts before
+    returning (``D = 0`` after). ``stale_fraction=0`` keeps ranks exact. Ranks used by dirty slots
+    may repeat; the draw is exactly ``P(i) = rank_used_i^-alpha / sum``, and the weights correct
+    for that distribution. ``check_valid`` verifies the bound against a fresh sort.
+
+    `priorities()` re-sorts first if anything is dirty, so a saved checkpoint is a re-sort point
+    and `load` (which always re-sorts) continues with identical draws.
+    """
+
+    def __init__(self, num_slots: int, *, alpha: float, eps: float,
+                 stale_fraction: float = 0.01) -> None:
+        if not 0.0 <= stale_fraction <= 1.0:
+            raise ValueError(f"stale_fraction must lie in [0, 1], got {stale_fraction!r}")
+        self.alpha = float(alpha)
+        self.eps = float(eps)
+        self.stale_fraction = float(stale_fraction)
+        self._table = _PriorityTable(num_slots)
+        self._tree = SumTree(num_slots)
+        self._rank: IntArray = np.zeros(num_slots, np.int64)  # rank used now, 0 = no mass
+        self._snap_rank: IntArray = np.zeros(num_slots, np.int64)  # rank at the last sort
+        self._snap_keys = np.zeros(0, np.complex128)  # sorted (-p, slot) at the last sort
+        self._dirty: BoolArray = np.zeros(num_slots, np.bool_)
+        self._num_dirty = 0
+
+    def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
+        moved = self._table.admit(slots, valid, ids)
+        self._touch(slots[moved])
+
+    def count(self) -> int:
+        return self._table.count
+
+    def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
+        return _stratified_draw(self._tree, rng, batch_size, beta)
+
+    def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self._table.set(slots, _as_priorities(priorities, len(slots)))
+        self._touch(slots)
+
+    def priorities(self) -> np.ndarray:
+        if self._num_dirty:
+            self._resort()  # checkpoint == re-sort point, so `load` continues identically
+        return self._table.p.copy()
+
+    def slot_ids(self) -> np.ndarray:
+        return self._table.ids.copy()
+
+    def max_priority(self) -> float:
+        return self._table.max_p
+
+    def ranks(self) -> np.ndarray:
+        """Rank each slot is drawn with now (0 = not sampleable), int64 (diagnostics, tests)."""
+        return self._rank.copy()
+
+    def probabilities(self) -> np.ndarray:
+        """Exact ``P(slot)`` of the next draw for every slot, float64 (O(num_slots))."""
+        return _tree_probabilities(self._tree)
+
+    def load(self, priorities: np.ndarray, slot_ids: np.ndarray, max_priority: float,
+             valid: np.ndarray) -> None:
+        p, ids, ok = _checked_state(self._tree.capacity, priorities, slot_ids, max_priority, valid)
+        self._table.load(p, ids, float(max_priority), ok)
+        self._resort()
+
+    def check_valid(self) -> None:
+        self._table.check_valid()
+        self._tree.check_valid()
+        if not np.array_equal(self._rank > 0, self._table.valid):
+            raise RuntimeError("rank sampler: ranked slots differ from valid slots")
+        if not np.array_equal(self._tree.get(np.arange(self._tree.capacity)),
+                              self._rank_masses(self._rank)):
+            raise RuntimeError("rank sampler: tree masses disagree with rank^-alpha")
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        if self._num_dirty != int(np.count_nonzero(self._dirty)):
+            raise RuntimeError(f"dirty count {self._num_dirty} != {np.count_nonzero(self._dirty)}")
+        if self._num_dirty > self._stale_limit():
+            raise RuntimeError(f"{self._num_dirty} dirty slots > limit {self._stale_limit()}")
+        _, exact = _exact_ranks(self._table.p, self._table.valid)
+        off = int(np.abs(self._rank - exact).max(initial=0))
+        if off > self._num_dirty:
+            raise RuntimeError(f"a rank is {off} off exact with only {self._num_dirty} dirty")
+
+    def _stale_limit(self) -> int:
+        return int(self.stale_fraction * self._table.count)
+
+    def _touch(self, slots: IntArray) -> None:
+        """Slots whose priority or validity changed: estimate their ranks or re-sort everything."""
+        self._num_dirty += int(np.count_nonzero(~self._dirty[slots]))
+        self._dirty[slots] = True
+        if self._num_dirty > self._stale_limit():
+            self._resort()
+            return
+        ranks = np.where(self._table.valid[slots], self._estimate(slots), 0)
+        self._rank[slots] = ranks
+        self._tree.set(slots, self._rank_masses(ranks))
+
+    def _estimate(self, slots: IntArray) -> IntArray:
+        """``1 + #{snapshot keys of other slots < key(slot)}`` for each slot."""
+        less = np.searchsorted(self._snap_keys, _rank_keys(self._table.p[slots], slots))
+        own = self._snap_rank[slots]  # the slot's own snapshot key is at position own - 1
+        less -= (own >= 1) & (own <= less)
+        return less + 1
+
+    def _resort(self) -> None:
+        order, self._rank = _exact_ranks(self._table.p, self._table.valid)
+        self._snap_rank = self._rank.copy()
+        self._snap_keys = _rank_keys(self._table.p[order], order)
+        self._tree.set_all(self._rank_masses(self._rank))
+        self._dirty[:] = False
+        self._num_dirty = 0
+
+    def _rank_masses(self, ranks: IntArray) -> FloatArray:
+        safe = np.maximum(ranks, 1).astype(np.float64)
+        return np.where(ranks > 0, safe ** -self.alpha, 0.0)
+
+
+def _rank_keys(p: FloatArray, slots: IntArray) -> npt.NDArray[np.complex128]:
+    """Sort keys ``(-p, slot)``: numpy orders complex numbers lexicographically (real, imag)."""
+    keys = np.empty(len(slots), np.complex128)
+    keys.real = -p
+    keys.imag = slots  # exact for slots < 2**53
+    return keys
+
+
+def _exact_ranks(p: FloatArray, valid: BoolArray) -> tuple[IntArray, IntArray]:
+    """Valid slots by decreasing priority (ties: smaller slot first), and rank per slot (0 = none)."""
+    candidates = np.flatnonzero(valid)  # ascending, so the stable sort breaks ties by slot
+    order = candidates[np.argsort(-p[candidates], kind="stable")]
+    rank = np.zeros(len(p), np.int64)
+    rank[order] = np.arange(1, len(order) + 1)
+    return order, rank
+
+
 def make_sampler(spec: StoreSpec) -> Sampler:
-    if spec.sampler != "uniform":
-        raise NotImplementedError(f"sampler {spec.sampler!r} is not available yet")
-    return UniformSampler(spec.num_envs * spec.slots_per_env)
+    num_slots = spec.num_envs * spec.slots_per_env
+    if spec.sampler == "uniform":
+        return UniformSampler(num_slots)
+    if spec.sampler == "prioritized":
+        return PrioritizedSampler(num_slots, alpha=spec.alpha, eps=spec.priority_eps)
+    if spec.sampler == "rank":
+        return RankSampler(num_slots, alpha=spec.alpha, eps=spec.priority_eps)
+    raise NotImplementedError(f"sampler {spec.sampler!r} is not available yet")

@@ -131,13 +131,13 @@ class Case:
     stack_padding: str = "zero"
     gamma: float = 0.9
     obs: str = "uint8"  # "uint8": (3, 2) encoded frames; "float32": (4,) float frames
-    steps: int = 250
+    steps: int = 400
     p_terminate: float = 0.05
     p_truncate: float = 0.02
     p_reset: float = 0.03  # an op is a reset of some envs, cutting their running episodes
     p_cut_autoreset: float = 0.0  # a running env is autoreset, cutting its episode
     p_restart_by_reset: float = 0.3  # an ended episode restarts by reset rather than autoreset
-    check_every: int = 13
+    check_every: int = 5
     seed: int = 0
 
 
@@ -356,6 +356,76 @@ def test_random_stream_matches_reference(case: Case, tmp_path: Path) -> None:
     reopened = reopen(store, path)
     assert_store_matches(reopened, reference)
     reopened.close()
+
+
+def random_case(seed: int) -> Case:
+    """A case with every knob drawn at random (2..12 frames per env, so eviction is constant)."""
+    rng = np.random.default_rng(1000 + seed)
+    num_envs = int(rng.integers(1, 5))
+    return Case(
+        capacity=num_envs * int(rng.integers(2, 13)) + int(rng.integers(0, num_envs)),
+        num_envs=num_envs,
+        frame_stack=int(rng.choice([1, 2, 4])),
+        n_step=int(rng.choice([1, 2, 3])),
+        stack_padding=str(rng.choice(["zero", "first"])),
+        gamma=float(rng.choice([0.9, 0.5])),
+        obs=str(rng.choice(["uint8", "float32"])),
+        steps=150,
+        p_terminate=float(rng.uniform(0.0, 0.4)),
+        p_truncate=float(rng.uniform(0.0, 0.2)),
+        p_reset=float(rng.uniform(0.0, 0.2)),
+        p_cut_autoreset=float(rng.uniform(0.0, 0.1)),
+        check_every=3,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_config_matches_reference(seed: int, tmp_path: Path) -> None:
+    test_random_stream_matches_reference(random_case(seed), tmp_path)
+
+
+REOPEN_CASES = ["envs3_k4_n3_cap50_first", "shorter_than_stack_first", "k4_n3_cap7_zero"]
+
+
+@pytest.mark.parametrize("name", REOPEN_CASES)
+def test_stream_continues_after_reopen(name: str, tmp_path: Path) -> None:
+    """Closing and reopening mid-stream (running episodes included) changes nothing."""
+    case = CASES[name]
+    path = tmp_path / "store"
+    store, reference = make_pair(case, path)
+    driver = Driver(case, store, reference)
+    driver.reset(None)
+    for op in range(case.steps):
+        driver.random_op()
+        if op % 40 == 39:
+            store = driver.store = reopen(store, path)
+            assert_store_matches(store, reference)
+    store.close()
+
+
+def test_get_single_id_matches_reference(tmp_path: Path) -> None:
+    """A batch of one id (structured-column views with odd strides) converts to torch."""
+    knobs = {"capacity": 8, "obs_shape": (1,), "frame_stack": 2, "n_step": 1, "gamma": 0.9}
+    store = ReplayStore.create(tmp_path / "store", **knobs)
+    reference = ReferenceReplay(**knobs)
+    for target in (store, reference):
+        target.reset(_one(1))
+        target.add(3, 1.0, _one(2), False, False)
+    assert_store_matches(store, reference)  # exactly one valid id: get([0])
+
+
+def test_terminated_and_truncated_at_same_step(tmp_path: Path) -> None:
+    """gymnasium may report both flags (time limit on the terminal step): both are kept."""
+    knobs = {"capacity": 8, "obs_shape": (1,), "n_step": 1, "gamma": 0.9}
+    store = ReplayStore.create(tmp_path / "store", **knobs)
+    reference = ReferenceReplay(**knobs)
+    for target in (store, reference):
+        target.reset(_one(1))
+        target.add(3, 1.0, _one(2), False, False)
+        target.add(4, 1.0, _one(3), True, True)
+    assert reference.expected()[1]["truncated"] and reference.expected()[1]["terminated"]
+    assert_store_matches(store, reference)
 
 
 # ----------------------------------------------------------------------------- gymnasium

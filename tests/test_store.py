@@ -305,11 +305,12 @@ def test_reopen_is_bit_identical(tmp_path):
     store = make(tmp_path, capacity=30, num_envs=2, frame_stack=4, n_step=3, chunk_frames=4)
     rng = np.random.default_rng(0)
     store.reset(np.stack([frame(0), frame(100)]))
+    prev_done = np.zeros(2, bool)
     for i in range(1, 50):
         done = rng.random(2) < 0.1
         store.add(rng.integers(0, 4, 2), rng.normal(size=2),
                   np.stack([frame(i), frame(100 + i)]), done, np.zeros(2, bool),
-                  autoreset=None if i == 1 else prev_done)
+                  autoreset=prev_done)
         prev_done = done
     ids, before = snapshot(store)
     store.close()
