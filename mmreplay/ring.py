@@ -234,7 +234,7 @@ class StepRing:
             ret += np.where(alive, gamma**j * uc["reward"].astype(np.float64), 0.0)
             m += alive
             term |= alive & uc["terminated"]
-            trunc |= alive & uc["truncated"] & ~uc["terminated"]
+            trunc |= alive & uc["truncated"]
             alive &= ~(uc["terminated"] | uc["truncated"])
         return ret, m, term, trunc
 

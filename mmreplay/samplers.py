@@ -159,8 +159,10 @@ def _as_priorities(priorities: np.ndarray, n: int) -> FloatArray:
     return p
 
 
-def _checked_state(num_slots: int, priorities: np.ndarray, slot_ids: np.ndarray,
-                   max_priority: float, valid: np.ndarray) -> tuple[FloatArray, IntArray, BoolArray]:
+def _checked_state(
+    num_slots: int, priorities: np.ndarray, slot_ids: np.ndarray, max_priority: float,
+    valid: np.ndarray,
+) -> tuple[FloatArray, IntArray, BoolArray]:
     """Persisted sampler arrays as the right dtypes, or `InvalidStoreError` saying what is off."""
     p = np.asarray(priorities, dtype=np.float64)
     ids = np.asarray(slot_ids)
@@ -234,8 +236,11 @@ class PrioritizedSampler:
 
     def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         p = _as_priorities(priorities, len(slots))
-        # The tree validates the masses before writing, so a rejected call changes nothing.
-        self._tree.set(slots, self._masses(p, self._table.valid[slots]))
+        masses = self._masses(p, self._table.valid[slots])
+        if not np.all(np.isfinite(masses)):  # checked before any write: rejection changes nothing
+            raise InvalidInputError(
+                f"priority {float(p.max())!r} overflows (p + eps)^alpha with alpha={self.alpha}")
+        self._tree.set(slots, masses)
         self._table.set(slots, p)
 
     def priorities(self) -> np.ndarray:
@@ -262,7 +267,7 @@ class PrioritizedSampler:
         self._tree.check_valid()
         want = self._masses(self._table.p, self._table.valid)
         if not np.array_equal(self._tree.get(np.arange(self._tree.capacity)), want):
-            raise RuntimeError("sum tree masses disagree with (priority + eps)^alpha of valid slots")
+            raise RuntimeError("sum tree masses != (priority + eps)^alpha of valid slots")
 
     def _masses(self, p: FloatArray, valid: BoolArray) -> FloatArray:
         return np.where(valid, (p + self.eps) ** self.alpha, 0.0)
@@ -409,7 +414,7 @@ def _rank_keys(p: FloatArray, slots: IntArray) -> npt.NDArray[np.complex128]:
 
 
 def _exact_ranks(p: FloatArray, valid: BoolArray) -> tuple[IntArray, IntArray]:
-    """Valid slots by decreasing priority (ties: smaller slot first), and rank per slot (0 = none)."""
+    """Valid slots by decreasing priority (ties: smaller slot first); rank per slot (0 = none)."""
     candidates = np.flatnonzero(valid)  # ascending, so the stable sort breaks ties by slot
     order = candidates[np.argsort(-p[candidates], kind="stable")]
     rank = np.zeros(len(p), np.int64)

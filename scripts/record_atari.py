@@ -100,41 +100,41 @@ if __name__ == "__main__":
     start = time.perf_counter()
     obs, _ = env.reset(seed=args.seed)
     store.reset(obs)
-    frames_written, episodes, episode_return, returns = 1, 1, 0.0, []
+    episode_return, returns = 0.0, []
     for _ in tqdm(range(args.steps), desc=f"record {args.game}", unit="step"):
         action = int(rng.integers(num_actions))
         next_obs, reward, terminated, truncated, _ = env.step(action)
         store.add(action, float(reward), next_obs, terminated, truncated)
-        frames_written += 1
         episode_return += float(reward)
         if terminated or truncated:
             returns.append(episode_return)
             obs, _ = env.reset()
             store.reset(obs)
-            frames_written, episodes, episode_return = frames_written + 1, episodes + 1, 0.0
+            episode_return = 0.0
     store.flush()
     store.close()
     env.close()
     elapsed = time.perf_counter() - start
-    print(f"recorded {args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.0f} steps/s); "
-          f"{len(returns)} finished episodes, mean return "
-          f"{np.mean(returns) if returns else float('nan'):.2f}")
+    mean_return = f"{np.mean(returns):.2f}" if returns else "n/a"
+    print(f"recorded {args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.0f} steps/s), "
+          f"{len(returns)} finished episodes, mean return {mean_return}")
 
     # Reopen read-only, as a learner would, and report what is on disk.
     with ReplayStore.open(out, mode="r") as store:
-        frames_held = min(frames_written, args.capacity)
-        raw_bytes = frames_held * 84 * 84
-        total_bytes, frame_bytes = dir_bytes(out), dir_bytes(out / "frames")
+        counts = store.counts
+        raw_bytes = counts.frames_kept * store.spec.frame_bytes
+        total_bytes, chunk_bytes = dir_bytes(out), dir_bytes(out / "frames")
         print(f"store        {out}")
-        print(f"frames       {frames_held} held ({frames_written} written)")
-        print(f"transitions  {args.steps} recorded, {len(store)} sampleable")
-        print(f"episodes     {episodes} started")
-        print(f"disk         {total_bytes / 2**20:.2f} MiB total, "
-              f"{frame_bytes / 2**20:.2f} MiB of frame chunks")
-        print(f"compression  {raw_bytes / max(total_bytes, 1):.1f}x raw frame bytes / store on "
-              f"disk ({raw_bytes / 2**20:.1f} MiB raw)")
+        print(f"frames       {counts.frames_kept} kept, {counts.frames_written} written "
+              f"(capacity {store.spec.capacity})")
+        print(f"transitions  {counts.transitions} recorded, {counts.sampleable} sampleable")
+        print(f"episodes     {counts.episodes}")
+        print(f"disk         {total_bytes / 2**20:.2f} MiB, of which frame chunks "
+              f"{chunk_bytes / 2**20:.2f} MiB")
+        print(f"compression  {raw_bytes / total_bytes:.1f}x ({raw_bytes / 2**20:.1f} MiB of raw "
+              f"frames / whole store on disk)")
         batch = store.sample(32)
-        print("sample(32):")
+        print("sample(32)")
         for f in fields(batch):
             value = getattr(batch, f.name)
-            print(f"  {f.name:<11} {tuple(value.shape)!s:<22} {value.dtype}")
+            print(f"  {f.name:<11} {str(tuple(value.shape)):<20} {value.dtype}")
