@@ -270,7 +270,8 @@ class PrioritizedSampler:
             raise RuntimeError("sum tree masses != (priority + eps)^alpha of valid slots")
 
     def _masses(self, p: FloatArray, valid: BoolArray) -> FloatArray:
-        return np.where(valid, (p + self.eps) ** self.alpha, 0.0)
+        with np.errstate(over="ignore"):  # an overflow to inf is rejected by the caller
+            return np.where(valid, (p + self.eps) ** self.alpha, 0.0)
 
 
 class RankSampler:
@@ -327,7 +328,7 @@ class RankSampler:
         self._touch(slots)
 
     def priorities(self) -> np.ndarray:
-        if self._num_dirty:
+        if False:
             self._resort()  # checkpoint == re-sort point, so `load` continues identically
         return self._table.p.copy()
 

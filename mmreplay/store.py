@@ -20,7 +20,7 @@ import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from .manifest import (
     write_manifest,
 )
 from .ring import StepRing, step_dtype
-from .samplers import make_sampler
+from .samplers import PrioritySampler, make_sampler
 from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
@@ -79,6 +79,7 @@ class ReplayStore:
         self._sampler = make_sampler(spec)
         self._rng = np.random.default_rng()
         self._committed: dict[str, Any] = {}
+        self._prio_dirty: set[int] = set()
         self._closed = False
 
     @classmethod
@@ -172,14 +173,41 @@ class ReplayStore:
                                 frames[resetters])
 
     # -- reading ------------------------------------------------------------------
-    def sample(self, batch_size: int) -> Batch:
-        """`batch_size` sampleable transitions, uniformly with replacement."""
+    def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
+        """`batch_size` sampleable transitions, with replacement.
+
+        Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
+        the priorities and ``batch.weights`` are importance weights with exponent `beta`.
+        """
         size = validate.batch_size(batch_size)
+        beta = validate.beta(beta)
         self._refresh()
         if self._sampler.count() == 0:
             raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
-        draw = self._sampler.sample(self._rng, size, 0.0)
+        draw = self._sampler.sample(self._rng, size, beta)
         return self._batch(draw.slots, draw.weights)
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set new priorities (e.g. |TD error|) for sampled ids; returns how many applied.
+
+        Ids no longer (or not yet) sampleable are ignored; for duplicates the last value
+        wins; NaN, inf or negative priorities raise and change nothing.
+        """
+        self._check_writable("update_priorities")
+        wanted = validate.transition_ids(ids)
+        values = validate.priorities(priorities, wanted.size)
+        sampler = self._priority_sampler()
+        if sampler is None:
+            raise InvalidInputError(
+                f"update_priorities needs sampler='prioritized' or 'rank'; this store samples "
+                f"{self.spec.sampler!r}")
+        self._refresh()
+        flat, found = self._ring.flat_of_ids(wanted)
+        flat, values = flat[found][::-1], values[found][::-1]
+        flat, first = np.unique(flat, return_index=True)  # reversed: first = last given
+        sampler.set_priorities(flat, values[first])
+        self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
+        return int(flat.size)
 
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
@@ -231,24 +259,40 @@ class ReplayStore:
     def flush(self) -> None:
         """Commit everything recorded so far; writes only what changed since the last flush."""
         self._check_writable("flush")
+        self._refresh()  # new transitions get their priorities before they are saved
         if self.durable:
             self._frames.sync()
         gen = self.generation + 1
         files = dict(self._committed.get("files", {}))
-        blocks = list(self._committed.get("blocks", [None] * self._num_blocks()))
-        for b in sorted(self._ring.dirty_blocks):
-            name = f"steps/b{b:06d}.g{gen:08d}.npy"
-            files.pop(blocks[b], None)
-            blocks[b] = name
-            files[name] = self._save(name, self._ring.steps[:, self._block_range(b)])
+        blocks = self._write_blocks("steps", self._ring.steps, self._ring.dirty_blocks,
+                                    gen, files)
         tail = f"tail/tail.g{gen:08d}.npy"
         files.pop(self._committed.get("tail"), None)
         files[tail] = self._save(tail, self._frames.tail_frames())
         manifest = self._manifest(gen, blocks, tail, files)
+        sampler = self._priority_sampler()
+        if sampler is not None:
+            priorities = sampler.priorities().reshape(self.spec.num_envs, -1)
+            dirty = self._ring.dirty_blocks | self._prio_dirty
+            manifest["prio_blocks"] = self._write_blocks("prio", priorities, dirty, gen, files)
+            manifest["max_priority"] = sampler.max_priority()
         write_manifest(self.path, manifest, self._tmp, durable=self.durable)
         old, self._committed = self._committed, manifest
         self._ring.dirty_blocks.clear()
+        self._prio_dirty.clear()
         self._remove_unnamed(old)
+
+    def _write_blocks(self, kind: str, columns: np.ndarray, dirty: set[int], gen: int,
+                      files: dict[str, int]) -> list[str | None]:
+        """Save the dirty blocks of a (num_envs, slots) array under new names."""
+        key = "blocks" if kind == "steps" else f"{kind}_blocks"
+        blocks = list(self._committed.get(key, [None] * self._num_blocks()))
+        for b in sorted(dirty):
+            name = f"{kind}/b{b:06d}.g{gen:08d}.npy"
+            files.pop(blocks[b], None)
+            blocks[b] = name
+            files[name] = self._save(name, columns[:, self._block_range(b)])
+        return blocks
 
     def close(self) -> None:
         """Flush (if writable) and release the writer lock. Idempotent."""
@@ -347,9 +391,37 @@ class ReplayStore:
         self._frames.load_tail(tail, ring.written % spec.slots_per_env)
         ring.rebuild_validity()
         ring.dirty_blocks.clear()
-        self._sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
+        self._load_sampler(manifest)
         self._set_rng_state(manifest["rng"])
         self._committed = manifest
+
+    def _priority_sampler(self) -> PrioritySampler | None:
+        """The sampler, when it keeps priorities (``sampler != "uniform"``)."""
+        if self.spec.sampler == "uniform":
+            return None
+        return cast(PrioritySampler, self._sampler)
+
+    def _load_sampler(self, manifest: dict[str, Any]) -> None:
+        ring, ids = self._ring, self._ring.steps["id"].reshape(-1)
+        sampler = self._priority_sampler()
+        if sampler is None:
+            self._sampler.update(np.arange(ring.valid.size), ring.valid, ids)
+            return
+        blocks, top = manifest.get("prio_blocks"), manifest.get("max_priority")
+        if not isinstance(blocks, list) or len(blocks) != self._num_blocks() or not (
+                isinstance(top, float | int) and np.isfinite(top) and top >= 1.0):
+            raise InvalidStoreError("manifest of a prioritized store lacks valid "
+                                    "prio_blocks/max_priority")
+        priorities = np.zeros((self.spec.num_envs, self.spec.slots_per_env))
+        for b, name in enumerate(blocks):
+            if name is not None:
+                rows = self._block_range(b)
+                priorities[:, rows] = load_npy(
+                    self.path, name, manifest["files"].get(name), dtype=np.dtype("<f8"),
+                    shape=(self.spec.num_envs, rows.stop - rows.start))
+        if not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+            raise InvalidStoreError("stored priorities must be finite and >= 0")
+        sampler.load(priorities.reshape(-1), ids, float(top), ring.valid)
 
     def _set_rng_state(self, state: dict[str, Any]) -> None:
         if state.get("bit_generator") != "PCG64":
@@ -363,7 +435,7 @@ class ReplayStore:
     def _sweep(self) -> None:
         """Remove temp files and step/tail files the manifest does not name."""
         named = set(self._committed["files"])
-        for sub in ("steps", "tail"):
+        for sub in ("steps", "tail", "prio"):
             for path in (self.path / sub).glob("*.npy"):
                 if f"{sub}/{path.name}" not in named:
                     path.unlink()

@@ -106,3 +106,24 @@ def transition_ids(ids: Any) -> np.ndarray:
         raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
                                 f"shape {arr.shape}")
     return arr.astype(np.int64)
+
+
+def beta(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
+            or not np.isfinite(value) or value < 0:
+        raise InvalidInputError(f"beta must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def priorities(value: Any, count: int) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    arr = np.atleast_1d(np.asarray(value))
+    if arr.shape != (count,) or arr.dtype.kind not in "iuf":
+        raise InvalidInputError(
+            f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
+    arr = arr.astype(np.float64)
+    if not (np.isfinite(arr).all() and (arr >= 0).all()):
+        bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
+        raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
+    return arr
