@@ -421,3 +421,18 @@ def test_reader_in_other_process_sees_last_flush(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert json.loads(out) == [0, 1, 2, 3, 4]
+
+
+def test_durable_mode_round_trips(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = __import__("os").fsync
+    monkeypatch.setattr("os.fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    store = make(tmp_path, durable=True, capacity=16, chunk_frames=4)
+    run_episode(store, 0, 9)
+    ids, before = snapshot(store)
+    count = len(synced)
+    store.flush()
+    assert len(synced) > count  # chunks, files, manifest and directories were fsynced
+    store.close()
+    with ReplayStore.open(tmp_path / "store", mode="r") as again:
+        assert_same_batches(before, again.get(ids))
