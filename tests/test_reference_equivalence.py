@@ -197,8 +197,7 @@ class Driver:
         else:
             reward = rng.integers(-4, 5, size=n) * 0.25
         terminated = rng.random(n) < case.p_terminate
-        # Both flags at once is covered by its own test below; streams keep them exclusive.
-        truncated = (rng.random(n) < case.p_truncate) & ~terminated
+        truncated = rng.random(n) < case.p_truncate  # sometimes both, as gymnasium allows
         frames = [self._next_frame(e, bool(autoreset[e])) for e in range(n)]
         for e in range(n):
             if not autoreset[e] and (terminated[e] or truncated[e]):
