@@ -328,7 +328,7 @@ class RankSampler:
         self._touch(slots)
 
     def priorities(self) -> np.ndarray:
-        if False:
+        if self._num_dirty:
             self._resort()  # checkpoint == re-sort point, so `load` continues identically
         return self._table.p.copy()
 

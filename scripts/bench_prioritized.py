@@ -1,0 +1,126 @@
+"""Latency of one prioritized learner step: draw a batch, then write back its new priorities.
+
+    python scripts/bench_prioritized.py                 # 1M slots, all valid, random priorities
+    python scripts/bench_prioritized.py --slots 10000   # smaller
+
+Times, per repetition, ``sample(rng, batch, beta)`` plus ``set_priorities`` of the drawn slots
+(deduplicated first, as the store does) on mmreplay's `PrioritizedSampler` and `RankSampler`,
+and, if `cpprb` imports, ``sample(batch, beta)`` plus ``update_priorities(indexes, new)`` on
+cpprb's `PrioritizedReplayBuffer` filled to the same size. New priorities are drawn before the
+clock starts. Prints median and mean microseconds (the rank sampler's mean includes its
+amortized re-sorts) and the ratio of medians against cpprb. Figures only, nothing asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from mmreplay.samplers import PrioritizedSampler, RankSampler
+
+Step = Callable[[np.ndarray], None]  # one timed learner step, given the new priorities
+
+
+@dataclass
+class Args:
+    slots: int = 1_000_000
+    """slots in the buffer, all valid"""
+    batch_size: int = 32
+    """transitions drawn per step"""
+    reps: int = 2000
+    """timed steps per figure"""
+    warmup: int = 50
+    """untimed steps before timing"""
+    alpha: float = 0.6
+    """priority exponent"""
+    beta: float = 0.4
+    """importance-weight exponent"""
+    seed: int = 0
+    """seed of the generator that draws priorities and batches"""
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in fields(Args):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
+                            default=f.default)
+    return Args(**vars(parser.parse_args()))
+
+
+def time_steps(step: Step, args: Args, rng: np.random.Generator) -> np.ndarray:
+    """Seconds per call of `step`, after `args.warmup` untimed calls."""
+    for _ in range(args.warmup):
+        step(rng.random(args.batch_size))
+    times = np.empty(args.reps)
+    for i in range(args.reps):
+        new = rng.random(args.batch_size)
+        start = time.perf_counter()
+        step(new)
+        times[i] = time.perf_counter() - start
+    return times
+
+
+def ours(cls: type[PrioritizedSampler] | type[RankSampler], args: Args,
+         rng: np.random.Generator) -> Step:
+    sampler = cls(args.slots, alpha=args.alpha, eps=1e-6)
+    everything = np.arange(args.slots)
+    valid = np.ones(args.slots, bool)
+    sampler.load(rng.random(args.slots), everything, 1.0, valid)  # O(N) build, all valid
+
+    def step(new: np.ndarray) -> None:
+        draw = sampler.sample(rng, args.batch_size, args.beta)
+        slots, first = np.unique(draw.slots, return_index=True)  # the store dedupes
+        sampler.set_priorities(slots, new[first])
+
+    return step
+
+
+def cpprb_step(args: Args, rng: np.random.Generator) -> Step | None:
+    try:
+        from cpprb import PrioritizedReplayBuffer
+    except ImportError:
+        return None
+    rb: Any = PrioritizedReplayBuffer(args.slots, {"obs": {"shape": 1}}, alpha=args.alpha)
+    rb.add(obs=np.zeros((args.slots, 1)), priorities=rng.random(args.slots))
+
+    def step(new: np.ndarray) -> None:
+        batch = rb.sample(args.batch_size, beta=args.beta)
+        rb.update_priorities(batch["indexes"], new)
+
+    return step
+
+
+def report(name: str, times: np.ndarray) -> float:
+    median = float(np.median(times)) * 1e6
+    print(f"{name:<34} median {median:9.1f} us   mean {times.mean() * 1e6:9.1f} us")
+    return median
+
+
+def main() -> None:
+    args = parse_args()
+    rng = np.random.default_rng(args.seed)
+    print(f"{args.slots:,} slots, batch {args.batch_size}, {args.reps} reps, "
+          f"alpha {args.alpha}, beta {args.beta}")
+    medians = {
+        "mmreplay PrioritizedSampler": report(
+            "mmreplay PrioritizedSampler", time_steps(ours(PrioritizedSampler, args, rng), args,
+                                                      rng)),
+        "mmreplay RankSampler": report(
+            "mmreplay RankSampler", time_steps(ours(RankSampler, args, rng), args, rng)),
+    }
+    step = cpprb_step(args, rng)
+    if step is None:
+        print("cpprb not importable: skipped (pip install cpprb)")
+        return
+    theirs = report("cpprb PrioritizedReplayBuffer", time_steps(step, args, rng))
+    for name, median in medians.items():
+        print(f"{name} / cpprb median ratio: {median / theirs:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
