@@ -1,0 +1,718 @@
+"""Read-only inspection of a store on disk: summary, episode table, samples, images, verify.
+
+Every function here reads; nothing writes to a store. Stores are opened with
+``mode="r"`` (no lock, no sweep), so inspecting a store another process is
+writing is safe: a reader sees one committed generation, and an open or a
+verify that raced a flush is retried once the generation has moved on.
+
+Results are frozen dataclasses and numpy arrays. The terminal, image files and
+plots belong to `cli.py`. This module may read the store's private parts
+(`_ring`, `_frames`, `_sampler`, `_committed`): it is the library's own
+diagnostic view of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError, InvalidStoreError, MmreplayError
+from .frame_store import FRAMES, TMP_DIR, TMP_SUFFIX, FrameStore
+from .manifest import MANIFEST, load_npy, read_manifest
+from .ring import StepRing, step_dtype
+from .spec import StoreSpec
+from .store import LOCK, ReplayStore, StoreCounts
+
+Progress = Callable[[Iterable[Any], int], Iterable[Any]]
+SORT_KEYS = ("episode", "return", "length")
+ZARR_JSON = "zarr.json"
+
+
+# -- opening ----------------------------------------------------------------------------
+def open_readonly(path: str | os.PathLike[str], *, attempts: int = 5) -> ReplayStore:
+    """Open a store read-only; retry if a writer replaced its files while we read them."""
+    root = Path(path)
+    for attempt in range(attempts):
+        before = _generation(root)
+        try:
+            return ReplayStore.open(root, mode="r")
+        except InvalidStoreError:
+            if attempt + 1 == attempts or _generation(root) in (before, None):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _generation(root: Path) -> int | None:
+    """Generation of the committed manifest, None if it cannot be read."""
+    try:
+        return int(read_manifest(root)["generation"])
+    except (MmreplayError, OSError):
+        return None
+
+
+# -- info -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DiskUsage:
+    """Bytes on disk; ``compression_ratio`` = raw bytes of kept frames in chunk files / bytes
+    of the frames directory (frames still in the RAM tail are in the tail file instead)."""
+
+    total_bytes: int
+    frames_bytes: int
+    chunk_files: int
+    frames_in_chunks: int
+    frames_in_tail: int
+    compression_ratio: float | None
+
+
+@dataclass(frozen=True)
+class RamEstimate:
+    """Bytes an open store holds in RAM besides its decoded-chunk cache."""
+
+    steps_bytes: int
+    masks_bytes: int
+    sampler_bytes: int
+    tail_bytes: int
+    total_bytes: int
+    cache_budget_bytes: int
+
+
+@dataclass(frozen=True)
+class PriorityStats:
+    """Raw priorities of the sampleable transitions of a prioritized store."""
+
+    count: int
+    min: float | None
+    mean: float | None
+    max: float | None
+    max_priority: float
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    path: str
+    format_version: int
+    generation: int
+    spec: dict[str, Any]
+    counts: StoreCounts
+    episodes_running: int
+    disk: DiskUsage
+    ram: RamEstimate
+    sampler: str
+    priorities: PriorityStats | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def store_info(store: ReplayStore) -> StoreInfo:
+    """Summary of an open store: config, counts, disk, RAM and sampler figures."""
+    return StoreInfo(
+        path=str(store.path),
+        format_version=int(store._committed["format_version"]),
+        generation=store.generation,
+        spec=store.spec.to_dict(),
+        counts=store.counts,
+        episodes_running=int(store._ring.running.sum()),
+        disk=disk_usage(store),
+        ram=ram_estimate(store),
+        sampler=store.spec.sampler,
+        priorities=priority_stats(store),
+    )
+
+
+def disk_usage(store: ReplayStore) -> DiskUsage:
+    ring, spec = store._ring, store.spec
+    in_tail = int(store._frames.tail_fill.sum())
+    in_chunks = int((ring.written - ring.oldest).sum()) - in_tail
+    frames_bytes, chunk_files = 0, 0
+    for path, size in _files(store.path / FRAMES):
+        frames_bytes += size
+        chunk_files += path.name != ZARR_JSON
+    ratio = in_chunks * spec.frame_bytes / frames_bytes if in_chunks and frames_bytes else None
+    return DiskUsage(
+        total_bytes=sum(size for _, size in _files(store.path)), frames_bytes=frames_bytes,
+        chunk_files=chunk_files, frames_in_chunks=in_chunks, frames_in_tail=in_tail,
+        compression_ratio=ratio)
+
+
+def _files(root: Path) -> Iterable[tuple[Path, int]]:
+    """(path, size) of every regular file under `root` (symlinks not followed)."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            try:
+                yield path, path.lstat().st_size
+            except FileNotFoundError:  # removed by a writer meanwhile
+                continue
+
+
+def ram_estimate(store: ReplayStore) -> RamEstimate:
+    ring = store._ring
+    steps = ring.steps.nbytes
+    masks = sum(a.nbytes for a in (ring.valid, ring._id_loc, ring.written, ring.kept_from,
+                                   ring.running, ring._dirty_lo))
+    sampler = _array_bytes(store._sampler)
+    tail = store._frames.tail.nbytes
+    return RamEstimate(steps_bytes=steps, masks_bytes=masks, sampler_bytes=sampler,
+                       tail_bytes=tail, total_bytes=steps + masks + sampler + tail,
+                       cache_budget_bytes=store._frames._cache.budget)
+
+
+def _array_bytes(obj: object, depth: int = 2) -> int:
+    """Bytes of the numpy arrays an object holds, looking `depth` attribute levels deep.
+
+    A measurement, not persistence: it keeps `info` right whatever arrays a sampler keeps.
+    """
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif depth > 1 and hasattr(value, "__dict__") and not isinstance(value, type):
+            total += _array_bytes(value, depth - 1)
+    return total
+
+
+def priority_stats(store: ReplayStore) -> PriorityStats | None:
+    """Min/mean/max raw priority over sampleable transitions; None for uniform stores."""
+    sampler = store._priority_sampler()
+    if sampler is None:
+        return None
+    p = sampler.priorities()[store._ring.valid]
+    some = p.size > 0
+    return PriorityStats(
+        count=int(p.size), min=float(p.min()) if some else None,
+        mean=float(p.mean()) if some else None, max=float(p.max()) if some else None,
+        max_priority=float(sampler.max_priority()))
+
+
+# -- episodes ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EpisodeRow:
+    """One episode with at least one kept frame.
+
+    ``length`` counts all its steps (known from positions even when early frames were
+    evicted); ``first_id`` and ``episode_return`` cover only its kept steps, which is all
+    of them when ``fully_kept``.
+    """
+
+    env: int
+    episode: int
+    first_id: int | None
+    last_id: int | None
+    length: int
+    kept_steps: int
+    episode_return: float
+    status: str  # "terminated", "truncated" or "running"
+    fully_kept: bool
+
+
+def kept_frames(ring: StepRing) -> tuple[np.ndarray, np.ndarray]:
+    """(env, frame number) of every kept frame, env-major and in frame order."""
+    oldest, counts = ring.oldest, ring.written - ring.oldest
+    starts = np.cumsum(counts) - counts
+    env = np.repeat(np.arange(ring.E, dtype=np.int64), counts)
+    frames = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts - oldest, counts)
+    return env, frames
+
+
+def episode_table(store: ReplayStore) -> tuple[EpisodeRow, ...]:
+    """Every episode with a kept frame, by episode number (vectorized over frames)."""
+    ring = store._ring
+    env, frames = kept_frames(ring)
+    if env.size == 0:
+        return ()
+    cols = ring.steps[env, frames % ring.S]
+    order = np.argsort(cols["episode"], kind="stable")  # an episode's frames stay in order
+    env, cols = env[order], cols[order]
+    starts = np.flatnonzero(np.r_[True, cols["episode"][1:] != cols["episode"][:-1]])
+    step = cols["has_step"]
+    kept_steps = np.add.reduceat(step.astype(np.int64), starts)
+    columns = {
+        "env": env[starts],
+        "episode": cols["episode"][starts],
+        "first_id": np.minimum.reduceat(np.where(step, cols["id"], np.iinfo(np.int64).max),
+                                        starts),
+        "last_id": np.maximum.reduceat(np.where(step, cols["id"], -1), starts),
+        "length": np.maximum.reduceat(cols["pos"], starts),
+        "kept_steps": kept_steps,
+        "episode_return": np.add.reduceat(
+            np.where(step, cols["reward"].astype(np.float64), 0.0), starts),
+        "fully_kept": np.minimum.reduceat(cols["pos"], starts) == 0,
+    }
+    status = _episode_status(ring, columns["env"], columns["episode"],
+                             np.logical_or.reduceat(step & cols["terminated"], starts))
+    return tuple(_episode_row({k: v[i].item() for k, v in columns.items()}, status[i])
+                 for i in range(starts.size))
+
+
+def _episode_row(values: dict[str, Any], status: str) -> EpisodeRow:
+    if values["kept_steps"] == 0:
+        values["first_id"] = values["last_id"] = None
+    return EpisodeRow(status=status, **values)
+
+
+def _episode_status(ring: StepRing, env: np.ndarray, episode: np.ndarray,
+                    terminated: np.ndarray) -> list[str]:
+    """Ended by termination, still running (its env's current episode) or else truncated."""
+    newest = ring.steps["episode"][np.arange(ring.E), (ring.written - 1) % ring.S]
+    running = ring.running[env] & (newest[env] == episode)
+    return np.where(terminated, "terminated",
+                    np.where(running, "running", "truncated")).tolist()
+
+
+def sort_episodes(rows: Sequence[EpisodeRow], by: str) -> list[EpisodeRow]:
+    """By episode number (ascending), or by return / length (largest first)."""
+    if by not in SORT_KEYS:
+        raise InvalidInputError(f"sort key must be one of {list(SORT_KEYS)}, got {by!r}")
+    if by == "episode":
+        return sorted(rows, key=lambda r: r.episode)
+    if by == "return":
+        return sorted(rows, key=lambda r: (-r.episode_return, r.episode))
+    return sorted(rows, key=lambda r: (-r.length, r.episode))
+
+
+# -- frames and transitions -------------------------------------------------------------
+@dataclass(frozen=True)
+class TransitionView:
+    """One transition as numpy: ``obs``/``next_obs`` are ``(frame_stack, *obs_shape)``."""
+
+    id: int
+    obs: np.ndarray
+    next_obs: np.ndarray
+    action: np.ndarray
+    reward: float
+    discount: float
+    terminated: bool
+    truncated: bool
+
+
+def transition(store: ReplayStore, transition_id: int) -> TransitionView:
+    """The sampleable transition `transition_id` (`UnknownIdError` if it is not)."""
+    batch = store.get([transition_id])
+    return TransitionView(
+        id=int(transition_id), obs=batch.obs[0].numpy(), next_obs=batch.next_obs[0].numpy(),
+        action=batch.action[0].numpy(), reward=float(batch.reward[0]),
+        discount=float(batch.discount[0]), terminated=bool(batch.terminated[0]),
+        truncated=bool(batch.truncated[0]))
+
+
+def episode_frames(store: ReplayStore, episode: int) -> np.ndarray:
+    """The kept frames of `episode` in order, ``(T, *obs_shape)``."""
+    ring = store._ring
+    env, frames = kept_frames(ring)
+    flat = env * ring.S + frames % ring.S
+    mine = flat[ring.steps["episode"].reshape(-1)[flat] == episode]
+    if mine.size == 0:
+        raise InvalidInputError(f"episode {episode} has no kept frame in this store "
+                                f"(see `mmreplay episodes` for the kept ones)")
+    return store._frames.read(mine)
+
+
+def as_images(frames: np.ndarray) -> np.ndarray:
+    """Frames ``(N, *obs_shape)`` as uint8 images ``(N, H, W)`` or ``(N, H, W, C)``.
+
+    Accepts (H, W), (H, W, C) and (C, H, W) observations with C in 1, 3, 4, and 1-D
+    vectors (drawn as a one-pixel-high strip). Non-uint8 values are scaled min..max to 0..255.
+    """
+    shape = frames.shape[1:]
+    if len(shape) == 1:
+        frames = frames[:, None, :]
+    elif len(shape) == 3 and shape[-1] not in (1, 3, 4) and shape[0] in (1, 3, 4):
+        frames = np.moveaxis(frames, 1, -1)
+    elif len(shape) != 2 and not (len(shape) == 3 and shape[-1] in (1, 3, 4)):
+        raise InvalidInputError(f"cannot draw observations of shape {shape}: expected "
+                                f"(H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4")
+    if frames.ndim == 4 and frames.shape[-1] == 1:
+        frames = frames[..., 0]
+    return _to_uint8(frames)
+
+
+def _to_uint8(frames: np.ndarray) -> np.ndarray:
+    if frames.dtype == np.uint8:
+        return frames
+    values = frames.astype(np.float64)
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if high <= low:
+        return np.zeros(frames.shape, np.uint8)
+    return np.round((values - low) * (255.0 / (high - low))).astype(np.uint8)
+
+
+def tile(images: np.ndarray, *, cols: int, scale: int = 1, gap: int = 2,
+         fill: int = 128) -> np.ndarray:
+    """Lay images ``(N, H, W[, C])`` out row-major in a grid `cols` wide.
+
+    Each image is enlarged `scale` times (nearest neighbour); cells are `gap` pixels
+    apart on a `fill` background. Result: ``rows*H*scale + (rows-1)*gap`` high.
+    """
+    n = images.shape[0]
+    rows = max(1, -(-n // cols))
+    big = images.repeat(scale, axis=1).repeat(scale, axis=2)
+    h, w = big.shape[1:3]
+    out = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, *big.shape[3:]),
+                  fill, np.uint8)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        out[r * (h + gap):r * (h + gap) + h, c * (w + gap):c * (w + gap) + w] = big[i]
+    return out
+
+
+# -- plot data ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Distributions:
+    """What `mmreplay plot` draws: priorities of sampleable transitions (None when uniform),
+    per-step rewards of kept steps, and lengths and returns of fully kept, ended episodes."""
+
+    priorities: np.ndarray | None
+    rewards: np.ndarray
+    episode_lengths: np.ndarray
+    episode_returns: np.ndarray
+
+
+def distributions(store: ReplayStore) -> Distributions:
+    ring = store._ring
+    env, frames = kept_frames(ring)
+    cols = ring.steps[env, frames % ring.S]
+    done = [r for r in episode_table(store) if r.fully_kept and r.status != "running"]
+    sampler = store._priority_sampler()
+    return Distributions(
+        priorities=None if sampler is None else sampler.priorities()[ring.valid],
+        rewards=cols["reward"][cols["has_step"]].astype(np.float64),
+        episode_lengths=np.array([r.length for r in done], np.int64),
+        episode_returns=np.array([r.episode_return for r in done], np.float64))
+
+
+# -- sample ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FieldSummary:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    min: float
+    max: float
+
+
+def sample_summary(store: ReplayStore, batch_size: int, *, seed: int | None = None,
+                   beta: float = 0.4) -> tuple[FieldSummary, ...]:
+    """Draw one batch (in memory only) and describe each field.
+
+    Without `seed` the draw uses the store's persisted RNG state: the batch the
+    writer would draw next. Nothing is written back.
+    """
+    if seed is not None:
+        store._rng = np.random.default_rng(seed)
+    batch = store.sample(batch_size, beta=beta)
+    out = []
+    for name in batch.__dataclass_fields__:
+        values = getattr(batch, name).numpy()
+        out.append(FieldSummary(name=name, shape=tuple(values.shape), dtype=str(values.dtype),
+                                min=float(values.min()), max=float(values.max())))
+    return tuple(out)
+
+
+# -- verify ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of `verify_store`; ``problems`` holds one line per problem found."""
+
+    path: str
+    generation: int | None
+    problems: tuple[str, ...]
+    files_checked: int = 0
+    chunks_checked: int = 0
+    frames_checked: int = 0
+    sampleable: int | None = None
+    note: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_store(path: str | os.PathLike[str], *, progress: Progress | None = None,
+                 attempts: int = 4) -> VerifyReport:
+    """Check every invariant and checksum of the store at `path` without writing.
+
+    Raises `InvalidStoreError` only when `path` is not a store at all (no directory or
+    no manifest); damage is reported in the returned report. If a writer commits while
+    a pass runs and that pass found problems, it runs another pass on the new generation.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise InvalidStoreError(f"{root} is not a directory")
+    if not (root / MANIFEST).is_file():
+        raise InvalidStoreError(f"{root} is not an mmreplay store (no {MANIFEST})")
+    passes: list[VerifyReport] = []
+    for _ in range(attempts):
+        before = _generation(root)
+        report = _verify_once(root, progress)
+        if report.ok or _generation(root) == before:
+            return report
+        passes.append(report)
+    # A writer committed during every pass: files it replaced look missing or stray for
+    # one pass only. Damage persists, so keep the problems every pass saw.
+    lasting = tuple(p for p in report.problems if all(p in r.problems for r in passes))
+    return replace(report, problems=lasting, note=(
+        f"a writer committed during each of {attempts} passes; reporting only the problems "
+        f"every pass found"))
+
+
+def _verify_once(root: Path, progress: Progress | None) -> VerifyReport:
+    try:
+        manifest = read_manifest(root)
+        spec = StoreSpec.from_dict(manifest["spec"])
+    except InvalidStoreError as exc:
+        return VerifyReport(path=str(root), generation=None, problems=(str(exc),))
+    problems = _manifest_cursor_problems(manifest, spec)
+    cursors_ok = not problems  # chunk and tail checks need sound cursors
+    files = _check_named_files(root, manifest, spec, problems, cursors_ok=cursors_ok)
+    files_ok = not problems  # opening reads exactly these files: its error would repeat ours
+    problems += _zarr_problems(root, spec)
+    chunks, frames = (_check_chunks(root, manifest, spec, progress, problems) if cursors_ok
+                      else (0, 0))
+    sampleable = _check_open_store(root, problems, report_failure=files_ok)
+    problems += _unexpected_files(root, manifest, spec)
+    return VerifyReport(path=str(root), generation=int(manifest["generation"]),
+                        problems=tuple(problems), files_checked=files, chunks_checked=chunks,
+                        frames_checked=frames, sampleable=sampleable)
+
+
+def _manifest_cursor_problems(manifest: dict[str, Any], spec: StoreSpec) -> list[str]:
+    """Per-env cursors: right length, ints, ``kept_from <= written`` (checked first)."""
+    for key in ("written", "kept_from"):
+        values = manifest[key]
+        if len(values) != spec.num_envs or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            return [f"manifest field {key!r} must be {spec.num_envs} "
+                    f"non-negative ints, got {values!r:.80}"]
+    if len(manifest["running"]) != spec.num_envs:
+        return [f"manifest field 'running' must have {spec.num_envs} entries"]
+    bad = [e for e, (w, k) in enumerate(zip(manifest["written"], manifest["kept_from"],
+                                            strict=True)) if k > w]
+    if bad:
+        return [f"manifest cursors: kept_from > written for envs {bad[:10]}"]
+    return []
+
+
+def _named_layout(manifest: dict[str, Any], spec: StoreSpec,
+                  problems: list[str]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Every file the manifest should name, with the dtype and shape it must hold."""
+    blocks_n = -(-spec.slots_per_env // spec.block_slots)
+    rows = [min(spec.block_slots, spec.slots_per_env - b * spec.block_slots)
+            for b in range(blocks_n)]
+    want: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+        manifest["tail"]: (np.dtype(spec.obs_dtype),
+                           (spec.num_envs, spec.chunk_frames, *spec.obs_shape))}
+    lists = [("blocks", step_dtype(spec))]
+    if spec.sampler != "uniform":
+        lists.append(("prio_blocks", np.dtype("<f8")))
+    for key, dtype in lists:
+        names = manifest.get(key)
+        if not isinstance(names, list) or (names and len(names) != blocks_n):
+            problems.append(f"manifest field {key!r} must list {blocks_n} block files")
+            continue
+        for name, n in zip(names, rows, strict=False):
+            if name is not None:
+                want[name] = (dtype, (spec.num_envs, n))
+    return want
+
+
+def _check_named_files(root: Path, manifest: dict[str, Any], spec: StoreSpec,
+                       problems: list[str], *, cursors_ok: bool) -> int:
+    """crc32, dtype and shape of every small file the manifest names; returns how many."""
+    want = _named_layout(manifest, spec, problems)
+    crcs = manifest["files"]
+    for name in sorted(set(crcs) - set(want), key=str):
+        problems.append(f"manifest lists {name} with a crc but no block or tail uses it")
+    for name, (dtype, shape) in want.items():
+        try:
+            array = load_npy(root, name, crcs.get(name), dtype=dtype, shape=shape)
+        except InvalidStoreError as exc:
+            problems.append(_file_problem(root, name, exc))
+            continue
+        if name == manifest["tail"] and cursors_ok:
+            problems += _tail_problems(array, manifest, spec)
+    return len(want)
+
+
+def _file_problem(root: Path, name: str, exc: InvalidStoreError) -> str:
+    """`load_npy`'s message, or a plainer one for an empty file."""
+    try:
+        empty = (root / name).stat().st_size == 0
+    except (OSError, TypeError, ValueError):
+        empty = False
+    return f"{name} is empty (0 bytes)" if empty else str(exc)
+
+
+def _tail_problems(tail: np.ndarray, manifest: dict[str, Any], spec: StoreSpec) -> list[str]:
+    """Rows of the tail past each env's write cursor must be zeros."""
+    fill = np.asarray(manifest["written"]) % spec.slots_per_env % spec.chunk_frames
+    bad = [e for e in range(spec.num_envs) if tail[e, int(fill[e]):].any()]
+    return [f"tail file {manifest['tail']} holds data past the write cursor of envs {bad[:10]}"
+            ] if bad else []
+
+
+def _zarr_problems(root: Path, spec: StoreSpec) -> list[str]:
+    """The zarr metadata must describe the frames array this spec implies."""
+    try:
+        group = json.loads((root / ZARR_JSON).read_bytes())
+        meta = json.loads((root / FRAMES / ZARR_JSON).read_bytes())
+    except (OSError, ValueError) as exc:
+        return [f"zarr metadata cannot be read: {exc}"]
+    got = _zarr_layout(group, meta)
+    want = {"group": "group", "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
+            "chunks": [1, spec.chunk_frames, *spec.obs_shape], "dtype": spec.obs_dtype,
+            "codecs": ["bytes", "zstd", "crc32c"]}
+    return [f"{FRAMES}/{ZARR_JSON}: {key} is {got.get(key)!r}, expected {value!r}"
+            for key, value in want.items() if got.get(key) != value]
+
+
+def _zarr_layout(group: Any, meta: Any) -> dict[str, Any]:
+    try:
+        return {"group": group.get("node_type"), "shape": meta.get("shape"),
+                "chunks": meta["chunk_grid"]["configuration"]["chunk_shape"],
+                "dtype": meta.get("data_type"),
+                "codecs": [c.get("name") for c in meta.get("codecs", [])]}
+    except (AttributeError, KeyError, TypeError):
+        return {}
+
+
+def disk_chunks(lo: int, hi: int, slots: int, chunk: int) -> list[int]:
+    """Chunk numbers holding frames ``lo..hi-1`` of one env's ring of `slots` slots."""
+    count = -(-slots // chunk)
+    if hi <= lo:
+        return []
+    if hi - lo >= slots:
+        return list(range(count))
+    a, b = lo % slots // chunk, (hi - 1) % slots // chunk
+    if lo % slots <= (hi - 1) % slots:
+        return list(range(a, b + 1))
+    return sorted(set(range(a, count)) | set(range(0, b + 1)))
+
+
+def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
+                  progress: Progress | None, problems: list[str]) -> tuple[int, int]:
+    """Every chunk holding a kept frame exists, passes crc32c and decodes to full size."""
+    S, C = spec.slots_per_env, spec.chunk_frames
+    written = np.asarray(manifest["written"], np.int64)
+    oldest = np.minimum(np.maximum(np.asarray(manifest["kept_from"], np.int64), written - S),
+                        written)
+    on_disk_end = written - written % S % C  # later frames live in the tail file
+    work = [(e, c) for e in range(spec.num_envs)
+            for c in disk_chunks(int(oldest[e]), int(on_disk_end[e]), S, C)]
+    store = FrameStore(root, spec, writable=False, cache_bytes=0)
+    for env, chunk in (progress(work, len(work)) if progress else work):
+        problem = _chunk_problem(store, root, env, chunk)
+        if problem:
+            problems.append(problem)
+    return len(work), int(np.maximum(on_disk_end - oldest, 0).sum())
+
+
+def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str | None:
+    path = frames.chunk_path(env, chunk)
+    where = path.relative_to(root).as_posix()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return f"frame chunk {where} is missing (it holds kept frames)"
+    except OSError as exc:
+        return f"frame chunk {where} cannot be read: {exc}"
+    try:
+        frames._codec.decode(data, where)
+    except InvalidStoreError as exc:
+        return str(exc)
+    return None
+
+
+def _check_open_store(root: Path, problems: list[str], *, report_failure: bool) -> int | None:
+    """Open read-only and run the ring's and sampler's own invariant checks."""
+    try:
+        store = ReplayStore.open(root, mode="r", cache_bytes=0)
+    except (MmreplayError, OSError) as exc:
+        if report_failure:
+            problems.append(f"store does not open: {exc}")
+        return None
+    with store:
+        for check in (store._ring.check_valid, getattr(store._sampler, "check_valid", None)):
+            try:
+                if check is not None:
+                    check()
+            except RuntimeError as exc:
+                problems.append(f"invariant broken: {exc}")
+        problems += ring_problems(store._ring)
+        return len(store)
+
+
+def ring_problems(ring: StepRing) -> list[str]:
+    """Invariants of the kept step columns that `StepRing.check_valid` does not cover."""
+    env, f = kept_frames(ring)
+    if (ring.written - ring.oldest > ring.S).any():
+        return [f"cursors keep more than {ring.S} frames per env: written {ring.written}, "
+                f"oldest {ring.oldest}"]
+    c = ring.steps[env, f % ring.S]
+    has_next = f + 1 < ring.written[env]
+    n = ring.steps[env, (f + 1) % ring.S]
+    cont = has_next & (n["pos"] == c["pos"] + 1) & (n["episode"] == c["episode"])
+    ended = c["has_step"] & (c["terminated"] | c["truncated"])
+    checks = [
+        (has_next & ~cont & (n["pos"] != 0), "is followed by a frame that neither continues "
+         "its episode nor starts one"),
+        (c["has_step"] != cont, "has a step iff its episode continues: violated"),
+        ((c["terminated"] | c["truncated"]) & ~c["has_step"], "carries an end flag but no step"),
+        (ended & n["has_step"] & has_next, "ends its episode, but the episode goes on"),
+        (c["has_step"] & ((c["id"] < 0) | (c["id"] >= ring.next_id)),
+         f"has a transition id outside [0, next_id={ring.next_id})"),
+        (~c["has_step"] & (c["id"] != -1), "has no step but a transition id"),
+        ((c["episode"] < 0) | (c["episode"] >= ring.next_episode) | (c["pos"] < 0),
+         f"has an episode number outside [0, next_episode={ring.next_episode}) or pos < 0"),
+    ]
+    out = [_frames_problem(env[bad], f[bad], what) for bad, what in checks if bad.any()]
+    ids = c["id"][c["has_step"]]
+    if np.unique(ids).size != ids.size:
+        out.append("transition ids of kept steps are not unique")
+    return out + _running_problems(ring)
+
+
+def _running_problems(ring: StepRing) -> list[str]:
+    bad = np.flatnonzero(ring.running & (ring.written == 0))
+    return [f"envs {bad[:10].tolist()} are marked running but have no frame"] if bad.size else []
+
+
+def _frames_problem(env: np.ndarray, frames: np.ndarray, what: str) -> str:
+    where = ", ".join(f"env {e} frame {t}" for e, t in zip(env[:3].tolist(), frames[:3].tolist(),
+                                                           strict=True))
+    more = f" and {env.size - 3} more" if env.size > 3 else ""
+    return f"step columns: {where}{more} {what}"
+
+
+def _unexpected_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> list[str]:
+    """Files that are neither named by the manifest nor part of the fixed layout."""
+    named = set(manifest["files"]) | {MANIFEST, LOCK}
+    out = []
+    for path, _ in _files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel in named or _allowed(rel.split("/"), spec):
+            continue
+        kind = "symlink" if path.is_symlink() else "file"
+        out.append(f"unexpected {kind} {rel}: not named by the manifest")
+    return out
+
+
+def _allowed(parts: list[str], spec: StoreSpec) -> bool:
+    """zarr metadata, temp files of in-flight writes, and frame chunks of this layout."""
+    if parts[-1] == ZARR_JSON:
+        return True
+    if len(parts) == 2 and parts[0] == TMP_DIR and parts[1].endswith(TMP_SUFFIX):
+        return True
+    zeros = ["0"] * len(spec.obs_shape)
+    if len(parts) != 4 + len(zeros) or parts[:2] != [FRAMES, "c"] or parts[4:] != zeros:
+        return False
+    if not (parts[2].isdigit() and parts[3].isdigit()):
+        return False
+    chunks = -(-spec.slots_per_env // spec.chunk_frames)
+    return int(parts[2]) < spec.num_envs and int(parts[3]) < chunks
