@@ -81,6 +81,8 @@ def record(game: str, n_frames: int, seed: int, *, progress: bool = False) -> Al
         raise ValueError(f"n_frames must be >= 1, got {n_frames}")
     env = make_env(game)
     rng = np.random.default_rng(seed)
+    if not isinstance(env.action_space, gym.spaces.Discrete):
+        raise TypeError(f"{game} has action space {env.action_space}; expected a Discrete one")
     num_actions = int(env.action_space.n)
     frames = np.empty((n_frames, 84, 84), dtype=np.uint8)
     is_first = np.zeros(n_frames, dtype=bool)

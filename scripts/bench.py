@@ -7,7 +7,9 @@
 Sections, each a function that returns a dict of figures:
 
     add          `ReplayStore.add` steps/s into a single-env store (frame_stack=4)
-    sample       `ReplayStore.sample(batch)` latency, from a store holding all recorded frames
+    sample       `ReplayStore.sample(batch)` latency, from a store holding all recorded frames:
+                 on the live writer (its chunk cache warm from writing), then reopened "r"
+    disk         that store's size on disk against the raw frame bytes
     numpy_floor  the same batch gathered from an in-RAM numpy array with fancy indexing
     naive_zarr   the same batch read per sample from the store's zarr `frames` array
 
@@ -76,6 +78,7 @@ def field_docs(cls: type) -> dict[str, str]:
         for node, doc in zip(body, body[1:], strict=False)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
         and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
     }
 
 
@@ -129,12 +132,15 @@ def feed(store: ReplayStore, rec: AleFrames, stop: int, *, desc: str) -> None:
 
 
 def window_starts(rng: np.random.Generator, n_frames: int, size: int) -> np.ndarray:
-    """Random frame t with a full window t-3 .. t+1 (obs stack and next stack) in [0, n)."""
+    """`size` random frames t whose window t-3 .. t+1 (obs and next stack) lies in [0, n)."""
     return rng.integers(FRAME_STACK - 1, n_frames - 1, size=size)
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def dir_bytes(path: Path) -> tuple[int, int]:
+    """Bytes under `path`: the files' sizes, and the filesystem blocks of files and folders."""
+    paths = list(path.rglob("*"))
+    files = sum(p.stat().st_size for p in paths if p.is_file())
+    return files, sum(p.stat().st_blocks * 512 for p in paths)
 
 
 def machine_info() -> dict[str, Any]:
@@ -149,6 +155,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "mmreplay": getattr(mmreplay, "__version__", "unknown"),
+        "loadavg_1m_at_start": os.getloadavg()[0],  # other work on the machine skews figures
     }
 
 
@@ -166,29 +173,39 @@ def bench_record(args: Args) -> tuple[AleFrames, dict[str, Any]]:
                  "seconds": seconds, "frames_per_s": None if cached else len(rec) / seconds}
 
 
-def bench_add(rec: AleFrames, steps: int, root: Path, seed: int) -> dict[str, Any]:
+def bench_add(rec: AleFrames, n_frames: int, root: Path, seed: int) -> dict[str, Any]:
     """`add` (and `reset`) throughput into a fresh single-env store big enough for every frame."""
-    steps = min(steps, len(rec))
-    store = new_store(root / "add_store", steps, seed)
+    n_frames = min(n_frames, len(rec))
+    store = new_store(root / "add_store", n_frames, seed)
     start = time.perf_counter()
-    feed(store, rec, steps, desc="add")
+    feed(store, rec, n_frames, desc="add")
     seconds = time.perf_counter() - start
     start = time.perf_counter()
     store.flush()
     flush_s = time.perf_counter() - start
     store.close()
-    adds = int((~rec.is_first[:steps]).sum())
-    return {"frames": steps, "adds": adds, "seconds": seconds, "flush_s": flush_s,
-            "steps_per_s": adds / seconds, "frames_per_s": steps / seconds,
-            "disk_mib": dir_bytes(root / "add_store") / 2**20}
+    adds = int((~rec.is_first[:n_frames]).sum())
+    return {"frames": n_frames, "adds": adds, "seconds": seconds, "flush_s": flush_s,
+            "steps_per_s": adds / seconds, "frames_per_s": n_frames / seconds,
+            "disk_mib": dir_bytes(root / "add_store")[0] / 2**20}
 
 
 def bench_sample(store: ReplayStore, args: Args) -> dict[str, Any]:
-    """`sample(batch_size)` latency on the live store (the writer's view, as in training)."""
+    """`sample(batch_size)` latency of `store`."""
     batch = store.sample(args.batch_size)
     out = latency_ms(lambda: store.sample(args.batch_size), reps=args.reps, warmup=args.warmup)
     return {**out, "sampleable": len(store), "obs_shape": list(batch.obs.shape),
             "next_obs_shape": list(batch.next_obs.shape)}
+
+
+def bench_disk(path: Path, frames_held: int) -> dict[str, Any]:
+    """Store size: file bytes (what zstd achieved) and allocated blocks (what the disk pays)."""
+    raw = frames_held * 84 * 84
+    files, allocated = dir_bytes(path)
+    frame_files, _ = dir_bytes(path / "frames")
+    return {"raw_mib": raw / 2**20, "file_mib": files / 2**20,
+            "frame_file_mib": frame_files / 2**20, "allocated_mib": allocated / 2**20,
+            "ratio_files": raw / files, "ratio_allocated": raw / allocated}
 
 
 def bench_numpy_floor(frames: np.ndarray, args: Args) -> dict[str, Any]:
@@ -233,11 +250,15 @@ def print_table(result: dict[str, Any]) -> None:
           f"{rec['episodes']} episodes ({how})")
     print(f"add      {add['steps_per_s']:.0f} steps/s over {add['adds']} steps "
           f"(flush {add['flush_s'] * 1e3:.0f} ms, {add['disk_mib']:.1f} MiB on disk)")
+    disk = result["disk"]
+    print(f"disk     {disk['raw_mib']:.0f} MiB raw -> {disk['file_mib']:.1f} MiB in files "
+          f"({disk['ratio_files']:.0f}x), {disk['allocated_mib']:.1f} MiB allocated incl. folders "
+          f"({disk['ratio_allocated']:.1f}x)")
     floor = result["numpy_floor"]["median_ms"]
     print(f"\nsample({result['config']['batch_size']}) of {FRAME_STACK}-frame obs + next_obs "
           f"stacks, {result['sample']['sampleable']} sampleable:")
     print(f"  {'':<18}{'median ms':>10}{'p90 ms':>10}{'x numpy':>10}")
-    for name in ("sample", "numpy_floor", "naive_zarr"):
+    for name in ("sample", "sample_reopened", "numpy_floor", "naive_zarr"):
         row = result[name]
         print(f"  {name:<18}{row['median_ms']:>10.3f}{row['p90_ms']:>10.3f}"
               f"{row['median_ms'] / floor:>10.1f}")
@@ -260,17 +281,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mmreplay_bench_") as tmp:
         root = Path(tmp)
         result["add"] = bench_add(rec, args.add_steps, root, args.seed)
-        store = new_store(root / "sample_store", len(rec), args.seed)
-        feed(store, rec, len(rec), desc="build")
-        store.flush()
-        result["sample"] = bench_sample(store, args)
-        store.close()
+        path = root / "sample_store"
+        with new_store(path, len(rec), args.seed) as store:
+            feed(store, rec, len(rec), desc="build")
+            store.flush()
+            result["sample"] = bench_sample(store, args)
+        with ReplayStore.open(path, mode="r") as store:
+            result["sample_reopened"] = bench_sample(store, args)
+        result["disk"] = bench_disk(path, len(rec))
         result["numpy_floor"] = bench_numpy_floor(rec.frames, args)
-        result["naive_zarr"] = bench_naive_zarr(root / "sample_store", len(rec), args)
-    floor, sample = result["numpy_floor"]["median_ms"], result["sample"]["median_ms"]
-    result["ratios"] = {"sample_over_numpy": sample / floor,
-                        "naive_zarr_over_numpy": result["naive_zarr"]["median_ms"] / floor,
-                        "naive_zarr_over_sample": result["naive_zarr"]["median_ms"] / sample}
+        result["naive_zarr"] = bench_naive_zarr(path, len(rec), args)
+    median = {name: result[name]["median_ms"]
+              for name in ("sample", "sample_reopened", "numpy_floor", "naive_zarr")}
+    result["ratios"] = {
+        "sample_over_numpy": median["sample"] / median["numpy_floor"],
+        "sample_reopened_over_numpy": median["sample_reopened"] / median["numpy_floor"],
+        "naive_zarr_over_numpy": median["naive_zarr"] / median["numpy_floor"],
+        "naive_zarr_over_sample": median["naive_zarr"] / median["sample"],
+    }
     print_table(result)
     path = write_json(result, Path(args.out_dir), "core_quick.json" if args.quick else "core.json")
     print(f"\nwrote {path}", file=sys.stderr)

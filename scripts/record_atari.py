@@ -53,6 +53,7 @@ def field_docs(cls: type) -> dict[str, str]:
         for node, doc in zip(body, body[1:], strict=False)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
         and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+        and isinstance(doc.value.value, str)
     }
 
 
@@ -75,8 +76,11 @@ def make_env(game: str) -> gym.Env:
     return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def dir_bytes(path: Path) -> tuple[int, int]:
+    """Bytes under `path`: the files' sizes, and the filesystem blocks of files and folders."""
+    paths = list(path.rglob("*"))
+    files = sum(p.stat().st_size for p in paths if p.is_file())
+    return files, sum(p.stat().st_blocks * 512 for p in paths)
 
 
 if __name__ == "__main__":
@@ -91,6 +95,8 @@ if __name__ == "__main__":
 
     env = make_env(args.game)
     rng = np.random.default_rng(args.seed)
+    if not isinstance(env.action_space, gym.spaces.Discrete):
+        sys.exit(f"{args.game} has action space {env.action_space}; expected a Discrete one")
     num_actions = int(env.action_space.n)
     store = ReplayStore.create(out, capacity=args.capacity, obs_shape=(84, 84), obs_dtype=np.uint8,
                                frame_stack=4, seed=args.seed)
@@ -123,16 +129,16 @@ if __name__ == "__main__":
     with ReplayStore.open(out, mode="r") as store:
         counts = store.counts
         raw_bytes = counts.frames_kept * store.spec.frame_bytes
-        total_bytes, chunk_bytes = dir_bytes(out), dir_bytes(out / "frames")
+        (total_bytes, total_blocks), chunk_bytes = dir_bytes(out), dir_bytes(out / "frames")[0]
         print(f"store        {out}")
         print(f"frames       {counts.frames_kept} kept, {counts.frames_written} written "
               f"(capacity {store.spec.capacity})")
         print(f"transitions  {counts.transitions} recorded, {counts.sampleable} sampleable")
         print(f"episodes     {counts.episodes}")
-        print(f"disk         {total_bytes / 2**20:.2f} MiB, of which frame chunks "
-              f"{chunk_bytes / 2**20:.2f} MiB")
-        print(f"compression  {raw_bytes / total_bytes:.1f}x ({raw_bytes / 2**20:.1f} MiB of raw "
-              f"frames / whole store on disk)")
+        print(f"disk         {total_bytes / 2**20:.2f} MiB in files ({chunk_bytes / 2**20:.2f} MiB "
+              f"frame chunks), {total_blocks / 2**20:.2f} MiB allocated incl. folders")
+        print(f"compression  {raw_bytes / total_bytes:.1f}x: {raw_bytes / 2**20:.1f} MiB of raw "
+              f"frames / file bytes ({raw_bytes / total_blocks:.1f}x of allocated blocks)")
         batch = store.sample(32)
         print("sample(32)")
         for f in fields(batch):

@@ -53,21 +53,23 @@ def test_record_atari_writes_a_store_that_reopens(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "sample(32)" in proc.stdout
 
-    # Every step writes its next_obs and every episode its o_0: steps + episodes frames.
-    episodes = int(proc.stdout.split("episodes")[-1].split()[0])
-    assert episodes >= 1
-    frames_line = next(line for line in proc.stdout.splitlines() if line.startswith("frames "))
-    assert int(frames_line.split()[1]) == steps + episodes
-
-    frames = zarr.open_group(str(out), mode="r")["frames"]
+    frames = zarr.open_array(str(out / "frames"), mode="r")
     assert frames.shape == (1, 1000, 84, 84)
     assert frames.dtype == np.uint8
     with ReplayStore.open(out, mode="r") as store:
-        assert 0 < len(store) <= steps
+        counts = store.counts
+        # Every step writes its next_obs and every episode its o_0.
+        assert counts.transitions == steps
+        assert counts.episodes >= 1
+        assert counts.frames_written == counts.frames_kept == steps + counts.episodes
+        assert 0 < counts.sampleable == len(store) <= steps
         batch = store.sample(8)
         assert tuple(batch.obs.shape) == (8, 4, 84, 84)
         assert tuple(batch.next_obs.shape) == (8, 4, 84, 84)
         assert int(batch.obs.max()) > 0  # real pixels, not padding only
+    printed = dict(line.split(maxsplit=1) for line in proc.stdout.splitlines()[1:6])
+    assert printed["frames"].startswith(f"{counts.frames_kept} kept")
+    assert printed["episodes"] == str(counts.episodes)
 
 
 def test_record_atari_refuses_to_overwrite(tmp_path: Path) -> None:
@@ -89,13 +91,14 @@ def test_bench_quick_writes_positive_figures(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "core_quick.json").read_text())
 
-    assert {"machine", "config", "record", "add", "sample", "numpy_floor", "naive_zarr",
-            "ratios"} <= set(result)
+    assert {"machine", "config", "record", "add", "sample", "sample_reopened", "disk",
+            "numpy_floor", "naive_zarr", "ratios"} <= set(result)
     assert result["machine"]["cpu_count"] >= 1
     assert result["record"]["frames"] == 2000
     assert result["add"]["steps_per_s"] > 0
-    for name in ("sample", "numpy_floor", "naive_zarr"):
+    for name in ("sample", "sample_reopened", "numpy_floor", "naive_zarr"):
         assert 0 < result[name]["median_ms"] <= result[name]["p90_ms"]
+    assert result["disk"]["file_mib"] < result["disk"]["raw_mib"]  # zstd compresses Atari
     assert result["sample"]["obs_shape"] == [32, 4, 84, 84]
     assert result["naive_zarr"]["array_shape"] == [1, 2000, 84, 84]
     assert all(ratio > 0 for ratio in result["ratios"].values())
