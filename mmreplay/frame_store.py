@@ -3,16 +3,20 @@
 Layout::
 
     <root>/frames/zarr.json              zarr v3 array metadata
-    <root>/frames/c/<env>/<chunk>/0/0    one chunk = `chunk_frames` consecutive slots of one env
+    <root>/frames/c.<env>.<chunk>.0.0    one chunk = `chunk_frames` consecutive slots of one env
 
 The array has shape ``(num_envs, slots_per_env, *obs_shape)`` and chunk shape
-``(1, chunk_frames, *obs_shape)``; codecs are ``bytes -> zstd -> crc32c``, so
+``(1, chunk_frames, *obs_shape)``; chunk keys use zarr's default encoding with
+the ``"."`` separator (one flat directory, no directory per chunk); codecs are
+``bytes -> zstd -> crc32c``, so
 ``zarr.open_group(root)["frames"]`` reads it with no help from mmreplay.
 
 Frames arrive one slot at a time per env (the ring's cursor). The chunk being
 filled lives in RAM (the *tail*); it is encoded and written whole, atomically
 (temp file + rename), as soon as its last slot arrives, so no chunk is ever
-read-modify-written. Before it writes a chunk it calls ``before_chunk_write`` so
+read-modify-written. Encoding and writing happen on one background thread
+(`ChunkWriter`), in order; until a chunk is on disk, reads are served from RAM.
+Before it writes a chunk it calls ``before_chunk_write`` so
 the owner can give up (in a committed manifest) the old frames that chunk held.
 
 This module knows slots, chunks, codecs and caches; it knows nothing of
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import os
 import struct
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import google_crc32c
@@ -51,6 +57,7 @@ def create_frames_array(root: Path, spec: StoreSpec) -> None:
         chunks=(1, spec.chunk_frames, *spec.obs_shape),
         dtype=spec.obs_dtype,
         compressors=[ZstdCodec(level=spec.codec_level), Crc32cCodec()],
+        chunk_key_encoding={"name": "default", "separator": "."},
         fill_value=0,
     )
 
@@ -135,6 +142,67 @@ class ChunkCache:
             self.nbytes -= old.nbytes
 
 
+class ChunkWriter:
+    """Encodes and writes finished chunks on one background thread, in submission order.
+
+    ``pending`` holds every submitted chunk until its file is renamed into place,
+    so readers never miss a frame. At most `max_pending` chunks wait (back-pressure).
+    A failed write keeps its chunk pending; `drain` raises the error and retries
+    failed chunks on the next call, so no commit ever names a chunk that is not on disk.
+    """
+
+    def __init__(self, codec: ChunkCodec, tmp_dir: Path, *, max_pending: int = 64) -> None:
+        self._codec = codec
+        self._tmp_dir = tmp_dir
+        self._max = max_pending
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmreplay-writer")
+        self._lock = threading.Lock()
+        self._futures: deque[Future[None]] = deque()
+        self._failed: list[tuple[tuple[int, int], Path, np.ndarray]] = []
+        self.pending: dict[tuple[int, int], np.ndarray] = {}
+        self.written: list[Path] = []
+
+    def submit(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
+        while len(self._futures) >= self._max or (self._futures and self._futures[0].done()):
+            self._futures.popleft().result()
+        with self._lock:
+            self.pending[key] = frames
+        self._futures.append(self._pool.submit(self._write, key, path, frames))
+
+    def _write(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
+        try:
+            write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
+        except BaseException:
+            self._failed.append((key, path, frames))
+            raise
+        self.written.append(path)
+        with self._lock:
+            if self.pending.get(key) is frames:  # a newer lap may have replaced it
+                del self.pending[key]
+
+    def drain(self) -> None:
+        """Wait for every submitted write; re-raise the first failure (after retrying)."""
+        error: BaseException | None = None
+        while self._futures:
+            try:
+                self._futures.popleft().result()
+            except BaseException as exc:  # keep draining; report the first
+                error = error or exc
+        if error is not None:
+            raise error
+        failed, self._failed = self._failed, []
+        for key, path, frames in failed:
+            self._futures.append(self._pool.submit(self._write, key, path, frames))
+        if failed:
+            self.drain()
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 class FrameStore:
     """Batched frame reads and appends over the zarr `frames` array.
 
@@ -157,13 +225,12 @@ class FrameStore:
         self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
-        self._unsynced: list[Path] = []
-        self._made_dirs: set[Path] = set()
+        self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable else None
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
-        zeros = "/".join("0" for _ in self.spec.obs_shape)
-        return self._dir / "c" / str(env) / str(chunk) / zeros
+        zeros = ".0" * len(self.spec.obs_shape)
+        return self._dir / f"c.{env}.{chunk}{zeros}"
 
     def chunk_slots(self, chunk: int) -> int:
         """Real slots in `chunk`; the last chunk of the ring may be short."""
@@ -186,25 +253,32 @@ class FrameStore:
             self._hook(env, chunk)
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
-        path = self.chunk_path(env, chunk)
-        if path.parent not in self._made_dirs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._made_dirs.add(path.parent)
-        write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
-        if self._durable:
-            self._unsynced.append(path)
+        assert self._writer is not None, "append on a read-only frame store"
+        self._writer.submit((env, chunk), self.chunk_path(env, chunk), frames)
         self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
 
+    def drain(self) -> None:
+        """Wait until every finished chunk is on disk (raises a failed write's error)."""
+        if self._writer is not None:
+            self._writer.drain()
+
     def sync(self) -> None:
-        """fsync every chunk written since the last sync, then their directories."""
-        dirs = {p.parent for p in self._unsynced}
-        for path in self._unsynced:
+        """Drain, then fsync every chunk written since the last sync and the directory."""
+        self.drain()
+        if self._writer is None:
+            return
+        written, self._writer.written = self._writer.written, []
+        for path in written:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-        for d in dirs:
-            fsync_dir(d)
-        self._unsynced.clear()
+        if written:
+            fsync_dir(self._dir)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     # -- the RAM tail ---------------------------------------------------------
     def tail_frames(self) -> np.ndarray:
@@ -250,6 +324,9 @@ class FrameStore:
         cached = self._cache.get((env, chunk))
         if cached is not None:
             return cached
+        pending = self._writer.pending.get((env, chunk)) if self._writer else None
+        if pending is not None:
+            return pending
         path = self.chunk_path(env, chunk)
         try:
             data = path.read_bytes()

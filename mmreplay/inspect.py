@@ -709,10 +709,13 @@ def _allowed(parts: list[str], spec: StoreSpec) -> bool:
         return True
     if len(parts) == 2 and parts[0] == TMP_DIR and parts[1].endswith(TMP_SUFFIX):
         return True
-    zeros = ["0"] * len(spec.obs_shape)
-    if len(parts) != 4 + len(zeros) or parts[:2] != [FRAMES, "c"] or parts[4:] != zeros:
+    if len(parts) != 2 or parts[0] != FRAMES:
         return False
-    if not (parts[2].isdigit() and parts[3].isdigit()):
+    key = parts[1].split(".")  # c.<env>.<chunk>.0.0 (zarr default key, "." separator)
+    zeros = ["0"] * len(spec.obs_shape)
+    if len(key) != 3 + len(zeros) or key[0] != "c" or key[3:] != zeros:
+        return False
+    if not (key[1].isdigit() and key[2].isdigit()):
         return False
     chunks = -(-spec.slots_per_env // spec.chunk_frames)
-    return int(parts[2]) < spec.num_envs and int(parts[3]) < chunks
+    return int(key[1]) < spec.num_envs and int(key[2]) < chunks

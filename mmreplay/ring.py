@@ -78,6 +78,8 @@ class StepRing:
         self._id_loc = np.full(self.E * self.S, -1, np.int64)
         self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
         self.dirty_blocks: set[int] = set()
+        self._blank = np.zeros((), self.steps.dtype)
+        self._blank["id"] = -1
 
     # -- frame numbers ----------------------------------------------------------
     @property
@@ -95,56 +97,58 @@ class StepRing:
     def begin_episodes(self, envs: np.ndarray) -> np.ndarray:
         """Start a new episode (o_0) in each env; returns the slots to write o_0 to."""
         self.truncate_running(envs)
-        slots = self._new_frames(envs)
-        rec = self.steps[envs, slots]
-        rec["pos"] = 0
-        rec["episode"] = self.next_episode + np.arange(envs.size)
-        self.steps[envs, slots] = rec
-        self.next_episode += envs.size
-        self.running[envs] = True
+        slots = np.empty(envs.size, np.int64)
+        for i, env in enumerate(envs.tolist()):
+            rec, slots[i] = self._new_frame(env)
+            rec["episode"] = self.next_episode
+            self.next_episode += 1
+            self.running[env] = True
         return slots
 
     def truncate_running(self, envs: np.ndarray) -> None:
         """End running episodes as truncated at their last recorded step."""
-        cut = envs[self.running[envs] & (self.written[envs] >= 2)]
-        last = self.written[cut] - 2
-        has = self.steps["has_step"][cut, last % self.S] & (
-            self.steps["pos"][cut, (last + 1) % self.S] > 0)
-        cut, last = cut[has], last[has]
-        self.steps["truncated"][cut, last % self.S] = True
-        self._touch(cut, last)
-        self.running[envs] = False
+        for env in envs[self.running[envs]].tolist():
+            self.running[env] = False
+            last = int(self.written[env]) - 2
+            if last < 0 or self.steps[env, (last + 1) % self.S]["pos"] == 0:
+                continue  # the episode has no step yet
+            self.steps[env, last % self.S]["truncated"] = True
+            self._touch(env, last)
 
     def record_steps(self, envs: np.ndarray, action: np.ndarray, reward: np.ndarray,
                      terminated: np.ndarray, truncated: np.ndarray) -> np.ndarray:
-        """Record one step per env (all running); returns the slots for the next frames."""
-        t = self.written[envs] - 1
-        prev = self.steps[envs, t % self.S]
-        ids = self.next_id + np.arange(envs.size, dtype=np.int64)
-        prev["has_step"], prev["terminated"], prev["truncated"] = True, terminated, truncated
-        prev["reward"], prev["action"], prev["id"] = reward, action, ids
-        self.steps[envs, t % self.S] = prev
-        self._id_loc[ids % self._id_loc.size] = envs * self.S + t % self.S
-        self._touch(envs, t)
-        self.next_id += envs.size
-        slots = self._new_frames(envs)
-        rec = self.steps[envs, slots]
-        rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
-        self.steps[envs, slots] = rec
-        self.running[envs] = ~(terminated | truncated)
+        """Record one step per env (all running); returns the slots for the next frames.
+
+        Structured scalars (``steps[e, s]``) are views, so each field is set in place.
+        """
+        slots = np.empty(envs.size, np.int64)
+        for i, env in enumerate(envs.tolist()):
+            t = int(self.written[env]) - 1
+            prev = self.steps[env, t % self.S]
+            prev["has_step"], prev["id"] = True, self.next_id
+            prev["terminated"], prev["truncated"] = terminated[i], truncated[i]
+            prev["reward"], prev["action"] = reward[i], action[i]
+            self._id_loc[self.next_id % self._id_loc.size] = env * self.S + t % self.S
+            self.next_id += 1
+            self._touch(env, t)
+            rec, slots[i] = self._new_frame(env)
+            rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
+            self.running[env] = not (terminated[i] or truncated[i])
         return slots
 
-    def _new_frames(self, envs: np.ndarray) -> np.ndarray:
-        slots = self.written[envs] % self.S
-        self.steps[envs, slots] = np.zeros((), self.steps.dtype)
-        self.steps["id"][envs, slots] = -1
-        self._touch(envs, self.written[envs])
-        self.written[envs] += 1
-        return slots
+    def _new_frame(self, env: int) -> tuple[np.void, int]:
+        """Claim the env's next slot for a new frame; returns its (blank) record and slot."""
+        frame = int(self.written[env])
+        slot = frame % self.S
+        self.steps[env, slot] = self._blank
+        self._touch(env, frame)
+        self.written[env] = frame + 1
+        return self.steps[env, slot], slot
 
-    def _touch(self, envs: np.ndarray, frames: np.ndarray) -> None:
-        np.minimum.at(self._dirty_lo, envs, frames)
-        self.dirty_blocks.update((frames % self.S // self.spec.block_slots).tolist())
+    def _touch(self, env: int, frame: int) -> None:
+        if frame < self._dirty_lo[env]:
+            self._dirty_lo[env] = frame
+        self.dirty_blocks.add(frame % self.S // self.spec.block_slots)
 
     # -- validity ---------------------------------------------------------------
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:

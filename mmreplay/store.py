@@ -262,6 +262,8 @@ class ReplayStore:
         self._refresh()  # new transitions get their priorities before they are saved
         if self.durable:
             self._frames.sync()
+        else:
+            self._frames.drain()  # the manifest may only name chunks that are on disk
         gen = self.generation + 1
         files = dict(self._committed.get("files", {}))
         blocks = self._write_blocks("steps", self._ring.steps, self._ring.dirty_blocks,
@@ -303,6 +305,7 @@ class ReplayStore:
                 self.flush()
         finally:
             self._closed = True
+            self._frames.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None

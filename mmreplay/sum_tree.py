@@ -8,7 +8,9 @@ targets in, so all randomness stays with the store's generator.
 
 from __future__ import annotations
 
+import math
 import operator
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -20,29 +22,87 @@ IntArray = npt.NDArray[np.int64]
 
 # Targets above total() by at most this relative amount are treated as rounding and clamped.
 _TARGET_RTOL = 1e-9
-# check_valid() tolerance on internal sums (they are recomputed from children, so 0 in practice).
-_CHECK_RTOL = 1e-9
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+# Level shape (see `_level_bits`). Each stored level costs a fixed handful of numpy calls per
+# batch, so for batches of ~32 fewer, wider levels win: the root row may have up to 2**_ROOT_BITS
+# children (find bisects it once for the whole batch, set rebuilds it whole), rows below it have
+# 2**_STEP_BITS (gathered per updated leaf). At least _MIN_LEVELS levels keep small trees binary.
+_ROOT_BITS = 10
+_STEP_BITS = 5
+_MIN_LEVELS = 3
+
+
+def _level_bits(depth: int) -> tuple[int, ...]:
+    """Binary depths spanned by each stored level, root first; they sum to ``depth``.
+
+    1 -> (1,); 4 -> (2, 1, 1); 10 -> (4, 3, 3); 20 (a million leaves) -> (10, 5, 5).
+    """
+    if depth == 0:
+        return ()
+    step = max(1, min(_STEP_BITS, depth // _MIN_LEVELS))
+    below = max(_MIN_LEVELS - 1, math.ceil((depth - _ROOT_BITS) / step))
+    below = min(below, depth - 1)  # the root spans at least one binary depth
+    return (depth - step * below,) + (step,) * below
+
+
+def _prefix_rows(kids: FloatArray) -> FloatArray:
+    """``[0, k0, k0 + k1, ...]`` per row, summed strictly left to right (np.add.accumulate).
+
+    The one formula for every internal sum, in `set`, `set_all` and `check_valid`: a row's last
+    entry is its node's mass, so the tree is a function of its leaves, bit for bit. Sequential
+    sums make a row non-decreasing and flat exactly across zero-mass children.
+    """
+    table = np.zeros((kids.shape[0], kids.shape[1] + 1))
+    np.add.accumulate(kids, axis=1, out=table[:, 1:])
+    return table
+
+
+def _row_min(kids: FloatArray) -> FloatArray:
+    """Smallest entry per row (argmin + gather beats np.minimum.reduce on short rows)."""
+    return kids[np.arange(kids.shape[0]), kids.argmin(axis=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class _Level:
+    """One stored level: views into the tree's node arrays plus its prefix table."""
+
+    first: int  # node id of the level's row 0
+    shift: int  # leaf j's ancestor on this level is row j >> shift
+    fanout: int
+    sums: FloatArray  # (rows,) view of SumTree._sum
+    mins: FloatArray  # (rows,) view of SumTree._min
+    kid_sums: FloatArray  # (rows, fanout) view of the children's _sum
+    kid_mins: FloatArray  # (rows, fanout) view of the children's _min
+    prefix: FloatArray  # (rows, fanout + 1) `_prefix_rows(kid_sums)`
 
 
 class SumTree:
-    """Complete binary tree whose internal nodes hold the sum (and min) of their children.
+    """Tree whose internal nodes hold the sum (and min) of their children, a few levels deep.
 
-    Leaves are padded to ``P``, the next power of two >= capacity. Node 1 is the root, node ``i``
-    has children ``2i`` and ``2i+1``, leaf ``j`` lives at node ``P + j``. Example, capacity 3::
+    Leaves are padded to ``P``, the next power of two >= capacity. Nodes keep binary-heap ids (node
+    ``i`` sits at binary depth ``floor(log2 i)``, leaf ``j`` is node ``P + j``), but only a few
+    depths are stored, as *levels* (`_level_bits`); a node's children are its descendants at the
+    next stored depth, and ids at skipped depths are unused. Each internal node also has a
+    *prefix row*: 0, then the running sums of its children. Capacity 13, stored depths 0, 2, 3, 4::
 
-                        [1] 6.0                 <- root == total()
-                      /         \\
-               [2] 3.0           [3] 3.0
-               /     \\          /      \\
-          [4] 1.0  [5] 2.0  [6] 3.0  [7] 0.0    <- leaves 0..2, node 7 is padding
-            j=0      j=1      j=2     (pad)
+                                [1] 9.0          prefix row [0, 3, 3, 6, 9]
+               ____________/    |       |     \\___________
+              /                 |       |                  \\
+         [4] 3.0            [5] 0.0   [6] 3.0             [7] 3.0      ids 2, 3 unused
+         /      \\           /     \\    /      \\           /      \\
+      [8] 1   [9] 2     [10] 0 [11] 0 [12] 3 [13] 0    [14] 3   [15] 0
+      1   0   2   0      0  0   0  0   1  2   0  0      3  0     0  0   leaves 0..15 (nodes
+                                                                            16..31), 13..15 padding
+
+    A million leaves store depths 0, 10, 15, 20: a root row of 1024 children, then fanout 32.
 
     Invariants (checked by ``check_valid``):
       * every leaf mass is finite and >= 0; padding leaves are 0.0;
-      * ``_sum[i] == _sum[2i] + _sum[2i+1]`` for every internal node, computed from the children
-        (never by adding deltas), so integer-valued masses give exact totals and nothing drifts;
-      * ``_min`` mirrors the layout with ``+inf`` for zero-mass leaves and ``_min[i] ==
-        min(_min[2i], _min[2i+1])``, so ``_min[1]`` is the smallest positive mass.
+      * each internal node's prefix row is `_prefix_rows` of its children and ``_sum`` holds the
+        row's last entry: recomputed from the children on every update (never patched with
+        deltas), so integer-valued masses give exact totals and nothing drifts;
+      * ``_min`` mirrors the layout with ``+inf`` for zero-mass leaves and each internal node the
+        min of its children, so ``_min[1]`` is the smallest positive mass.
     """
 
     capacity: int
@@ -55,9 +115,27 @@ class SumTree:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self._leaf0 = 1 << (capacity - 1).bit_length()  # P: node id of leaf 0
-        self._depth = self._leaf0.bit_length() - 1  # edges from root to any leaf
+        depth = self._leaf0.bit_length() - 1  # binary depth of the leaves
         self._sum: FloatArray = np.zeros(2 * self._leaf0, dtype=np.float64)
         self._min: FloatArray = np.full(2 * self._leaf0, np.inf, dtype=np.float64)
+        self._leaf_sums = self._sum[self._leaf0 :]
+        self._leaf_mins = self._min[self._leaf0 :]
+        self._levels = self._make_levels(depth)
+
+    def _make_levels(self, depth: int) -> list[_Level]:
+        levels, top = [], 0
+        for bits in _level_bits(depth):
+            rows, fanout = 1 << top, 1 << bits
+            kids = slice(rows * fanout, 2 * rows * fanout)  # ids of the next stored depth
+            levels.append(_Level(
+                first=rows, shift=depth - top, fanout=fanout,
+                sums=self._sum[rows : 2 * rows], mins=self._min[rows : 2 * rows],
+                kid_sums=self._sum[kids].reshape(rows, fanout),
+                kid_mins=self._min[kids].reshape(rows, fanout),
+                prefix=np.zeros((rows, fanout + 1), dtype=np.float64),
+            ))
+            top += bits
+        return levels
 
     # ----------------------------------------------------------------------------- queries
 
@@ -71,27 +149,32 @@ class SumTree:
 
     def get(self, indices: npt.ArrayLike) -> FloatArray:
         """Masses at leaf ``indices`` (same shape as ``indices``)."""
-        idx = self._check_indices(indices)
-        return self._sum[self._leaf0 + idx.ravel()].reshape(idx.shape)
+        return self._leaf_sums[self._check_indices(indices)]
 
     def find(self, targets: npt.ArrayLike) -> IntArray:
         """Leaf ``i`` with ``prefix(i) <= t < prefix(i) + mass(i)`` for each target ``t``.
 
         Targets must lie in ``[0, total()]``; values above ``total()`` by less than a relative
-        1e-9 are rounding and are clamped. A zero-mass leaf is never returned: the walk only
-        steps right into subtrees of positive mass, and stepping left from a positive node whose
-        right child is 0 lands on a left child equal to the parent, hence positive.
+        1e-9 are rounding and are clamped. A zero-mass leaf is never returned: on each level the
+        remainder is clamped below the node's mass, and the first child whose prefix-row entry
+        exceeds it is one where the (non-decreasing) row steps up, i.e. a child of positive mass.
         """
         t = self._check_targets(targets)
-        nodes = np.ones(t.size, dtype=np.int64)
-        rem = t.ravel().copy()
-        for _ in range(self._depth):  # one vectorized step per level for the whole batch
-            left = 2 * nodes
-            left_mass = self._sum[left]
-            go_right = (rem >= left_mass) & (self._sum[left + 1] > 0.0)
-            rem = np.where(go_right, rem - left_mass, rem)  # rem >= 0 stays true on the right
-            nodes = left + go_right
-        return (nodes - self._leaf0).reshape(t.shape)
+        if not self._levels:
+            return np.zeros(t.shape, dtype=np.int64)
+        root = self._levels[0].prefix[0]
+        rem = np.minimum(t.ravel(), np.nextafter(root[-1], 0.0))
+        row = np.searchsorted(root[1:], rem, side="right")  # one row for all targets: bisect
+        rem -= root[row]
+        batch = np.arange(rem.size)
+        for level in self._levels[1:]:  # one vectorized step per level for the whole batch
+            table = level.prefix.take(row, axis=0)
+            rem = np.minimum(rem, np.nextafter(table[:, -1], 0.0))  # >= node mass by rounding only
+            child = (table[:, 1:] > rem[:, None]).argmax(axis=1)
+            rem -= table[batch, child]  # stays >= 0: that entry is <= rem
+            row *= level.fanout
+            row += child
+        return row.reshape(t.shape)
 
     # ----------------------------------------------------------------------------- updates
 
@@ -104,75 +187,81 @@ class SumTree:
         vals = self._check_values(values, shape=np.shape(indices)).ravel()
         if idx.size == 0:
             return
-        # np.unique on the reversed batch keeps the first hit there, i.e. the last one here.
-        leaves, first = np.unique(idx[::-1], return_index=True)
-        nodes = self._leaf0 + leaves
-        self._write_leaves(nodes, vals[::-1][first])
-        for _ in range(self._depth):  # one vectorized step per level, each parent once
-            nodes = np.unique(nodes >> 1)
-            self._recompute(nodes)
+        self._write_leaves(idx, vals)
+        for level in reversed(self._levels):  # bottom-up, one vectorized step per level
+            if level.sums.size <= idx.size:  # a small level: rebuilding it whole is fewer calls
+                self._rebuild(level)
+            else:  # each ancestor row at least once; a repeated row is recomputed identically
+                self._rebuild(level, idx >> level.shift)
 
     def set_all(self, values: npt.ArrayLike) -> None:
         """Replace every leaf (``len(values) == capacity``) and rebuild bottom-up in O(N)."""
         vals = self._check_values(values, shape=(self.capacity,))
-        p = self._leaf0
-        self._write_leaves(np.arange(p, p + self.capacity), vals)
-        for level in reversed(range(self._depth)):
-            lo, hi = 1 << level, 2 << level
-            self._recompute(np.arange(lo, hi))
+        self._leaf_sums[: self.capacity] = vals
+        self._leaf_mins[: self.capacity] = np.where(vals > 0.0, vals, np.inf)
+        for level in reversed(self._levels):
+            self._rebuild(level)
 
     # ----------------------------------------------------------------------------- invariants
 
     def check_valid(self) -> None:
         """Raise ``RuntimeError`` if leaves or any internal node of either tree are inconsistent."""
         self._check_leaves()
-        p = self._leaf0
-        want_sum = self._sum[2 : 2 * p : 2] + self._sum[3 : 2 * p : 2]  # for nodes 1..P-1
-        bad = ~np.isclose(self._sum[1:p], want_sum, rtol=_CHECK_RTOL, atol=0.0)
-        if np.any(bad):
-            node = int(np.flatnonzero(bad)[0]) + 1
-            raise RuntimeError(
-                f"sum tree node {node} holds {float(self._sum[node])!r}, "
-                f"its children sum to {float(want_sum[node - 1])!r}"
-            )
-        want_min = np.minimum(self._min[2 : 2 * p : 2], self._min[3 : 2 * p : 2])
-        bad = self._min[1:p] != want_min
-        if np.any(bad):
-            node = int(np.flatnonzero(bad)[0]) + 1
-            raise RuntimeError(
-                f"min tree node {node} holds {float(self._min[node])!r}, "
-                f"the min of its children is {float(want_min[node - 1])!r}"
-            )
+        for level in reversed(self._levels):  # bottom-up: a corrupt node is named before its parent
+            prefix = _prefix_rows(level.kid_sums)
+            _check_equal(level.sums, prefix[:, -1], level.first,
+                         "sum tree node {} holds {!r}, its children sum to {!r}")
+            _check_equal(level.mins, _row_min(level.kid_mins), level.first,
+                         "min tree node {} holds {!r}, the min of its children is {!r}")
+            bad = np.flatnonzero(np.any(level.prefix != prefix, axis=1))
+            if bad.size:
+                raise RuntimeError(f"prefix row of sum tree node {level.first + int(bad[0])} "
+                                   "disagrees with its children")
 
     def _check_leaves(self) -> None:
-        p, n = self._leaf0, self.capacity
-        leaves = self._sum[p : p + n]
+        n = self.capacity
+        leaves = self._leaf_sums[:n]
         if not (np.all(np.isfinite(leaves)) and np.all(leaves >= 0.0)):
             raise RuntimeError("sum tree holds a negative or non-finite leaf mass")
-        if np.any(self._sum[p + n :] != 0.0) or np.any(self._min[p + n :] != np.inf):
+        if np.any(self._leaf_sums[n:] != 0.0) or np.any(self._leaf_mins[n:] != np.inf):
             raise RuntimeError("sum tree padding leaves are not 0.0 / +inf")
-        if not np.array_equal(self._min[p : p + n], np.where(leaves > 0.0, leaves, np.inf)):
+        if not np.array_equal(self._leaf_mins[:n], np.where(leaves > 0.0, leaves, np.inf)):
             raise RuntimeError("min tree leaves disagree with sum tree leaves")
 
     # ----------------------------------------------------------------------------- internals
 
-    def _write_leaves(self, nodes: IntArray, vals: FloatArray) -> None:
-        # Caller guarantees `nodes` are unique leaf node ids and `vals` are finite and >= 0.
-        self._sum[nodes] = vals
-        self._min[nodes] = np.where(vals > 0.0, vals, np.inf)
+    def _write_leaves(self, idx: IntArray, vals: FloatArray) -> None:
+        # Caller guarantees `idx` are leaf indices and `vals` are finite and >= 0.
+        self._leaf_sums[idx] = vals
+        got = self._leaf_sums[idx]
+        if np.not_equal(got, vals).any():  # repeated leaves with different masses
+            # numpy does not promise which repeated write lands; np.unique on the reversed batch
+            # keeps the first hit there, i.e. the last one here.
+            leaves, first = np.unique(idx[::-1], return_index=True)
+            self._leaf_sums[leaves] = vals[::-1][first]
+            got = self._leaf_sums[idx]
+        self._leaf_mins[idx] = np.where(got > 0.0, got, np.inf)
 
-    def _recompute(self, nodes: IntArray) -> None:
+    def _rebuild(self, level: _Level, rows: IntArray | None = None) -> None:
         # Internal nodes are always rebuilt from their children, never patched with deltas.
-        self._sum[nodes] = self._sum[2 * nodes] + self._sum[2 * nodes + 1]
-        self._min[nodes] = np.minimum(self._min[2 * nodes], self._min[2 * nodes + 1])
+        if rows is None:
+            level.prefix[:] = _prefix_rows(level.kid_sums)
+            level.sums[:] = level.prefix[:, -1]
+            level.mins[:] = _row_min(level.kid_mins)
+            return
+        prefix = _prefix_rows(level.kid_sums.take(rows, axis=0))
+        level.prefix[rows] = prefix
+        level.sums[rows] = prefix[:, -1]
+        level.mins[rows] = _row_min(level.kid_mins.take(rows, axis=0))
 
     def _check_indices(self, indices: npt.ArrayLike) -> IntArray:
         idx = np.asarray(indices)
-        if idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+        if idx.dtype.kind not in "iu":
             raise TypeError(f"leaf indices must be integers, got dtype {idx.dtype}")
         idx = idx.astype(np.int64, copy=False)
-        bad = (idx < 0) | (idx >= self.capacity)
-        if np.any(bad):
+        # One reduction: as unsigned, a negative index is huge.
+        if idx.size and np.maximum.reduce(idx.view(np.uint64), axis=None) >= self.capacity:
+            bad = (idx < 0) | (idx >= self.capacity)
             raise IndexError(
                 f"leaf index {int(idx[bad].flat[0])} out of range [0, {self.capacity}) "
                 f"({int(np.count_nonzero(bad))} bad of {idx.size})"
@@ -181,29 +270,41 @@ class SumTree:
 
     def _check_values(self, values: npt.ArrayLike, *, shape: tuple[int, ...]) -> FloatArray:
         vals = np.asarray(values, dtype=np.float64)
-        try:
-            vals = np.broadcast_to(vals, shape)
-        except ValueError:
-            msg = f"masses of shape {vals.shape} do not fit indices of shape {shape}"
-            raise ValueError(msg) from None
+        if vals.shape != shape:
+            try:
+                vals = np.broadcast_to(vals, shape)
+            except ValueError:
+                msg = f"masses of shape {vals.shape} do not fit indices of shape {shape}"
+                raise ValueError(msg) from None
+        if vals.size == 0 or (np.minimum.reduce(vals, axis=None) >= 0.0
+                              and np.maximum.reduce(vals, axis=None) <= _FLOAT_MAX):
+            return vals  # a NaN fails both comparisons
         bad = ~(np.isfinite(vals) & (vals >= 0.0))
-        if np.any(bad):
-            pos = int(np.flatnonzero(bad.ravel())[0])
-            raise ValueError(
-                f"masses must be finite and >= 0, got {float(vals.ravel()[pos])!r} at batch "
-                f"position {pos} ({int(np.count_nonzero(bad))} bad of {vals.size})"
-            )
-        return vals
+        pos = int(np.flatnonzero(bad.ravel())[0])
+        raise ValueError(
+            f"masses must be finite and >= 0, got {float(vals.ravel()[pos])!r} at batch "
+            f"position {pos} ({int(np.count_nonzero(bad))} bad of {vals.size})"
+        )
 
     def _check_targets(self, targets: npt.ArrayLike) -> FloatArray:
         t = np.asarray(targets, dtype=np.float64)
         total = self.total()
         if total <= 0.0:
             raise ValueError("cannot find() in a sum tree whose total mass is 0")
-        bad = ~(np.isfinite(t) & (t >= 0.0) & (t <= total * (1.0 + _TARGET_RTOL)))
-        if np.any(bad):
-            raise ValueError(
-                f"targets must lie in [0, total={total!r}], got {float(t[bad].flat[0])!r} "
-                f"({int(np.count_nonzero(bad))} bad of {t.size})"
-            )
-        return t
+        limit = total * (1.0 + _TARGET_RTOL)
+        if t.size == 0 or (np.minimum.reduce(t, axis=None) >= 0.0
+                           and np.maximum.reduce(t, axis=None) <= limit):
+            return t  # a NaN fails both comparisons
+        bad = ~(np.isfinite(t) & (t >= 0.0) & (t <= limit))
+        raise ValueError(
+            f"targets must lie in [0, total={total!r}], got {float(t[bad].flat[0])!r} "
+            f"({int(np.count_nonzero(bad))} bad of {t.size})"
+        )
+
+
+def _check_equal(got: FloatArray, want: FloatArray, first: int, message: str) -> None:
+    """Raise ``RuntimeError(message.format(node, held, want))`` at the first differing node."""
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        i = int(bad[0])
+        raise RuntimeError(message.format(first + i, float(got[i]), float(want[i])))

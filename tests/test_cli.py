@@ -220,7 +220,7 @@ def _kept_chunk(path: Path) -> Path:
     """A chunk file that holds kept frames (not the one the tail is filling)."""
     m = _manifest(path)
     chunk = disk_chunks(m["kept_from"][0], 44, CAPACITY, CHUNK)[1]
-    return path / "frames" / "c" / "0" / str(chunk) / "0" / "0"
+    return path / "frames" / f"c.0.{chunk}.0.0"
 
 
 def _flip_chunk_byte(path: Path) -> str:

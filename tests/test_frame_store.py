@@ -22,6 +22,7 @@ def fill(store, env, values):
     for v in values:
         slot = int(store.next_slot[env])
         store.append(np.array([env]), np.array([slot]), np.full((1, 3, 2), v, np.uint8))
+    store.drain()  # chunk writes happen on a background thread
 
 
 @pytest.mark.parametrize(("slots", "chunk"), [(7, 4), (8, 4), (5, 1), (6, 6)])
@@ -86,3 +87,39 @@ def test_cache_respects_its_byte_budget():
         cache.put((0, key), np.zeros(100, np.uint8))
     assert cache.nbytes <= 250
     assert cache.get((0, 9)) is not None and cache.get((0, 0)) is None
+
+
+def test_unwritten_chunks_are_served_from_ram(tmp_path):
+    spec, store = make(tmp_path, slots=400, chunk=4, envs=1)
+    gate = __import__("threading").Event()
+    real = store._writer._write
+    store._writer._write = lambda *a: (gate.wait(), real(*a))  # hold the writer thread
+    for v in range(40):
+        store.append(np.array([0]), np.array([v]), np.full((1, 3, 2), v, np.uint8))
+    store._cache = type(store._cache)(0)  # nothing cached: reads must use the pending chunks
+    assert not store.chunk_path(0, 0).exists()
+    assert store.read(np.arange(40))[:, 0, 0].tolist() == list(range(40))
+    gate.set()
+    store.drain()
+    assert store.chunk_path(0, 9).exists() and not store._writer.pending
+
+
+def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
+    spec, store = make(tmp_path, slots=8, chunk=4, envs=1)
+    import mmreplay.frame_store as fs
+    real, calls = fs.write_atomic, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "write_atomic", flaky)
+    for v in range(4):
+        store.append(np.array([0]), np.array([v]), np.full((1, 3, 2), v, np.uint8))
+    with pytest.raises(OSError, match="No space"):
+        store.drain()
+    assert store.read(np.arange(4))[:, 0, 0].tolist() == [0, 1, 2, 3]  # still in RAM
+    store.drain()  # retried
+    assert store.chunk_path(0, 0).exists()
