@@ -308,7 +308,12 @@ def _is_target(target: str, dst: Path) -> bool:
 
 
 def abandon(store: ReplayStore) -> None:
-    """Drop a writable store the way process death would: no flush, just release the lock."""
+    """Drop a writable store the way process death would: no flush, just release the lock.
+
+    Chunk writes already queued on the store's background thread are let finish first (a
+    death just after they landed), so no thread of the dead store races the next open.
+    """
+    store._frames.close()
     if store._lock_fd is not None:
         os.close(store._lock_fd)
         store._lock_fd = None
