@@ -45,16 +45,17 @@ def _level_bits(depth: int) -> tuple[int, ...]:
     return (depth - step * below,) + (step,) * below
 
 
-def _prefix_rows(kids: FloatArray) -> FloatArray:
+def _prefix_rows(kids: FloatArray, out: FloatArray | None = None) -> FloatArray:
     """``[0, k0, k0 + k1, ...]`` per row, summed strictly left to right (np.add.accumulate).
 
     The one formula for every internal sum, in `set`, `set_all` and `check_valid`: a row's last
     entry is its node's mass, so the tree is a function of its leaves, bit for bit. Sequential
     sums make a row non-decreasing and flat exactly across zero-mass children.
     """
-    table = np.zeros((kids.shape[0], kids.shape[1] + 1))
-    np.add.accumulate(kids, axis=1, out=table[:, 1:])
-    return table
+    if out is None:
+        out = np.zeros((kids.shape[0], kids.shape[1] + 1), dtype=np.float64)
+    np.add.accumulate(kids, axis=1, out=out[:, 1:])  # column 0 stays 0.0
+    return out
 
 
 def _row_min(kids: FloatArray) -> FloatArray:
@@ -80,27 +81,29 @@ class SumTree:
     """Tree whose internal nodes hold the sum (and min) of their children, a few levels deep.
 
     Leaves are padded to ``P``, the next power of two >= capacity. Nodes keep binary-heap ids (node
-    ``i`` sits at binary depth ``floor(log2 i)``, leaf ``j`` is node ``P + j``), but only a few
-    depths are stored, as *levels* (`_level_bits`); a node's children are its descendants at the
-    next stored depth, and ids at skipped depths are unused. Each internal node also has a
-    *prefix row*: 0, then the running sums of its children. Capacity 13, stored depths 0, 2, 3, 4::
+    ``i`` sits at binary depth ``floor(log2 i)``, leaf ``j`` is node ``P + j``) but only a few
+    depths are stored, as *levels* (`_level_bits`): a node's children are its descendants at the
+    next stored depth, and ids at skipped depths are unused. Each internal node also keeps a
+    *prefix row*, 0 then the running sums of its children. Capacity 13, stored depths 0, 2, 3, 4::
 
-                                [1] 9.0          prefix row [0, 3, 3, 6, 9]
-               ____________/    |       |     \\___________
-              /                 |       |                  \\
-         [4] 3.0            [5] 0.0   [6] 3.0             [7] 3.0      ids 2, 3 unused
-         /      \\           /     \\    /      \\           /      \\
-      [8] 1   [9] 2     [10] 0 [11] 0 [12] 3 [13] 0    [14] 3   [15] 0
-      1   0   2   0      0  0   0  0   1  2   0  0      3  0     0  0   leaves 0..15 (nodes
-                                                                            16..31), 13..15 padding
+                                   [1] 9.0                    prefix row [0, 3, 3, 6, 9]
+               ___________________/  /  \\  \\___________________
+              /                     /    \\                    \\
+          [4] 3.0             [5] 0.0    [6] 3.0             [7] 3.0     ids 2, 3 unused
+           /    \\              /    \\      /    \\             /     \\
+        [8] 1  [9] 2       [10] 0 [11] 0 [12] 3 [13] 0     [14] 3  [15] 0
+        1   0  2   0        0  0   0  0   1  2   0  0       3  0    0  0   <- leaves 0..15
+                                                                              (13..15 padding)
 
-    A million leaves store depths 0, 10, 15, 20: a root row of 1024 children, then fanout 32.
+    ``find(6.5)``: 6.5 < 9 is in the root's 4th slot [6, 9), so child [7] with 0.5 left; [7]'s
+    row [0, 3, 3] puts 0.5 in [14]; [14]'s row [0, 3, 3] gives leaf 12. A million leaves store
+    depths 0, 10, 15, 20: a root row of 1024 children, then fanout 32 twice.
 
     Invariants (checked by ``check_valid``):
       * every leaf mass is finite and >= 0; padding leaves are 0.0;
-      * each internal node's prefix row is `_prefix_rows` of its children and ``_sum`` holds the
-        row's last entry: recomputed from the children on every update (never patched with
-        deltas), so integer-valued masses give exact totals and nothing drifts;
+      * each internal node's prefix row is `_prefix_rows` of its children's ``_sum`` and its own
+        ``_sum`` is the row's last entry: rebuilt from the children on every update (never patched
+        with deltas), so integer-valued masses give exact totals and nothing drifts;
       * ``_min`` mirrors the layout with ``+inf`` for zero-mass leaves and each internal node the
         min of its children, so ``_min[1]`` is the smallest positive mass.
     """
@@ -149,7 +152,8 @@ class SumTree:
 
     def get(self, indices: npt.ArrayLike) -> FloatArray:
         """Masses at leaf ``indices`` (same shape as ``indices``)."""
-        return self._leaf_sums[self._check_indices(indices)]
+        idx = self._check_indices(indices)
+        return self._leaf_sums[idx.ravel()].reshape(idx.shape)
 
     def find(self, targets: npt.ArrayLike) -> IntArray:
         """Leaf ``i`` with ``prefix(i) <= t < prefix(i) + mass(i)`` for each target ``t``.
@@ -245,8 +249,7 @@ class SumTree:
     def _rebuild(self, level: _Level, rows: IntArray | None = None) -> None:
         # Internal nodes are always rebuilt from their children, never patched with deltas.
         if rows is None:
-            level.prefix[:] = _prefix_rows(level.kid_sums)
-            level.sums[:] = level.prefix[:, -1]
+            level.sums[:] = _prefix_rows(level.kid_sums, out=level.prefix)[:, -1]
             level.mins[:] = _row_min(level.kid_mins)
             return
         prefix = _prefix_rows(level.kid_sums.take(rows, axis=0))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmreplay.sum_tree import SumTree
+from mmreplay.sum_tree import SumTree, _level_bits
 
 CAPACITIES = [1, 7, 50, 1000]
 
@@ -186,6 +186,30 @@ def test_find_never_returns_zero_mass_leaf(capacity: int) -> None:
         leaves = tree.find(targets)
         assert np.all(masses[leaves] > 0.0)
 
+
+
+@pytest.mark.parametrize("capacity", [16, 100, 4097])
+def test_find_at_float_boundaries_lands_on_positive_leaf_in_its_interval(capacity: int) -> None:
+    # Subtracting a prefix can leave a remainder at or above the chosen child's own total by
+    # rounding; each level must still pick a positive child. Half the leaves are zero, so many
+    # prefix rows end in zero-mass children.
+    rng = np.random.default_rng(capacity + 5)
+    tree = SumTree(capacity)
+    for _ in range(100):
+        masses = rng.random(capacity) * 10.0 ** rng.integers(-3, 3, size=capacity)
+        masses[rng.random(capacity) < 0.5] = 0.0
+        masses[rng.integers(0, capacity)] = 1.0
+        tree.set_all(masses)
+        total = tree.total()
+        edges = np.concatenate([[0.0], np.cumsum(masses)])
+        targets = np.concatenate([edges, np.nextafter(edges, np.inf), np.nextafter(edges, 0.0),
+                                  rng.random(500) * total])
+        targets = np.clip(targets, 0.0, total)
+        leaves = tree.find(targets)
+        assert np.all(masses[leaves] > 0.0)
+        tol = 1e-11 * total
+        assert np.all(edges[leaves] - tol <= targets)
+        assert np.all(targets <= edges[leaves + 1] + tol)
 
 def test_find_with_single_positive_leaf_always_returns_it() -> None:
     tree = SumTree(1000)
@@ -431,6 +455,12 @@ def test_check_valid_detects_corrupt_leaves() -> None:
         tree.check_valid()
 
 
+def test_check_valid_detects_corrupt_prefix_row() -> None:
+    tree = _populated(1000)
+    tree._levels[-1].prefix[3, 2] += 1e-9  # a running sum find() would bisect, not a node mass
+    with pytest.raises(RuntimeError, match="prefix row of sum tree node"):
+        tree.check_valid()
+
 def test_no_drift_after_many_updates() -> None:
     rng = np.random.default_rng(99)
     tree = SumTree(1000)
@@ -447,4 +477,76 @@ def test_no_drift_after_many_updates() -> None:
     leaves = tree.get(np.arange(1000))
     assert math.isclose(tree.total(), math.fsum(leaves.tolist()), rel_tol=1e-9, abs_tol=0.0)
     assert tree.min_nonzero() == leaves[leaves > 0.0].min()
+    tree.check_valid()
+
+
+# --------------------------------------------------------------------------- level layout
+
+
+@pytest.mark.parametrize("depth", range(41))
+def test_level_bits_cover_the_depth_with_few_wide_levels(depth: int) -> None:
+    bits = _level_bits(depth)
+    assert sum(bits) == depth
+    assert all(b >= 1 for b in bits)
+    assert len(bits) >= min(depth, 3)  # small trees stay (close to) binary
+    if depth <= 3:
+        assert bits == (1,) * depth
+    if bits:
+        assert bits[0] <= 10  # the root row is rebuilt whole on every set()
+        assert all(b <= 5 for b in bits[1:])  # rows gathered per updated leaf stay short
+
+
+def _int_reference_find(masses: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Exact for integer masses: the first leaf whose running sum exceeds t; t >= total -> last
+    positive leaf."""
+    edges = np.cumsum(masses)
+    got = np.searchsorted(edges, targets, side="right")
+    return np.where(targets >= edges[-1], np.flatnonzero(masses)[-1], got)
+
+
+@pytest.mark.parametrize("capacity", [70_000, 5_000])
+def test_integer_masses_match_cumsum_reference_on_wide_levels(capacity: int) -> None:
+    # Depth 17 (levels of 128, 32, 32 children) and 13 (32, 16, 16): exact equality, boundaries
+    # included, through incremental updates with repeats and batches big enough to rebuild whole
+    # levels.
+    rng = np.random.default_rng(capacity)
+    tree = SumTree(capacity)
+    masses = rng.integers(0, 50, size=capacity).astype(np.float64)
+    tree.set_all(masses)
+    for size in [1, 7, 32, 300, 5000, 32, 3]:
+        idx = rng.integers(0, capacity, size=size)
+        vals = rng.integers(0, 3, size=size).astype(np.float64)
+        tree.set(idx, vals)
+        last = {int(i): v for i, v in zip(idx, vals, strict=True)}  # the last repeat wins
+        masses[list(last)] = list(last.values())
+        tree.check_valid()
+        np.testing.assert_array_equal(tree.get(np.arange(capacity)), masses)
+        total = float(masses.sum())
+        assert tree.total() == total
+        edges = np.cumsum(masses)[rng.integers(0, capacity, size=200)]
+        targets = np.concatenate(
+            [rng.random(500) * total, edges, np.nextafter(edges, 0.0), [0.0, total]]
+        )
+        targets = np.clip(targets, 0.0, total)
+        np.testing.assert_array_equal(tree.find(targets), _int_reference_find(masses, targets))
+
+
+def test_incremental_updates_equal_a_rebuild_bit_for_bit() -> None:
+    # The tree must be a function of its leaves (a loaded sampler must draw exactly like the one
+    # that was saved), whatever mix of gathered and whole-level rebuilds produced it.
+    rng = np.random.default_rng(11)
+    capacity = 5000
+    tree = SumTree(capacity)
+    for _ in range(60):
+        size = int(rng.choice([1, 5, 32, 200, 3000]))
+        idx = rng.integers(0, capacity, size=size)
+        vals = rng.random(size) * 10.0 ** rng.integers(-8, 5, size=size)
+        vals[rng.random(size) < 0.2] = 0.0
+        tree.set(idx, vals)
+    rebuilt = SumTree(capacity)
+    rebuilt.set_all(tree.get(np.arange(capacity)))
+    np.testing.assert_array_equal(tree._sum, rebuilt._sum)
+    np.testing.assert_array_equal(tree._min, rebuilt._min)
+    targets = rng.random(20_000) * tree.total()
+    np.testing.assert_array_equal(tree.find(targets), rebuilt.find(targets))
     tree.check_valid()
