@@ -363,12 +363,15 @@ class ReplayStore:
         claims any of them, commit a copy that claims none of them (and, to
         amortise, up to ``S // 16`` frames beyond) before the bytes change.
         """
-        committed = self._committed
+        committed, spec = self._committed, self.spec
         last_new = int(self._ring.written[env]) - 1
-        last_old = last_new - self.spec.slots_per_env
-        if last_old < committed["kept_from"][env]:
-            return
-        ahead = max(self.spec.chunk_frames, self.spec.slots_per_env // 16)
+        last_old = last_new - spec.slots_per_env
+        first_old = last_old - self._frames.chunk_slots(chunk) + 1
+        written = committed["written"][env]
+        on_disk_end = written - written % spec.slots_per_env % spec.chunk_frames
+        if last_old < committed["kept_from"][env] or first_old >= on_disk_end:
+            return  # the committed manifest claims none of the frames being overwritten
+        ahead = max(spec.chunk_frames, spec.slots_per_env // 16)
         kept = list(committed["kept_from"])
         kept[env] = min(last_old + 1 + ahead, committed["written"][env])
         gen = self.generation + 1
