@@ -78,8 +78,9 @@ class StepRing:
         self._id_loc = np.full(self.E * self.S, -1, np.int64)
         self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
         self.dirty_blocks: set[int] = set()
-        self._blank = np.zeros((), self.steps.dtype)
-        self._blank["id"] = -1
+        blank = np.zeros(1, self.steps.dtype)
+        blank["id"] = -1  # type: ignore[call-overload]  # structured field
+        self._blank = blank[0]  # the record of a fresh slot: no step, no id
 
     # -- frame numbers ----------------------------------------------------------
     @property

@@ -6,13 +6,14 @@ least one frame, so a store's ``counts.frames_written`` names the op it stopped 
     op i:   reset(some envs) | add(every env; autoreset where ended)   [+ sample(8)]  [+ flush]
 
 Frames are 16x16 uint8. Row 0 starts with ``env + 1`` and the env's frame number (8 bytes,
-little-endian); the rest is a pattern of both, so a frame read from the wrong slot or env never compares
-equal, and `frame_label` reads back its origin.
+little-endian); the rest is a pattern of both, so a frame read from the wrong slot or env never
+compares equal, and a test can read back where a frame came from.
 
 `run_writer` is the body of the child process: open the store, skip the stream to the store's
-position, then record and flush until killed. After each ``flush()`` returns it appends
-``"<ops> <generation>"`` to a side file and fsyncs it. With ``crash_at`` it kills itself with
-SIGKILL just before or after the n-th ``os.replace`` onto a chosen kind of file.
+position, then record and flush until killed. Its side file gets, per flush, a line
+``flushing <ops> <rng state>`` as the flush begins and ``flushed <ops> <generation>`` (fsynced)
+once it returns. With ``crash_at`` it kills itself with SIGKILL just before or after the n-th
+``os.replace`` onto a chosen kind of file (which may run on the store's chunk-writer thread).
 """
 
 from __future__ import annotations
@@ -74,11 +75,6 @@ def make_frame(env: int, number: int) -> np.ndarray:
     frame[0, 0] = env + 1
     frame[0, 1:9] = np.frombuffer(int(number).to_bytes(8, "little"), np.uint8)
     return frame
-
-
-def frame_label(frame: np.ndarray) -> tuple[int, int]:
-    """(env, frame number) of a `make_frame` frame; (-1, 0) for zero padding."""
-    return int(frame[0, 0]) - 1, int.from_bytes(bytes(frame[0, 1:9]), "little")
 
 
 @dataclass(frozen=True)

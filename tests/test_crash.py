@@ -327,16 +327,27 @@ def test_crash_after_give_up_loses_only_old_transitions(tmp_path: Path) -> None:
 
 
 def test_give_up_commits_only_when_committed_frames_are_overwritten(tmp_path: Path) -> None:
-    """STORE BUG repro: a give-up manifest is committed on every chunk write past the wrap,
-    even when the committed manifest claims none of the overwritten frames (here: it claims
-    no frame at all), contrary to `_before_chunk_write`'s docstring. Each is a manifest
-    rewrite (and two fsyncs with ``durable=True``) per chunk of recording."""
+    """A give-up manifest only while the committed one claims on-disk frames being overwritten.
+
+    Regression: every chunk write past the wrap used to commit one, even when the committed
+    manifest claimed no frame at all (a manifest rewrite, two fsyncs if durable, per chunk).
+    """
     store = ReplayStore.create(tmp_path / "store", capacity=32, obs_shape=(2,), chunk_frames=4)
-    generation = store.generation  # the committed manifest: nothing written, nothing claimed
+    frame = 0
+
+    def record(frames: int) -> int:
+        nonlocal frame
+        for _ in range(frames):
+            frame += 1
+            store.add(0, 0.0, np.full(2, frame % 250, np.uint8), False, False)
+        return store.generation
+
+    generation = store.generation  # committed at create: nothing written, nothing claimed
     store.reset(np.zeros(2, np.uint8))
-    for step in range(200):
-        store.add(0, 0.0, np.full(2, step % 250, np.uint8), False, False)
-    assert store.generation == generation, (
-        f"{store.generation - generation} manifests committed without a flush although the "
-        f"committed manifest claims no frame")
+    assert record(200) == generation, "give-up commits although the manifest claims no frame"
+    store.flush()
+    generation = store.generation
+    after_one_lap = record(32 + 4)
+    assert 0 < after_one_lap - generation <= 32 // 4, "each give-up frees at least a chunk"
+    assert record(200) == after_one_lap, "give-up commits after every claimed frame was freed"
     store.close()
