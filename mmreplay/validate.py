@@ -35,10 +35,12 @@ def env_ids(spec: StoreSpec, ids: Any) -> np.ndarray:
 def observations(spec: StoreSpec, obs: Any, count: int, name: str = "obs") -> np.ndarray:
     arr = np.asarray(obs)
     want = (count, *spec.obs_shape)
-    if spec.num_envs == 1 and count == 1:
+    if spec.num_envs == 1 and count == 1 and arr.shape != want:
+        # one env: unbatched, or batched with a leading 1 (a 1-env vector env)
         if arr.shape != spec.obs_shape:
             raise InvalidInputError(
-                f"{name} shape {arr.shape} != store obs_shape {spec.obs_shape}")
+                f"{name} shape {arr.shape} != store obs_shape {spec.obs_shape} "
+                f"(or {want} with the env dimension)")
         arr = arr[None]
     elif arr.shape != want:
         raise InvalidInputError(f"{name} shape {arr.shape} != expected {want} "

@@ -436,3 +436,13 @@ def test_durable_mode_round_trips(tmp_path, monkeypatch):
     store.close()
     with ReplayStore.open(tmp_path / "store", mode="r") as again:
         assert_same_batches(before, again.get(ids))
+
+
+def test_single_env_accepts_a_leading_env_dimension(tmp_path):
+    store = make(tmp_path)
+    store.reset(frame(0)[None])
+    store.add(np.array([1]), np.array([0.5]), frame(1)[None], np.array([True]),
+              np.array([False]))
+    assert store.get([0]).next_obs[0, 0, 0, 0] == 1
+    with pytest.raises(InvalidInputError, match="obs_shape"):
+        store.add(1, 0.5, np.stack([frame(2)] * 2), False, False)
