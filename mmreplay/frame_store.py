@@ -25,6 +25,7 @@ episodes, stacking, priorities or torch.
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import threading
@@ -45,6 +46,7 @@ from .spec import StoreSpec
 FRAMES = "frames"
 TMP_DIR = "tmp"
 TMP_SUFFIX = ".mmtmp"
+_TMP_IDS = itertools.count()  # unique temp names across threads and stores in one process
 ChunkHook = Callable[[int, int], None]
 
 
@@ -68,7 +70,7 @@ def write_atomic(path: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> No
     Readers never see a torn file; a crash leaves at most a temp file, which
     the next writable open sweeps (all temp files live in one directory).
     """
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}{TMP_SUFFIX}"
+    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
     with open(tmp, "wb") as f:
         f.write(data)
         if durable:
