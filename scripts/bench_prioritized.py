@@ -42,13 +42,19 @@ class Args:
     """importance-weight exponent"""
     seed: int = 0
     """seed of the generator that draws priorities and batches"""
+    store: bool = True
+    """also time the pair through a whole `ReplayStore` (tiny (1,) observations, filled by add)"""
 
 
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(Args):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
-                            default=f.default)
+        if isinstance(f.default, bool):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", default=f.default,
+                                action=argparse.BooleanOptionalAction)
+        else:
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
+                                default=f.default)
     return Args(**vars(parser.parse_args()))
 
 
@@ -76,6 +82,30 @@ def ours(cls: type[PrioritizedSampler] | type[RankSampler], args: Args,
         draw = sampler.sample(rng, args.batch_size, args.beta)
         slots, first = np.unique(draw.slots, return_index=True)  # the store dedupes
         sampler.set_priorities(slots, new[first])
+
+    return step
+
+
+def store_step(args: Args, rng: np.random.Generator) -> Step:
+    """`store.sample` + `store.update_priorities` on a full prioritized store (public API)."""
+    import tempfile
+
+    from mmreplay import ReplayStore
+
+    path = tempfile.mkdtemp(prefix="mmreplay-bench-") + "/store"
+    store = ReplayStore.create(path, capacity=args.slots + 1, obs_shape=(1,), seed=args.seed,
+                               sampler="prioritized", alpha=args.alpha)
+    frame = np.zeros(1, np.uint8)
+    store.reset(frame)
+    for _ in range(args.slots):
+        store.add(0, 0.0, frame, False, False)
+    for _ in range(20):  # give the tree varied priorities
+        batch = store.sample(4096, beta=args.beta)
+        store.update_priorities(batch.ids, rng.random(4096))
+
+    def step(new: np.ndarray) -> None:
+        batch = store.sample(args.batch_size, beta=args.beta)
+        store.update_priorities(batch.ids, new)
 
     return step
 
@@ -113,6 +143,9 @@ def main() -> None:
         "mmreplay RankSampler": report(
             "mmreplay RankSampler", time_steps(ours(RankSampler, args, rng), args, rng)),
     }
+    if args.store:
+        medians["mmreplay ReplayStore (whole API)"] = report(
+            "mmreplay ReplayStore (whole API)", time_steps(store_step(args, rng), args, rng))
     step = cpprb_step(args, rng)
     if step is None:
         print("cpprb not importable: skipped (pip install cpprb)")
