@@ -315,10 +315,17 @@ class FrameStore:
         return out
 
     def _gather_disk(self, keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Rows `offsets` of chunks `keys` (env * num_chunks + chunk), one load per chunk."""
         out = np.empty((keys.size, *self.spec.obs_shape), self.spec.obs_dtype)
-        uniq, inverse = np.unique(keys, return_inverse=True)
-        for i, key in enumerate(uniq.tolist()):
-            rows = inverse == i
+        if keys.size == 0:
+            return out
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+        ends = np.r_[starts[1:], keys.size]
+        for key, lo, hi in zip(sorted_keys[starts].tolist(), starts.tolist(), ends.tolist(),
+                               strict=True):
+            rows = order[lo:hi]
             out[rows] = self._load_chunk(*divmod(key, self.num_chunks))[offsets[rows]]
         return out
 

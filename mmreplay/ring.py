@@ -77,6 +77,7 @@ class StepRing:
         self.valid = np.zeros(self.E * self.S, bool)
         self._id_loc = np.full(self.E * self.S, -1, np.int64)
         self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
+        self._refreshed_oldest = np.zeros(self.E, np.int64)
         self.dirty_blocks: set[int] = set()
         blank = np.zeros(1, self.steps.dtype)
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
@@ -154,6 +155,11 @@ class StepRing:
     # -- validity ---------------------------------------------------------------
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:
         """Recompute validity where it may have changed; returns (flat slots, valid)."""
+        oldest = self.oldest
+        if np.array_equal(self._dirty_lo, self.written) and np.array_equal(
+                oldest, self._refreshed_oldest):
+            return np.empty(0, np.int64), np.empty(0, bool)  # nothing changed
+        self._refreshed_oldest = oldest
         env, frames = self._candidates()
         flat = env * self.S + frames % self.S
         ok = self.transition_valid(env, frames)
@@ -184,6 +190,7 @@ class StepRing:
         self._id_loc[:] = -1
         self._id_loc[ids[live] % self._id_loc.size] = flat[live]
         self._dirty_lo[:] = self.written
+        self._refreshed_oldest = self.oldest
 
     def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
