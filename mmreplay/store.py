@@ -17,10 +17,14 @@ policy in `samplers`, torch conversion in `torch_batch`.
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -42,12 +46,25 @@ from .manifest import (
     save_npy,
     write_manifest,
 )
+from .prefetch import BatchPrefetcher
 from .ring import StepRing, step_dtype
 from .samplers import PrioritySampler, make_sampler
 from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
 LOCK = "lock"
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """Run `method` under the store's lock (a prefetch thread may sample concurrently)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReplayStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,8 @@ class ReplayStore:
         self._rng = np.random.default_rng()
         self._committed: dict[str, Any] = {}
         self._prio_dirty: set[int] = set()
+        self._lock = threading.RLock()
+        self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
         self._closed = False
 
     @classmethod
@@ -133,6 +152,7 @@ class ReplayStore:
         return store
 
     # -- recording ----------------------------------------------------------------
+    @_locked
     def reset(self, obs: Any, env_ids: Any = None) -> None:
         """Write o_0 of a new episode for all envs, or for the listed `env_ids`.
 
@@ -148,6 +168,7 @@ class ReplayStore:
         slots = self._ring.begin_episodes(envs)
         self._frames.append(envs, slots, frames)
 
+    @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any = None) -> None:
         """Record one step of every env (see README for the autoreset rule)."""
@@ -173,6 +194,7 @@ class ReplayStore:
                                 frames[resetters])
 
     # -- reading ------------------------------------------------------------------
+    @_locked
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
@@ -187,6 +209,22 @@ class ReplayStore:
         draw = self._sampler.sample(self._rng, size, beta)
         return self._batch(draw.slots, draw.weights)
 
+    def batches(self, batch_size: int, *, prefetch: int = 2,
+                beta: float = 0.4) -> BatchPrefetcher:
+        """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
+
+        A background thread keeps `prefetch` batches ready, so decoding overlaps
+        the learner's work. Set ``it.beta`` to anneal. Draws happen when the
+        thread makes them, so with concurrent ``add`` calls the exact sequence
+        depends on timing (use plain ``sample`` where bit-exact replays matter).
+        """
+        validate.batch_size(batch_size)
+        validate.beta(beta)
+        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
+        self._prefetchers.add(it)
+        return it
+
+    @_locked
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set new priorities (e.g. |TD error|) for sampled ids; returns how many applied.
 
@@ -209,6 +247,7 @@ class ReplayStore:
         self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
         return int(flat.size)
 
+    @_locked
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
         wanted = validate.transition_ids(ids)
@@ -219,17 +258,20 @@ class ReplayStore:
             raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
         return self._batch(flat, np.ones(flat.size, np.float32))
 
+    @_locked
     def valid_ids(self) -> np.ndarray:
         """Every sampleable transition id, increasing."""
         self._refresh()
         flat = self._ring.valid_flat()
         return np.sort(self._ring.steps["id"].reshape(-1)[flat])
 
+    @_locked
     def __len__(self) -> int:
         self._refresh()
         return self._sampler.count()
 
     @property
+    @_locked
     def counts(self) -> StoreCounts:
         """How much the store has seen and holds now."""
         ring = self._ring
@@ -256,6 +298,7 @@ class ReplayStore:
         """Number of the last committed manifest."""
         return int(self._committed.get("generation", 0))
 
+    @_locked
     def flush(self) -> None:
         """Commit everything recorded so far; writes only what changed since the last flush."""
         self._check_writable("flush")
@@ -297,18 +340,21 @@ class ReplayStore:
         return blocks
 
     def close(self) -> None:
-        """Flush (if writable) and release the writer lock. Idempotent."""
-        if self._closed:
-            return
-        try:
-            if self.writable:
-                self.flush()
-        finally:
-            self._closed = True
-            self._frames.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
+        for it in list(self._prefetchers):
+            it.close()  # before taking the lock: their threads may be waiting for it
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if self.writable:
+                    self.flush()
+            finally:
+                self._closed = True
+                self._frames.close()
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
 
     def __enter__(self) -> ReplayStore:
         return self

@@ -1,0 +1,86 @@
+"""store.batches(): background prefetching is correct beside a writer and stops cleanly."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from mmreplay import EmptyStoreError, InvalidInputError, ReplayStore
+
+OBS = (6, 5)
+
+
+def frame(v: int) -> np.ndarray:
+    return np.full(OBS, v % 256, np.uint8)
+
+
+def make(tmp_path, **kw):
+    kw.setdefault("capacity", 5000)
+    return ReplayStore.create(tmp_path / "s", obs_shape=OBS, frame_stack=4, n_step=2, seed=0,
+                              chunk_frames=4, **kw)
+
+
+def record(store, start: int, steps: int) -> None:
+    for i in range(start, start + steps):
+        store.add(i % 3, 1.0, frame(i + 1), i % 50 == 49, False)
+        if i % 50 == 49:
+            store.reset(frame(i + 1))
+
+
+def test_prefetched_batches_match_get_while_a_writer_adds(tmp_path):
+    store = make(tmp_path)
+    store.reset(frame(0))
+    record(store, 0, 200)
+    seen = 0
+    with store.batches(16, prefetch=3) as it:
+        for step in range(40):
+            batch = next(it)
+            record(store, 200 + 10 * step, 10)  # the writer keeps going meanwhile
+            again = store.get(batch.ids)
+            assert torch.equal(batch.obs, again.obs) and torch.equal(batch.next_obs, again.next_obs)
+            assert torch.equal(batch.reward, again.reward)
+            seen += len(batch)
+    assert seen == 640
+    store.close()
+
+
+def test_errors_reach_the_consumer(tmp_path):
+    store = make(tmp_path)
+    it = store.batches(4)
+    with pytest.raises(EmptyStoreError):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(InvalidInputError, match="prefetch"):
+        store.batches(4, prefetch=0)
+    with pytest.raises(InvalidInputError, match="batch_size"):
+        store.batches(0)
+
+
+def test_beta_can_be_annealed(tmp_path):
+    store = make(tmp_path, sampler="prioritized")
+    store.reset(frame(0))
+    record(store, 0, 100)
+    ids = store.valid_ids()
+    store.update_priorities(ids, np.linspace(0.1, 5, ids.size))
+    with store.batches(64, prefetch=1, beta=0.0) as it:
+        assert torch.all(next(it).weights == 1)
+        it.beta = 1.0
+        weights = [next(it).weights for _ in range(3)][-1]
+        assert weights.min() < 1  # batches drawn after the change use the new beta
+
+
+def test_close_stops_the_threads(tmp_path):
+    store = make(tmp_path)
+    store.reset(frame(0))
+    record(store, 0, 50)
+    before = threading.active_count()
+    iterators = [store.batches(8, prefetch=2) for _ in range(3)]
+    next(iterators[0])
+    store.close()  # closes its prefetchers first, then flushes
+    assert threading.active_count() <= before
+    with pytest.raises(StopIteration):
+        next(iterators[1])
