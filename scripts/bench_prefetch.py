@@ -1,0 +1,101 @@
+"""How long a learner waits for a batch, with and without `store.batches(prefetch=...)`.
+
+    python scripts/bench_prefetch.py                  # 100k real Breakout frames
+    python scripts/bench_prefetch.py --frames 20000
+
+The learner does real work between batches: a Nature-CNN forward/backward/Adam step on the
+CPU (batch 32 of 4x84x84 uint8 stacks). Prints the median time spent waiting for `sample`
+(plain) and for `next(it)` (prefetched), and the learner step itself. Figures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ale_frames import record_frames  # noqa: E402
+
+from mmreplay import ReplayStore  # noqa: E402
+
+
+def nature_cnn(actions: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
+        nn.Linear(512, actions))
+
+
+def build_store(path: Path, frames: int, seed: int) -> ReplayStore:
+    data = record_frames("ALE/Breakout-v5", frames, seed)
+    store = ReplayStore.create(path, capacity=frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=seed, cache_bytes=64 << 20)
+    for i in range(frames):
+        if data.is_first[i]:
+            store.reset(data.frames[i])
+        else:
+            store.add(int(data.actions[i]), float(data.rewards[i]), data.frames[i],
+                      bool(data.terminated[i]), bool(data.truncated[i]))
+    store.flush()
+    return store
+
+
+def learner_step(net: nn.Module, opt: torch.optim.Optimizer, batch) -> None:
+    q = net(batch.obs.float() / 255.0).gather(1, batch.action[:, None].clamp(max=3)).squeeze(1)
+    loss = nn.functional.smooth_l1_loss(q, batch.reward)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=100_000)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    root = Path(tempfile.mkdtemp(prefix="mmreplay-prefetch-"))
+    try:
+        store = build_store(root / "store", args.frames, args.seed)
+        net = nature_cnn(4)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+        plain, work = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            batch = store.sample(32)
+            t1 = time.perf_counter()
+            learner_step(net, opt, batch)
+            plain.append(t1 - t0)
+            work.append(time.perf_counter() - t1)
+        waits = []
+        with store.batches(32, prefetch=args.prefetch) as it:
+            next(it)
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                batch = next(it)
+                waits.append(time.perf_counter() - t0)
+                learner_step(net, opt, batch)
+        store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ms = lambda xs: np.median(xs) * 1e3  # noqa: E731
+    print(f"{args.frames:,} real Breakout frames, batch 32, torch threads {args.threads}")
+    print(f"learner step (Nature CNN fwd/bwd/Adam)  median {ms(work):8.3f} ms")
+    print(f"wait for store.sample(32)               median {ms(plain):8.3f} ms")
+    print(f"wait for next(store.batches(prefetch={args.prefetch}))  median {ms(waits):8.3f} ms"
+          f"   p90 {np.percentile(waits, 90) * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
