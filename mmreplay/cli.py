@@ -28,6 +28,7 @@ import numpy as np
 from . import __version__
 from . import inspect as ins
 from .errors import MmreplayError
+from .verify import verify_store
 
 PROG = "mmreplay"
 
@@ -321,7 +322,7 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = ins.verify_store(args.path, progress=_progress_bar)
+    report = verify_store(args.path, progress=_progress_bar)
     if report.note:
         print(f"{PROG}: note: {report.note}", file=sys.stderr)
     if not report.ok:

@@ -14,9 +14,9 @@ import pytest
 from PIL import Image
 
 from mmreplay import ReplayStore
-from mmreplay import inspect as inspect_mod
+from mmreplay import verify as verify_mod
 from mmreplay.cli import main
-from mmreplay.inspect import disk_chunks
+from mmreplay.verify import disk_chunks
 
 OBS = (8, 8)
 K, N = 4, 3  # frame_stack, n_step
@@ -302,14 +302,14 @@ def test_verify_racing_a_writer_keeps_only_lasting_problems(
     flipped = _flip_chunk_byte(fresh.path)
     generations = iter(range(1000))
     passes = iter(range(1000))
-    once = inspect_mod._verify_once
+    once = verify_mod._verify_once
 
     def racing_pass(root, progress):
         report = once(root, progress)
         return replace(report, problems=(*report.problems, f"transient {next(passes)}"))
 
-    monkeypatch.setattr(inspect_mod, "_generation", lambda root: next(generations))
-    monkeypatch.setattr(inspect_mod, "_verify_once", racing_pass)
+    monkeypatch.setattr(verify_mod, "_generation", lambda root: next(generations))
+    monkeypatch.setattr(verify_mod, "_verify_once", racing_pass)
     code, out, err = run(capsys, "verify", fresh.path)
     assert code == 1 and out.splitlines() == [f"frame chunk {flipped} fails its crc32c checksum"]
     assert "a writer committed during each of 4 passes" in err
