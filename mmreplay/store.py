@@ -41,6 +41,7 @@ from .frame_store import TMP_DIR, TMP_SUFFIX, FrameStore, create_frames_array
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST,
     load_npy,
     read_manifest,
     save_npy,
@@ -53,6 +54,7 @@ from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
 LOCK = "lock"
+READER_RETRIES = 5
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -98,6 +100,7 @@ class ReplayStore:
         self._committed: dict[str, Any] = {}
         self._prio_dirty: set[int] = set()
         self._lock = threading.RLock()
+        self._manifest_key: tuple[int, int, int] | None = None
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
         self._closed = False
 
@@ -203,11 +206,17 @@ class ReplayStore:
         """
         size = validate.batch_size(batch_size)
         beta = validate.beta(beta)
-        self._refresh()
-        if self._sampler.count() == 0:
-            raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
-        draw = self._sampler.sample(self._rng, size, beta)
-        return self._batch(draw.slots, draw.weights)
+        for _ in range(READER_RETRIES):
+            self._refresh()
+            if self._sampler.count() == 0:
+                raise EmptyStoreError(
+                    "cannot sample: the store holds no sampleable transition yet")
+            draw = self._sampler.sample(self._rng, size, beta)
+            batch = self._batch(draw.slots, draw.weights)
+            if self._still_valid(draw.slots):
+                return batch
+        raise InvalidStoreError(f"{self.path}: a writer overwrote frames while they were read "
+                                f"{READER_RETRIES} times in a row; try again")
 
     def batches(self, batch_size: int, *, prefetch: int = 2,
                 beta: float = 0.4) -> BatchPrefetcher:
@@ -256,7 +265,11 @@ class ReplayStore:
         if not found.all():
             bad = wanted[~found][:5].tolist()
             raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
-        return self._batch(flat, np.ones(flat.size, np.float32))
+        batch = self._batch(flat, np.ones(flat.size, np.float32))
+        if not self._still_valid(flat):
+            raise UnknownIdError("some of these transitions were overwritten by the writer "
+                                 "while they were read")
+        return batch
 
     @_locked
     def valid_ids(self) -> np.ndarray:
@@ -281,8 +294,39 @@ class ReplayStore:
             transitions=ring.next_id, episodes=ring.next_episode, sampleable=len(self))
 
     def _refresh(self) -> None:
+        self._follow_writer()
         slots, valid = self._ring.refresh()
         self._sampler.update(slots, valid, self._ring.steps["id"].reshape(-1)[slots])
+
+    def _follow_writer(self) -> bool:
+        """Read-only: give up the frames a writer has given up since; True if any were.
+
+        A writer commits a manifest that gives frames up *before* it overwrites
+        them, so a reader that re-checks the manifest after reading frames knows
+        whether what it read may have changed underneath it.
+        """
+        if self.writable:
+            return False
+        try:
+            st = os.stat(self.path / MANIFEST)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key == self._manifest_key:
+                return False
+            self._manifest_key = key
+            kept = np.asarray(read_manifest(self.path)["kept_from"], dtype=np.int64)
+        except (OSError, InvalidStoreError, ValueError, TypeError):
+            return False  # the writer's business; this reader keeps its generation
+        if kept.shape != self._ring.kept_from.shape or (kept <= self._ring.kept_from).all():
+            return False
+        np.maximum(self._ring.kept_from, kept, out=self._ring.kept_from)
+        self._ring.rebuild_validity()
+        ring = self._ring
+        self._sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
+        return True
+
+    def _still_valid(self, flat: np.ndarray) -> bool:
+        """After a read: False if a writer gave up any of these transitions meanwhile."""
+        return not self._follow_writer() or bool(self._ring.valid[flat].all())
 
     def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
         look = self._ring.lookup(flat)

@@ -446,3 +446,23 @@ def test_single_env_accepts_a_leading_env_dimension(tmp_path):
     assert store.get([0]).next_obs[0, 0, 0, 0] == 1
     with pytest.raises(InvalidInputError, match="obs_shape"):
         store.add(1, 0.5, np.stack([frame(2)] * 2), False, False)
+
+
+def test_reader_never_returns_frames_a_writer_overwrote(tmp_path):
+    writer = make(tmp_path, capacity=32, chunk_frames=4)
+    writer.reset(frame(0))
+    for i in range(1, 30):
+        writer.add(0, 0.0, frame(i), False, False)
+    writer.flush()
+    reader = ReplayStore.open(tmp_path / "store", mode="r", cache_bytes=0)
+    assert len(reader) == 29
+    for i in range(30, 50):  # wraps: committed frames are given up, then overwritten
+        writer.add(0, 0.0, frame(i), False, False)
+        if len(reader):
+            batch = reader.sample(8)
+            # transition id t starts at frame t: a stale read would show a newer frame
+            assert torch.equal(batch.obs[:, 0, 0, 0], batch.ids.to(torch.uint8))
+            assert torch.equal(batch.next_obs[:, 0, 0, 0], (batch.ids + 1).to(torch.uint8))
+    assert len(reader) < 29  # the reader saw the writer give frames up
+    with pytest.raises(UnknownIdError):
+        reader.get([0])
