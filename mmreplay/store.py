@@ -16,9 +16,11 @@ policy in `samplers`, torch conversion in `torch_batch`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -42,7 +44,17 @@ from .manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    MAX_COUNTER,
+    MAX_RAM_BYTES,
+    STEP_DIRS,
+    check_manifest,
+    check_ram,
+    check_rng,
+    check_root,
+    check_step_columns,
+    check_store_files,
     load_npy,
+    parse_spec,
     read_manifest,
     save_npy,
     write_manifest,
@@ -129,29 +141,46 @@ class ReplayStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int = 256 << 20) -> ReplayStore:
-        """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only."""
+             cache_bytes: int = 256 << 20, max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+        """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
+
+        The directory is untrusted: every file is checked (see `manifest`) before anything
+        is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
+        Any problem raises `InvalidStoreError`.
+        """
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
         root = Path(path)
-        if not root.is_dir():
-            raise InvalidStoreError(f"{root} is not a directory")
-        lock_fd = None
-        if mode == "r+":
-            (root / TMP_DIR).mkdir(exist_ok=True)
-            lock_fd = _lock(root)
+        check_root(root)
+        lock_fd = _lock(root) if mode == "r+" else None
         try:
-            manifest = read_manifest(root)
-            spec = StoreSpec.from_dict(manifest["spec"])
-            store = cls(root, spec, writable=mode == "r+", durable=durable,
-                        cache_bytes=cache_bytes, lock_fd=lock_fd)
-            store._load(manifest)
+            return cls._open_checked(root, writable=mode == "r+", durable=durable,
+                                     cache_bytes=cache_bytes, lock_fd=lock_fd,
+                                     max_ram_bytes=max_ram_bytes)
         except BaseException:
             if lock_fd is not None:
                 os.close(lock_fd)
             raise
-        if store.writable:
-            store._sweep()
+
+    @classmethod
+    def _open_checked(cls, root: Path, *, writable: bool, durable: bool, cache_bytes: int,
+                      lock_fd: int | None, max_ram_bytes: int) -> ReplayStore:
+        manifest = read_manifest(root)
+        spec = parse_spec(manifest)
+        check_ram(spec, max_ram_bytes)
+        check_manifest(manifest, spec)
+        check_store_files(root, manifest, spec)  # all before the first allocation
+        store = cls(root, spec, writable=writable, durable=durable, cache_bytes=cache_bytes,
+                    lock_fd=None)
+        try:
+            store._load(manifest)
+            if writable:
+                (root / TMP_DIR).mkdir(exist_ok=True)
+                store._sweep()
+        except BaseException:
+            store._frames.close()
+            raise
+        store._lock_fd = lock_fd
         return store
 
     # -- recording ----------------------------------------------------------------
@@ -469,20 +498,20 @@ class ReplayStore:
         write_manifest(self.path, self._committed, self._tmp, durable=self.durable)
 
     def _load(self, manifest: dict[str, Any]) -> None:
+        """Fill the RAM parts from a manifest that passed `check_manifest`."""
         spec, ring = self.spec, self._ring
-        if manifest["blocks"] and len(manifest["blocks"]) != self._num_blocks():
-            raise InvalidStoreError("manifest block list does not match the spec")
         for b, name in enumerate(manifest["blocks"]):
             if name is not None:
                 rows = self._block_range(b)
                 ring.steps[:, rows] = load_npy(
-                    self.path, name, manifest["files"].get(name), dtype=step_dtype(spec),
+                    self.path, name, manifest["files"][name], dtype=step_dtype(spec),
                     shape=(spec.num_envs, rows.stop - rows.start))
+        check_step_columns(ring.steps, manifest)
         ring.written[:] = _int_list(manifest, "written", spec.num_envs)
         ring.kept_from[:] = _int_list(manifest, "kept_from", spec.num_envs)
         ring.running[:] = np.asarray(manifest["running"], dtype=bool)
         ring.next_id, ring.next_episode = manifest["next_id"], manifest["next_episode"]
-        tail = load_npy(self.path, manifest["tail"], manifest["files"].get(manifest["tail"]),
+        tail = load_npy(self.path, manifest["tail"], manifest["files"][manifest["tail"]],
                         dtype=self._frames.tail.dtype, shape=self._frames.tail.shape)
         self._frames.load_tail(tail, ring.written % spec.slots_per_env)
         ring.rebuild_validity()
@@ -503,25 +532,19 @@ class ReplayStore:
         if sampler is None:
             self._sampler.update(np.arange(ring.valid.size), ring.valid, ids)
             return
-        blocks, top = manifest.get("prio_blocks"), manifest.get("max_priority")
-        if not isinstance(blocks, list) or len(blocks) != self._num_blocks() or not (
-                isinstance(top, float | int) and np.isfinite(top) and top >= 1.0):
-            raise InvalidStoreError("manifest of a prioritized store lacks valid "
-                                    "prio_blocks/max_priority")
         priorities = np.zeros((self.spec.num_envs, self.spec.slots_per_env))
-        for b, name in enumerate(blocks):
+        for b, name in enumerate(manifest["prio_blocks"]):  # checked by check_manifest
             if name is not None:
                 rows = self._block_range(b)
                 priorities[:, rows] = load_npy(
-                    self.path, name, manifest["files"].get(name), dtype=np.dtype("<f8"),
+                    self.path, name, manifest["files"][name], dtype=np.dtype("<f8"),
                     shape=(self.spec.num_envs, rows.stop - rows.start))
         if not (np.isfinite(priorities).all() and (priorities >= 0).all()):
             raise InvalidStoreError("stored priorities must be finite and >= 0")
-        sampler.load(priorities.reshape(-1), ids, float(top), ring.valid)
+        sampler.load(priorities.reshape(-1), ids, float(manifest["max_priority"]), ring.valid)
 
     def _set_rng_state(self, state: dict[str, Any]) -> None:
-        if state.get("bit_generator") != "PCG64":
-            raise InvalidStoreError(f"manifest rng must be a PCG64 state, got {state!r:.80}")
+        check_rng(state)
         try:
             self._rng = np.random.Generator(np.random.PCG64())
             self._rng.bit_generator.state = state
@@ -529,14 +552,18 @@ class ReplayStore:
             raise InvalidStoreError(f"manifest rng state is invalid: {exc}") from None
 
     def _sweep(self) -> None:
-        """Remove temp files and step/tail files the manifest does not name."""
+        """Remove temp files and step/tail files the manifest does not name.
+
+        Symlinks are removed, never followed; directories are left alone.
+        """
         named = set(self._committed["files"])
-        for sub in ("steps", "tail", "prio"):
-            for path in (self.path / sub).glob("*.npy"):
-                if f"{sub}/{path.name}" not in named:
-                    path.unlink()
-        for path in self._tmp.glob(f"*{TMP_SUFFIX}"):
-            path.unlink()
+        for sub in (*STEP_DIRS, TMP_DIR):
+            for entry in _entries(self.path / sub):
+                stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR
+                         else entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
+                if stray and not entry.name.startswith(".") and not entry.is_dir(
+                        follow_symlinks=False):
+                    os.unlink(entry.path)
 
     def _check_writable(self, what: str) -> None:
         if self._closed:
@@ -546,7 +573,18 @@ class ReplayStore:
 
 
 def _lock(root: Path) -> int:
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
+    path = root / LOCK
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise InvalidStoreError(f"{LOCK} is not a regular file: {exc.strerror}") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidStoreError(f"{LOCK} is not a regular file")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -555,8 +593,19 @@ def _lock(root: Path) -> int:
     return fd
 
 
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of a directory, none if it does not exist."""
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
 def _int_list(manifest: dict[str, Any], key: str, size: int) -> np.ndarray:
     value = manifest[key]
-    if len(value) != size or not all(isinstance(v, int) and v >= 0 for v in value):
+    if len(value) != size or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNTER
+            for v in value):
         raise InvalidStoreError(f"manifest field {key!r} must be {size} non-negative ints")
     return np.asarray(value, dtype=np.int64)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,12 +85,19 @@ def test_record_atari_refuses_to_overwrite(tmp_path: Path) -> None:
         assert len(store) <= 30
 
 
-def test_bench_quick_writes_positive_figures(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bench_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    """`bench.py --quick` run once for the module: (its stdout, its JSON result)."""
+    tmp_path = tmp_path_factory.mktemp("bench_quick")
     out_dir = tmp_path / "bench"
     proc = run_script("bench.py", "--quick", "--out-dir", str(out_dir),
                       "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
-    result = json.loads((out_dir / "core_quick.json").read_text())
+    return proc.stdout, json.loads((out_dir / "core_quick.json").read_text())
+
+
+def test_bench_quick_writes_positive_figures(bench_quick: tuple[str, dict[str, Any]]) -> None:
+    stdout, result = bench_quick
 
     assert {"machine", "config", "record", "add", "sample", "sample_reopened", "disk",
             "numpy_floor", "naive_zarr", "ratios"} <= set(result)
@@ -102,7 +110,7 @@ def test_bench_quick_writes_positive_figures(tmp_path: Path) -> None:
     assert result["sample"]["obs_shape"] == [32, 4, 84, 84]
     assert result["naive_zarr"]["array_shape"] == [1, 2000, 84, 84]
     assert all(ratio > 0 for ratio in result["ratios"].values())
-    assert "naive_zarr" in proc.stdout
+    assert "naive_zarr" in stdout
 
 
 def test_ale_frames_stream_is_consistent_and_cached(ale_frames: ModuleType, tmp_path: Path) -> None:
@@ -122,3 +130,68 @@ def test_ale_frames_stream_is_consistent_and_cached(ale_frames: ModuleType, tmp_
         np.testing.assert_array_equal(getattr(again, name), getattr(rec, name))
     fresh = ale_frames.record("ALE/Breakout-v5", 400, seed=3)  # same seed, same stream
     np.testing.assert_array_equal(fresh.frames, rec.frames)
+
+
+def test_bench_quick_measures_ram_disk_cold_open_flush(
+        bench_quick: tuple[str, dict[str, Any]]) -> None:
+    stdout, result = bench_quick
+    config = result["config"]
+    scale, small = config["scale_frames"], config["small_frames"]
+    assert (scale, small) == (3000, 1000)
+
+    ram = {(row["system"], row["frames"]): row for row in result["ram"]}
+    assert set(ram) == {("mmreplay", scale), ("cpprb", scale), ("numpy", scale),
+                        ("mmreplay", small), ("cpprb", small), ("sb3", small),
+                        ("torchrl", small)}
+    for row in ram.values():
+        if "skipped" in row:  # an optional baseline that is not installed says why
+            assert row["system"] in ("cpprb", "sb3", "torchrl") and "pip" in row["skipped"]
+            continue
+        assert row["adds"] > 0 and row["steps_per_s"] > 0
+        assert 0 < row["sample"]["median_ms"] <= row["sample"]["p90_ms"]
+        assert row["growth_mib"]["VmHWM"] >= row["growth_mib"]["VmRSS"] - 1
+    # The numpy floor touches every frame it holds: ~7 KB per 84x84 frame.
+    assert ram[("numpy", scale)]["growth_mib"]["VmRSS"] * 2**20 >= 0.9 * scale * 84 * 84
+    assert ram[("mmreplay", scale)]["file_pct"] < 100  # the scale store compressed
+
+    games = [row["game"] for row in result["disk_games"]]
+    assert games == ["Pong", "Breakout"]
+    for row in result["disk_games"]:
+        assert row["frames"] == 300
+        assert 0 < row["file_pct"] < 100 and row["allocated_mib"] >= row["frame_file_mib"]
+
+    cold = result["cold"]
+    for name in ("warm", "page_cold", "naive_warm", "naive_page_cold"):
+        assert 0 < cold[name]["median_ms"] <= cold[name]["p90_ms"]
+    fraction = cold["evicted"]["resident_fraction"]
+    assert fraction is None or 0 <= fraction <= 1
+    assert cold["chunk_files"] == scale // 8  # 8-frame chunks of a full 3000-frame store
+
+    assert result["open"]["cold"]["total_s"] > 0 and result["open"]["warm"]["total_s"] > 0
+    flush = result["flush"]
+    assert (flush["big"]["capacity"], flush["small"]["capacity"]) == (scale, 1000)
+    assert len(flush["big"]["flush_s"]) == config["flush_rounds"] and flush["ratio"] > 0
+
+    figures = " ".join(row["figure"] for row in result["targets"])
+    for word in ("RAM", "add", "sample", "disk: Pong", "open", "flush"):
+        assert word in figures
+    assert {row["verdict"] for row in result["targets"]} <= {"PASS", "SHORT"}
+    assert "targets" in stdout and "malloc" in stdout
+
+
+def test_bench_scale_smoke(tmp_path: Path) -> None:
+    out_dir = tmp_path / "bench"
+    proc = run_script("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
+                      "--reps", "5", "--warmup", "1", "--report-every", "1000",
+                      "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out_dir / "scale.json").read_text())
+    fill = result["fill"]
+    assert [row["frames"] for row in fill["progress"]] == [1000, 2000, 3000]
+    assert fill["adds"] > 0 and fill["steps_per_s"] > 0
+    assert result["sampleable"] > 0
+    assert 0 < result["sample_live"]["median_ms"] <= result["sample_live"]["p90_ms"]
+    assert result["disk"]["file_mib"] < result["disk"]["raw_mib"]
+    assert result["reopened"]["open_s"] > 0 and result["reopened"]["sample"]["median_ms"] > 0
+    assert "VmRSS" in result["rss"]["growth_mib"]
+    assert "RSS growth" in proc.stdout and "reopened" in proc.stdout
