@@ -104,6 +104,7 @@ class ReplayStore:
         self.durable = durable
         self._lock_fd = lock_fd
         self._ring = StepRing(spec)
+        self._envs = np.arange(spec.num_envs, dtype=np.int64)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=cache_bytes,
                                   before_chunk_write=self._before_chunk_write)
@@ -211,19 +212,20 @@ class ReplayStore:
         term = validate.flags(spec, "terminated", terminated)
         trunc = validate.flags(spec, "truncated", truncated)
         act, rew = validate.actions(spec, action), validate.rewards(spec, reward)
-        step = ~auto
-        idle = np.flatnonzero(step & ~self._ring.running)
+        idle = np.flatnonzero(~auto & ~self._ring.running)
         if idle.size:
             raise InvalidInputError(
                 f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
                 f"(or pass autoreset=True for it) first")
-        steppers, resetters = np.flatnonzero(step), np.flatnonzero(auto)
+        if not auto.any():  # the common case: every env steps
+            self._frames.append(self._envs, self._ring.record_steps(
+                self._envs, act, rew, term, trunc), frames)
+            return
+        steppers, resetters = np.flatnonzero(~auto), np.flatnonzero(auto)
         slots = self._ring.record_steps(steppers, act[steppers], rew[steppers], term[steppers],
                                         trunc[steppers])
         self._frames.append(steppers, slots, frames[steppers])
-        if resetters.size:
-            self._frames.append(resetters, self._ring.begin_episodes(resetters),
-                                frames[resetters])
+        self._frames.append(resetters, self._ring.begin_episodes(resetters), frames[resetters])
 
     # -- reading ------------------------------------------------------------------
     @_locked
