@@ -16,7 +16,12 @@ class InvalidInputError(MmreplayError, ValueError):
 
 
 class InvalidStoreError(MmreplayError, ValueError):
-    """A directory is not a store, is damaged, or has a format this code cannot read."""
+    """A directory is not a store, is damaged, or has a format this code cannot read.
+
+    Opening raises it, with a one-line message, for every problem a directory can have:
+    malformed or oversized metadata, bad ``.npy`` headers, checksum mismatches, symlinks,
+    FIFOs or devices where files belong, and specs that would need too much RAM.
+    """
 
 
 class StoreLockedError(MmreplayError, RuntimeError):

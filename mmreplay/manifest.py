@@ -35,7 +35,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import numpy.lib.format as npy_format
@@ -56,6 +56,7 @@ MAX_ZARR_JSON_BYTES = 1 << 20
 MAX_NPY_HEADER = 1 << 14
 MAX_RAM_BYTES = 64 << 30  # default cap on what a manifest's spec may make an open allocate
 MAX_COUNTER = 1 << 62  # ids, episodes, frames written, generations
+MAX_ENVS = 1 << 20  # the spec's bound on num_envs
 STEP_DIRS = ("steps", "tail", "prio")
 REQUIRED: dict[str, type] = {
     "format": str, "format_version": int, "generation": int, "spec": dict,
@@ -67,9 +68,9 @@ OPTIONAL: dict[str, type | tuple[type, ...]] = {
 }
 BLOCK_NAME = re.compile(r"(steps|prio)/b([0-9]{6,12})\.g([0-9]{8,19})\.npy")
 TAIL_NAME = re.compile(r"tail/tail\.g([0-9]{8,19})\.npy")
-# What numpy's .npy header parser and json may raise on garbage (literal_eval included).
-_PARSE_ERRORS = (ValueError, TypeError, SyntaxError, OverflowError, RecursionError, KeyError,
-                 AttributeError, EOFError, MemoryError, Warning)
+Readable = io.RawIOBase | io.BufferedIOBase  # a file opened here, or a BytesIO of its head
+# What building a StoreSpec from type-checked JSON may still raise, besides its own errors.
+_SPEC_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError)
 
 
 # -- files: regular, not followed, bounded ------------------------------------------------
@@ -119,7 +120,7 @@ def _kind(mode: int) -> str:
 
 
 @contextmanager
-def _open_regular(path: Path, where: str) -> Iterator[tuple[BinaryIO, int]]:
+def _open_regular(path: Path, where: str) -> Iterator[tuple[Readable, int]]:
     """Open a regular file for reading: never a symlink, FIFO or device, never blocking."""
     info = _lstat(path, where)
     if info is None:
@@ -131,24 +132,24 @@ def _open_regular(path: Path, where: str) -> Iterator[tuple[BinaryIO, int]]:
         fd = os.open(path, flags)
     except OSError as exc:
         raise InvalidStoreError(f"{where} cannot be opened: {_line(exc)}") from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    with io.FileIO(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # swapped after the lstat
             raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
-        yield f, info.st_size  # type: ignore[misc]
+        yield f, info.st_size
 
 
-def _read_exact(f: BinaryIO, size: int, where: str) -> bytearray:
+def _read_exact(f: Readable, size: int, where: str) -> bytearray:
     buf = bytearray(size)
     _read_into(f, memoryview(buf), where)
     return buf
 
 
-def _read_into(f: BinaryIO, view: memoryview, where: str) -> None:
+def _read_into(f: Readable, view: memoryview, where: str) -> None:
     got = 0
     try:
         while got < len(view):
-            n = f.readinto(view[got:])  # type: ignore[attr-defined]
+            n = f.readinto(view[got:])
             if not n:
                 raise InvalidStoreError(f"{where} shrank while it was read")
             got += n
@@ -316,6 +317,10 @@ def _check_range(where: str | Path, key: str, value: Any, *, low: int = 0,
 
 
 def _check_cursors(manifest: dict[str, Any], where: str | Path) -> None:
+    for key in ("written", "kept_from", "running"):
+        if len(manifest[key]) > MAX_ENVS:
+            raise InvalidStoreError(f"{where}: {key} has {len(manifest[key])} entries, more "
+                                    f"than the {MAX_ENVS} envs a store can have")
     for key in ("written", "kept_from"):
         for value in manifest[key]:
             _check_range(where, f"every entry of {key!r}", value)
@@ -329,8 +334,9 @@ def _check_names(manifest: dict[str, Any], where: str | Path) -> None:
     for key, kind in (("blocks", "steps"), ("prio_blocks", "prio")):
         for b, name in enumerate(manifest.get(key, [])):
             if name is not None and _block_name(name, kind, gen) != b:
-                raise InvalidStoreError(f"{where}: {key}[{b}] must be null or "
-                                        f"'{kind}/b{b:06d}.gNNNNNNNN.npy', got {name!r:.60}")
+                raise InvalidStoreError(
+                    f"{where}: {key}[{b}] must be null or '{kind}/b{b:06d}.gNNNNNNNN.npy' with "
+                    f"1 <= NNNNNNNN <= generation {gen}, got {name!r:.60}")
     if _tail_generation(manifest["tail"]) not in range(1, gen + 1):
         raise InvalidStoreError(f"{where}: tail must be 'tail/tail.gNNNNNNNN.npy' of a past "
                                 f"generation, got {manifest['tail']!r:.60}")
@@ -377,6 +383,9 @@ def _check_optional(manifest: dict[str, Any], where: str | Path) -> None:
 def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     """The manifest's spec, which must be complete and in the form `to_dict` writes."""
     data = manifest["spec"]
+    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data))
+    if missing:
+        raise InvalidStoreError(f"invalid spec in manifest: fields {missing[:4]} are missing")
     for key in ("obs_dtype", "action_dtype"):
         if key in data and (not isinstance(data[key], str) or data[key] not in ALLOWED_DTYPES):
             raise InvalidStoreError(f"invalid spec in manifest: {key} must be one of "
@@ -385,13 +394,13 @@ def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
         spec = StoreSpec.from_dict(data)
     except InvalidStoreError:
         raise
-    except _PARSE_ERRORS as exc:
+    except _SPEC_ERRORS as exc:
         raise InvalidStoreError(f"invalid spec in manifest: {_line(exc)}") from None
     canonical = spec.to_dict()
     bad = [k for k in canonical if not _strict_equal(canonical[k], data.get(k))
            and not (k in ("gamma", "alpha", "priority_eps") and canonical[k] == data.get(k))]
     if bad:
-        raise InvalidStoreError(f"invalid spec in manifest: {bad[:4]} missing or not as "
+        raise InvalidStoreError(f"invalid spec in manifest: fields {bad[:4]} are not as "
                                 f"this spec writes them")
     return spec
 
@@ -630,7 +639,7 @@ def load_npy(root: Path, name: str, crc: Any, *, dtype: np.dtype,
     return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape)
 
 
-def _check_npy_header(f: BinaryIO, size: int, name: str, dtype: np.dtype,
+def _check_npy_header(f: Readable, size: int, name: str, dtype: np.dtype,
                       shape: tuple[int, ...]) -> int:
     """Check a .npy header against the expected dtype and shape; returns the data offset.
 
@@ -647,7 +656,7 @@ def _check_npy_header(f: BinaryIO, size: int, name: str, dtype: np.dtype,
     return offset
 
 
-def _read_npy_header(f: BinaryIO, name: str) -> tuple[Any, bool, np.dtype]:
+def _read_npy_header(f: Readable, name: str) -> tuple[Any, bool, np.dtype]:
     head = io.BytesIO(f.read(MAX_NPY_HEADER + 64))
     try:
         with warnings.catch_warnings():
@@ -658,7 +667,8 @@ def _read_npy_header(f: BinaryIO, name: str) -> tuple[Any, bool, np.dtype]:
             reader = (npy_format.read_array_header_1_0 if version == (1, 0)
                       else npy_format.read_array_header_2_0)
             got_shape, fortran, got_dtype = reader(head, max_header_size=MAX_NPY_HEADER)
-    except _PARSE_ERRORS as exc:
+    except Exception as exc:  # noqa: BLE001 -- numpy parses untrusted bytes (ast, tokenize,
+        # dtype); whatever it raises means the header is not one a store writes
         raise InvalidStoreError(f"{name} is not a valid .npy file: {_line(exc)}") from None
     f.seek(head.tell())
     return got_shape, fortran, got_dtype

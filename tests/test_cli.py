@@ -16,6 +16,7 @@ from PIL import Image
 from mmreplay import ReplayStore
 from mmreplay import verify as verify_mod
 from mmreplay.cli import main
+from mmreplay.manifest import write_manifest
 from mmreplay.verify import disk_chunks
 
 OBS = (8, 8)
@@ -248,7 +249,7 @@ def _edit_manifest_crc(path: Path) -> str:
     m = _manifest(path)
     name = m["blocks"][0]
     m["files"][name] ^= 1
-    (path / "manifest.json").write_text(json.dumps(m))
+    write_manifest(path, m, path / "tmp", durable=False)
     return name
 
 
@@ -271,7 +272,7 @@ def _broken_episode(path: Path) -> str:
     block["terminated"][0, 2] = True
     np.save(path / name, block)
     m["files"][name] = zlib.crc32((path / name).read_bytes())
-    (path / "manifest.json").write_text(json.dumps(m))
+    write_manifest(path, m, path / "tmp", durable=False)
     return "env 0 frame 26"
 
 
