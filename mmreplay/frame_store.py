@@ -25,7 +25,6 @@ episodes, stacking, priorities or torch.
 
 from __future__ import annotations
 
-import itertools
 import os
 import struct
 import threading
@@ -41,12 +40,10 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from .errors import InvalidStoreError
+from .safe_io import TMP_DIR, fsync_dir, write_atomic
 from .spec import StoreSpec
 
 FRAMES = "frames"
-TMP_DIR = "tmp"
-TMP_SUFFIX = ".mmtmp"
-_TMP_IDS = itertools.count()  # unique temp names across threads and stores in one process
 ChunkHook = Callable[[int, int], None]
 
 
@@ -62,29 +59,6 @@ def create_frames_array(root: Path, spec: StoreSpec) -> None:
         chunk_key_encoding={"name": "default", "separator": "."},
         fill_value=0,
     )
-
-
-def write_atomic(path: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
-    """Write `data` to `path` through a temp file in `tmp_dir` and a rename.
-
-    Readers never see a torn file; a crash leaves at most a temp file, which
-    the next writable open sweeps (all temp files live in one directory).
-    """
-    tmp = tmp_dir / f"{path.name}.{os.getpid()}.{next(_TMP_IDS)}{TMP_SUFFIX}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ChunkCodec:

@@ -19,41 +19,44 @@ Opening treats the directory as hostile input:
   root is read or written;
 * what the spec makes an open allocate is capped (``max_ram_bytes``).
 
-Every problem is an `InvalidStoreError` with a one-line message.
+Every problem is an `InvalidStoreError` with a one-line message. The file-level
+rules live in `safe_io`, the zarr metadata and directory checks in `layout`; this
+module owns the manifest's fields and their consistency with the spec.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import os
 import re
 import stat
-import warnings
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.lib.format as npy_format
 
 from .errors import InvalidStoreError
-from .frame_store import FRAMES, TMP_DIR, fsync_dir, write_atomic
 from .ring import step_dtype
+from .safe_io import (
+    _is,
+    _json_type,
+    _line,
+    _lstat,
+    _strict_equal,
+    fsync_dir,
+    parse_json,
+    read_small,
+    write_atomic,
+)
 from .spec import ALLOWED_DTYPES, StoreSpec
 
 MANIFEST = "manifest.json"
-ZARR_JSON = "zarr.json"
 FORMAT = "mmreplay"
 FORMAT_VERSION = 1
 CHECKSUM = "checksum"
 MAX_MANIFEST_BYTES = 16 << 20  # ~200k step blocks; parsing it costs at most ~250 MB
 MAX_MANIFEST_CONTAINERS = 64  # a manifest has 13 JSON arrays and objects
-MAX_ZARR_JSON_BYTES = 1 << 20
-MAX_NPY_HEADER = 1 << 14
 MAX_RAM_BYTES = 64 << 30  # default cap on what a manifest's spec may make an open allocate
 MAX_COUNTER = 1 << 62  # ids, episodes, frames written, generations
 MAX_ENVS = 1 << 20  # the spec's bound on num_envs
@@ -68,12 +71,10 @@ OPTIONAL: dict[str, type | tuple[type, ...]] = {
 }
 BLOCK_NAME = re.compile(r"(steps|prio)/b([0-9]{6,12})\.g([0-9]{8,19})\.npy")
 TAIL_NAME = re.compile(r"tail/tail\.g([0-9]{8,19})\.npy")
-Readable = io.RawIOBase | io.BufferedIOBase  # a file opened here, or a BytesIO of its head
 # What building a StoreSpec from type-checked JSON may still raise, besides its own errors.
 _SPEC_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError)
 
 
-# -- files: regular, not followed, bounded ------------------------------------------------
 def check_root(root: Path) -> None:
     """`root` must be a real directory (not a symlink) that holds a ``manifest.json``."""
     info = _lstat(root, str(root))
@@ -83,139 +84,6 @@ def check_root(root: Path) -> None:
         raise InvalidStoreError(f"{root} is not a directory")
     if _lstat(root / MANIFEST, MANIFEST) is None:
         raise InvalidStoreError(f"{root} is not an mmreplay store (no {MANIFEST})")
-
-
-def check_dir(root: Path, name: str, *, required: bool) -> None:
-    """``root/name`` must be a real directory (or absent, when not `required`)."""
-    info = _lstat(root / name, name)
-    if info is None:
-        if required:
-            raise InvalidStoreError(f"directory {name}/ is missing")
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        raise InvalidStoreError(f"{name} is {_kind(info.st_mode)}; expected a real directory")
-
-
-def read_small(path: Path, where: str, limit: int) -> bytearray:
-    """All bytes of a regular file of at most `limit` bytes."""
-    with _open_regular(path, where) as (f, size):
-        if size > limit:
-            raise InvalidStoreError(f"{where} is {size} bytes, more than the {limit} allowed")
-        return _read_exact(f, size, where)
-
-
-def _lstat(path: Path, where: str) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise InvalidStoreError(f"{where} cannot be examined: {_line(exc)}") from None
-
-
-def _kind(mode: int) -> str:
-    kinds = [(stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")]
-    return next((text for test, text in kinds if test(mode)), "not a regular file")
-
-
-@contextmanager
-def _open_regular(path: Path, where: str) -> Iterator[tuple[Readable, int]]:
-    """Open a regular file for reading: never a symlink, FIFO or device, never blocking."""
-    info = _lstat(path, where)
-    if info is None:
-        raise InvalidStoreError(f"{where} is missing")
-    if not stat.S_ISREG(info.st_mode):
-        raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise InvalidStoreError(f"{where} cannot be opened: {_line(exc)}") from None
-    with io.FileIO(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # swapped after the lstat
-            raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
-        yield f, info.st_size
-
-
-def _read_exact(f: Readable, size: int, where: str) -> bytearray:
-    buf = bytearray(size)
-    _read_into(f, memoryview(buf), where)
-    return buf
-
-
-def _read_into(f: Readable, view: memoryview, where: str) -> None:
-    got = 0
-    try:
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise InvalidStoreError(f"{where} shrank while it was read")
-            got += n
-    except OSError as exc:
-        raise InvalidStoreError(f"{where} cannot be read: {_line(exc)}") from None
-
-
-def _line(exc: BaseException) -> str:
-    """An exception's message on one short line."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
-
-
-def safe_path(root: Path, name: Any) -> Path:
-    """`root/name` for a manifest-named file; refuses absolute, `..`, odd names and symlinks."""
-    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
-        raise InvalidStoreError(f"manifest names an invalid file {name!r:.80}")
-    parts = name.split("/")
-    if any(p in ("", ".", "..") for p in parts) or not name.isprintable():
-        raise InvalidStoreError(f"manifest names an invalid file {name!r:.80}")
-    for depth in range(1, len(parts)):
-        check_dir(root, "/".join(parts[:depth]), required=True)
-    path = root.joinpath(*parts)
-    info = _lstat(path, name)
-    if info is not None and stat.S_ISLNK(info.st_mode):
-        raise InvalidStoreError(f"{name} is a symlink; stores never contain symlinks")
-    return path
-
-
-# -- JSON ---------------------------------------------------------------------------------
-def parse_json(data: bytes | bytearray, where: str) -> Any:
-    """UTF-8 JSON with no duplicate keys, NaN or infinities."""
-    try:
-        return json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_unique_keys,
-                          parse_constant=_no_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise InvalidStoreError(f"{where} is not valid JSON: {_line(exc)}") from None
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate keys in an object")
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:20]} is out of range")
-    return value
-
-
-def _strict_equal(a: Any, b: Any) -> bool:
-    """JSON equality that tells bools from ints and ints from floats."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_strict_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(map(_strict_equal, a, b))
-    return bool(a == b)
 
 
 # -- the manifest -------------------------------------------------------------------------
@@ -295,18 +163,8 @@ def _check_version(version: Any, where: str | Path) -> None:
         raise InvalidStoreError(f"{where} has invalid format version {version}")
 
 
-def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
-    """isinstance for JSON values, where a bool is neither an int nor a float."""
-    return isinstance(value, kind) and not isinstance(value, bool)
-
-
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     return "a number" if isinstance(kind, tuple) else kind.__name__
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "bool", int: "int",
-            float: "float", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _check_range(where: str | Path, key: str, value: Any, *, low: int = 0,
@@ -503,172 +361,3 @@ def check_step_columns(steps: np.ndarray, manifest: dict[str, Any]) -> None:
             f"next_id={manifest['next_id']}, episodes below {manifest['next_episode']})")
 
 
-# -- zarr metadata ------------------------------------------------------------------------
-def check_zarr(root: Path, spec: StoreSpec) -> None:
-    """The group's and the frames array's ``zarr.json``, read here with a size limit."""
-    group = parse_json(read_small(root / ZARR_JSON, ZARR_JSON, MAX_ZARR_JSON_BYTES), ZARR_JSON)
-    check_group_meta(group)
-    where = f"{FRAMES}/{ZARR_JSON}"
-    meta = parse_json(read_small(root / FRAMES / ZARR_JSON, where, MAX_ZARR_JSON_BYTES), where)
-    check_frames_meta(meta, spec, where)
-
-
-def check_group_meta(meta: Any, where: str = ZARR_JSON) -> None:
-    ok = (isinstance(meta, dict)
-          and set(meta) <= {"zarr_format", "node_type", "attributes", "consolidated_metadata"}
-          and _strict_equal(meta.get("zarr_format"), 3) and meta.get("node_type") == "group"
-          and isinstance(meta.get("attributes", {}), dict)
-          and meta.get("consolidated_metadata") is None)
-    if not ok:
-        raise InvalidStoreError(f"{where} is not the zarr v3 group metadata of a store")
-
-
-def frames_meta(spec: StoreSpec) -> dict[str, Any]:
-    """The fields of ``frames/zarr.json`` exactly as ``create_frames_array`` writes them."""
-    dtype = np.dtype(spec.obs_dtype)
-    endian = {} if dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
-    zstd = {"level": spec.codec_level, "checksum": False}
-    return {
-        "zarr_format": 3, "node_type": "array",
-        "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
-        "data_type": spec.obs_dtype,
-        "chunk_grid": {"name": "regular",
-                       "configuration": {"chunk_shape": [1, spec.chunk_frames, *spec.obs_shape]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "codecs": [{"name": "bytes", **endian}, {"name": "zstd", "configuration": zstd},
-                   {"name": "crc32c"}],
-        "storage_transformers": [],
-    }
-
-
-def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_JSON}") -> None:
-    """Allow-listed codecs and dtype, and the shape, chunks and key encoding of the spec."""
-    if not isinstance(meta, dict):
-        raise InvalidStoreError(f"{where} must hold a JSON object, got {_json_type(meta)}")
-    want = frames_meta(spec)
-    unknown = sorted(set(meta) - set(want) - {"fill_value", "attributes", "dimension_names"})
-    if unknown:
-        raise InvalidStoreError(f"{where} has fields zarr metadata of a store never has: "
-                                f"{unknown[:5]!r:.100}")
-    meta = {"storage_transformers": [], **meta}
-    if want["codecs"][0] == {"name": "bytes"} and _strict_equal(meta.get("codecs"), [
-            {"name": "bytes", "configuration": {"endian": "little"}}, *want["codecs"][1:]]):
-        want["codecs"][0] = {"name": "bytes", "configuration": {"endian": "little"}}
-    for key, value in want.items():
-        if not _strict_equal(meta.get(key), value):
-            raise InvalidStoreError(f"{where}: {key} is {meta.get(key)!r:.100}, expected "
-                                    f"{value!r:.100}")
-    _check_frames_extras(meta, spec, where)
-
-
-def _check_frames_extras(meta: dict[str, Any], spec: StoreSpec, where: str) -> None:
-    fill = meta.get("fill_value")
-    zero = fill is False if spec.obs_dtype == "bool" else (_is(fill, (int, float)) and fill == 0)
-    names = meta.get("dimension_names")
-    ndim = 2 + len(spec.obs_shape)
-    names_ok = names is None or (isinstance(names, list) and len(names) == ndim and all(
-        n is None or isinstance(n, str) for n in names))
-    if not (zero and names_ok and isinstance(meta.get("attributes", {}), dict)):
-        raise InvalidStoreError(f"{where}: fill_value must be 0, attributes an object and "
-                                f"dimension_names null or {ndim} names")
-
-
-# -- the directory as a whole -------------------------------------------------------------
-def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> None:
-    """Everything an open reads, checked before it allocates: directories, zarr metadata,
-    frame chunk files, and the header and size of every named ``.npy`` file."""
-    check_dir(root, FRAMES, required=True)
-    for name in (*STEP_DIRS, TMP_DIR):
-        check_dir(root, name, required=False)
-    check_zarr(root, spec)
-    check_frames_dir(root, spec)
-    for name, (dtype, shape) in named_layout(manifest, spec).items():
-        with _open_regular(safe_path(root, name), name) as (f, size):
-            _check_npy_header(f, size, name, dtype, shape)
-
-
-def max_chunk_bytes(spec: StoreSpec) -> int:
-    """Largest valid chunk file: zstd's compress bound of a raw chunk, plus the crc32c."""
-    raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
-    return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
-
-
-def check_frames_dir(root: Path, spec: StoreSpec) -> None:
-    """Every entry of ``frames/`` is a regular file no larger than a chunk can be."""
-    limit = max_chunk_bytes(spec)
-    try:
-        with os.scandir(root / FRAMES) as entries:
-            for entry in entries:
-                info = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(info.st_mode):
-                    raise InvalidStoreError(f"{FRAMES}/{entry.name!r:.60} is "
-                                            f"{_kind(info.st_mode)}; stores hold regular files")
-                if info.st_size > limit and entry.name != ZARR_JSON:
-                    raise InvalidStoreError(f"frame chunk {FRAMES}/{entry.name!r:.60} is "
-                                            f"{info.st_size} bytes; a chunk holds at most {limit}")
-    except OSError as exc:
-        raise InvalidStoreError(f"{FRAMES}/ cannot be listed: {_line(exc)}") from None
-
-
-# -- .npy files ---------------------------------------------------------------------------
-def save_npy(root: Path, name: str, array: np.ndarray, tmp_dir: Path, *, durable: bool) -> int:
-    """Write `array` as ``root/name`` (.npy, no pickle); returns its crc32."""
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    data = buf.getvalue()
-    path = root / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, data, tmp_dir, durable=durable)
-    return zlib.crc32(data)
-
-
-def load_npy(root: Path, name: str, crc: Any, *, dtype: np.dtype,
-             shape: tuple[int, ...]) -> np.ndarray:
-    """Read a small file the manifest names: header (dtype, shape) first, then at most the
-    bytes that header implies, then crc32 and exact size."""
-    with _open_regular(safe_path(root, name), name) as (f, size):
-        head = _read_exact(f, min(size, MAX_NPY_HEADER + 64), name)
-        offset = _check_npy_header(io.BytesIO(head), size, name, dtype, shape)
-        data = bytearray(size)
-        data[:len(head)] = head
-        _read_into(f, memoryview(data)[len(head):], name)
-    if zlib.crc32(data) != crc:
-        raise InvalidStoreError(f"{name} fails its crc32 checksum (damaged or replaced)")
-    if size != offset + dtype.itemsize * math.prod(shape):
-        raise InvalidStoreError(f"{name} is {size} bytes, not the size its header implies")
-    return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape)
-
-
-def _check_npy_header(f: Readable, size: int, name: str, dtype: np.dtype,
-                      shape: tuple[int, ...]) -> int:
-    """Check a .npy header against the expected dtype and shape; returns the data offset.
-
-    Refuses files larger than that header implies, so nothing big is ever read.
-    """
-    got_shape, fortran, got_dtype = _read_npy_header(f, name)
-    if got_dtype.hasobject or got_dtype != dtype or tuple(got_shape) != shape or fortran:
-        order = " (Fortran order)" if fortran else ""
-        raise InvalidStoreError(f"{name} holds {got_dtype}{tuple(got_shape)!r:.60}{order}, "
-                                f"expected {dtype}{shape}")
-    offset = f.tell()
-    if size > offset + dtype.itemsize * math.prod(shape):
-        raise InvalidStoreError(f"{name} is {size} bytes, more than its header implies")
-    return offset
-
-
-def _read_npy_header(f: Readable, name: str) -> tuple[Any, bool, np.dtype]:
-    head = io.BytesIO(f.read(MAX_NPY_HEADER + 64))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # headers that need Python 2 repair are refused
-            version = npy_format.read_magic(head)
-            if version not in ((1, 0), (2, 0)):
-                raise ValueError(f"unsupported .npy format version {version}")
-            reader = (npy_format.read_array_header_1_0 if version == (1, 0)
-                      else npy_format.read_array_header_2_0)
-            got_shape, fortran, got_dtype = reader(head, max_header_size=MAX_NPY_HEADER)
-    except Exception as exc:  # noqa: BLE001 -- numpy parses untrusted bytes (ast, tokenize,
-        # dtype); whatever it raises means the header is not one a store writes
-        raise InvalidStoreError(f"{name} is not a valid .npy file: {_line(exc)}") from None
-    f.seek(head.tell())
-    return got_shape, fortran, got_dtype

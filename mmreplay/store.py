@@ -39,7 +39,8 @@ from .errors import (
     StoreLockedError,
     UnknownIdError,
 )
-from .frame_store import TMP_DIR, TMP_SUFFIX, FrameStore, create_frames_array
+from .frame_store import FrameStore, create_frames_array
+from .layout import check_store_files
 from .manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -52,15 +53,13 @@ from .manifest import (
     check_rng,
     check_root,
     check_step_columns,
-    check_store_files,
-    load_npy,
     parse_spec,
     read_manifest,
-    save_npy,
     write_manifest,
 )
 from .prefetch import BatchPrefetcher
 from .ring import StepRing, step_dtype
+from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, save_npy
 from .samplers import PrioritySampler, make_sampler
 from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidStoreError, MmreplayError
-from .frame_store import FRAMES, TMP_DIR, TMP_SUFFIX, FrameStore
+from .frame_store import FRAMES, FrameStore
 from .inspect import ZARR_JSON, Progress, _files, _generation, kept_frames
-from .manifest import MANIFEST, load_npy, read_manifest
+from .manifest import MANIFEST, read_manifest
 from .ring import StepRing, step_dtype
+from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy
 from .spec import StoreSpec
 from .store import LOCK, ReplayStore
 

@@ -106,7 +106,7 @@ def test_unwritten_chunks_are_served_from_ram(tmp_path):
 
 def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
     spec, store = make(tmp_path, slots=8, chunk=4, envs=1)
-    import mmreplay.frame_store as fs
+    import mmreplay.frame_store as fs  # the writer thread calls frame_store.write_atomic
     real, calls = fs.write_atomic, []
 
     def flaky(*args, **kwargs):

@@ -42,16 +42,15 @@ from hypothesis import strategies as st
 from mmreplay import ReplayStore
 from mmreplay.cli import main
 from mmreplay.errors import InvalidStoreError, MmreplayError
+from mmreplay.layout import check_frames_meta
 from mmreplay.manifest import (
-    check_frames_meta,
     check_manifest,
     check_ram,
-    load_npy,
     manifest_checksum,
-    parse_json,
     parse_manifest,
     parse_spec,
 )
+from mmreplay.safe_io import load_npy, parse_json
 
 CASES = cases()
 SMALL = [c for c in CASES if not c.huge]

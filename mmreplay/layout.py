@@ -1,0 +1,147 @@
+"""What a store directory must look like: zarr metadata and the files beside the manifest.
+
+An open compares ``zarr.json`` of the group and of the frames array field by
+field with what the spec implies (zarr itself parses nothing), and checks that
+``frames/`` holds only regular chunk files no larger than one chunk can encode to.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidStoreError
+from .frame_store import FRAMES
+from .manifest import STEP_DIRS, named_layout
+from .safe_io import (
+    TMP_DIR,
+    _check_npy_header,
+    _is,
+    _json_type,
+    _kind,
+    _line,
+    _open_regular,
+    _strict_equal,
+    check_dir,
+    parse_json,
+    read_small,
+    safe_path,
+)
+from .spec import StoreSpec
+
+ZARR_JSON = "zarr.json"
+MAX_ZARR_JSON_BYTES = 1 << 20
+
+
+# -- zarr metadata ------------------------------------------------------------------------
+def check_zarr(root: Path, spec: StoreSpec) -> None:
+    """The group's and the frames array's ``zarr.json``, read here with a size limit."""
+    group = parse_json(read_small(root / ZARR_JSON, ZARR_JSON, MAX_ZARR_JSON_BYTES), ZARR_JSON)
+    check_group_meta(group)
+    where = f"{FRAMES}/{ZARR_JSON}"
+    meta = parse_json(read_small(root / FRAMES / ZARR_JSON, where, MAX_ZARR_JSON_BYTES), where)
+    check_frames_meta(meta, spec, where)
+
+
+def check_group_meta(meta: Any, where: str = ZARR_JSON) -> None:
+    ok = (isinstance(meta, dict)
+          and set(meta) <= {"zarr_format", "node_type", "attributes", "consolidated_metadata"}
+          and _strict_equal(meta.get("zarr_format"), 3) and meta.get("node_type") == "group"
+          and isinstance(meta.get("attributes", {}), dict)
+          and meta.get("consolidated_metadata") is None)
+    if not ok:
+        raise InvalidStoreError(f"{where} is not the zarr v3 group metadata of a store")
+
+
+def frames_meta(spec: StoreSpec) -> dict[str, Any]:
+    """The fields of ``frames/zarr.json`` exactly as ``create_frames_array`` writes them."""
+    dtype = np.dtype(spec.obs_dtype)
+    endian = {} if dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
+    zstd = {"level": spec.codec_level, "checksum": False}
+    return {
+        "zarr_format": 3, "node_type": "array",
+        "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
+        "data_type": spec.obs_dtype,
+        "chunk_grid": {"name": "regular",
+                       "configuration": {"chunk_shape": [1, spec.chunk_frames, *spec.obs_shape]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "codecs": [{"name": "bytes", **endian}, {"name": "zstd", "configuration": zstd},
+                   {"name": "crc32c"}],
+        "storage_transformers": [],
+    }
+
+
+def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_JSON}") -> None:
+    """Allow-listed codecs and dtype, and the shape, chunks and key encoding of the spec."""
+    if not isinstance(meta, dict):
+        raise InvalidStoreError(f"{where} must hold a JSON object, got {_json_type(meta)}")
+    want = frames_meta(spec)
+    unknown = sorted(set(meta) - set(want) - {"fill_value", "attributes", "dimension_names"})
+    if unknown:
+        raise InvalidStoreError(f"{where} has fields zarr metadata of a store never has: "
+                                f"{unknown[:5]!r:.100}")
+    meta = {"storage_transformers": [], **meta}
+    if want["codecs"][0] == {"name": "bytes"} and _strict_equal(meta.get("codecs"), [
+            {"name": "bytes", "configuration": {"endian": "little"}}, *want["codecs"][1:]]):
+        want["codecs"][0] = {"name": "bytes", "configuration": {"endian": "little"}}
+    for key, value in want.items():
+        if not _strict_equal(meta.get(key), value):
+            raise InvalidStoreError(f"{where}: {key} is {meta.get(key)!r:.100}, expected "
+                                    f"{value!r:.100}")
+    _check_frames_extras(meta, spec, where)
+
+
+def _check_frames_extras(meta: dict[str, Any], spec: StoreSpec, where: str) -> None:
+    fill = meta.get("fill_value")
+    zero = fill is False if spec.obs_dtype == "bool" else (_is(fill, (int, float)) and fill == 0)
+    names = meta.get("dimension_names")
+    ndim = 2 + len(spec.obs_shape)
+    names_ok = names is None or (isinstance(names, list) and len(names) == ndim and all(
+        n is None or isinstance(n, str) for n in names))
+    if not (zero and names_ok and isinstance(meta.get("attributes", {}), dict)):
+        raise InvalidStoreError(f"{where}: fill_value must be 0, attributes an object and "
+                                f"dimension_names null or {ndim} names")
+
+
+# -- the directory as a whole -------------------------------------------------------------
+def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> None:
+    """Everything an open reads, checked before it allocates: directories, zarr metadata,
+    frame chunk files, and the header and size of every named ``.npy`` file."""
+    check_dir(root, FRAMES, required=True)
+    for name in (*STEP_DIRS, TMP_DIR):
+        check_dir(root, name, required=False)
+    check_zarr(root, spec)
+    check_frames_dir(root, spec)
+    for name, (dtype, shape) in named_layout(manifest, spec).items():
+        with _open_regular(safe_path(root, name), name) as (f, size):
+            _check_npy_header(f, size, name, dtype, shape)
+
+
+def max_chunk_bytes(spec: StoreSpec) -> int:
+    """Largest valid chunk file: zstd's compress bound of a raw chunk, plus the crc32c."""
+    raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
+    return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
+
+
+def check_frames_dir(root: Path, spec: StoreSpec) -> None:
+    """Every entry of ``frames/`` is a regular file no larger than a chunk can be."""
+    limit = max_chunk_bytes(spec)
+    try:
+        with os.scandir(root / FRAMES) as entries:
+            for entry in entries:
+                info = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(info.st_mode):
+                    raise InvalidStoreError(f"{FRAMES}/{entry.name!r:.60} is "
+                                            f"{_kind(info.st_mode)}; stores hold regular files")
+                if info.st_size > limit and entry.name != ZARR_JSON:
+                    raise InvalidStoreError(f"frame chunk {FRAMES}/{entry.name!r:.60} is "
+                                            f"{info.st_size} bytes; a chunk holds at most {limit}")
+    except OSError as exc:
+        raise InvalidStoreError(f"{FRAMES}/ cannot be listed: {_line(exc)}") from None
+
+
