@@ -25,6 +25,7 @@ episodes, stacking, priorities or torch.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import threading
@@ -40,7 +41,7 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from .errors import InvalidStoreError
-from .safe_io import TMP_DIR, fsync_dir, write_atomic
+from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from .spec import StoreSpec
 
 FRAMES = "frames"
@@ -59,6 +60,12 @@ def create_frames_array(root: Path, spec: StoreSpec) -> None:
         chunk_key_encoding={"name": "default", "separator": "."},
         fill_value=0,
     )
+
+
+def max_chunk_bytes(spec: StoreSpec) -> int:
+    """Largest valid chunk file: zstd's compress bound of a raw chunk, plus the crc32c."""
+    raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
+    return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
 
 
 class ChunkCodec:
@@ -194,6 +201,7 @@ class FrameStore:
         self._writable = writable
         self._durable = durable
         self._codec = ChunkCodec(spec)
+        self._max_bytes = max_chunk_bytes(spec)
         self._cache = ChunkCache(cache_bytes)
         self._hook = before_chunk_write
         self._chunk_len = spec.chunk_frames
@@ -311,10 +319,7 @@ class FrameStore:
         if pending is not None:
             return pending
         path = self.chunk_path(env, chunk)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise InvalidStoreError(f"frame chunk {path} is missing") from None
-        frames = self._codec.decode(data, str(path))
+        where = f"frame chunk {path}"
+        frames = self._codec.decode(bytes(read_small(path, where, self._max_bytes)), str(path))
         self._cache.put((env, chunk), frames)
         return frames

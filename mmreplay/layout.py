@@ -7,7 +7,6 @@ field with what the spec implies (zarr itself parses nothing), and checks that
 
 from __future__ import annotations
 
-import math
 import os
 import stat
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidStoreError
-from .frame_store import FRAMES
+from .frame_store import FRAMES, max_chunk_bytes
 from .manifest import STEP_DIRS, named_layout
 from .safe_io import (
     TMP_DIR,
@@ -120,12 +119,6 @@ def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> 
     for name, (dtype, shape) in named_layout(manifest, spec).items():
         with _open_regular(safe_path(root, name), name) as (f, size):
             _check_npy_header(f, size, name, dtype, shape)
-
-
-def max_chunk_bytes(spec: StoreSpec) -> int:
-    """Largest valid chunk file: zstd's compress bound of a raw chunk, plus the crc32c."""
-    raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
-    return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
 
 
 def check_frames_dir(root: Path, spec: StoreSpec) -> None:

@@ -9,7 +9,6 @@ outside the layout. Each problem is one line of the report.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,11 +17,12 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidStoreError, MmreplayError
-from .frame_store import FRAMES, FrameStore
+from .frame_store import FRAMES, FrameStore, max_chunk_bytes
 from .inspect import ZARR_JSON, Progress, _files, _generation, kept_frames
-from .manifest import MANIFEST, read_manifest
+from .layout import check_zarr
+from .manifest import MANIFEST, check_root, read_manifest
 from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy
+from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, read_small
 from .spec import StoreSpec
 from .store import LOCK, ReplayStore
 
@@ -55,10 +55,7 @@ def verify_store(path: str | os.PathLike[str], *, progress: Progress | None = No
     a pass runs and that pass found problems, it runs another pass on the new generation.
     """
     root = Path(path)
-    if not root.is_dir():
-        raise InvalidStoreError(f"{root} is not a directory")
-    if not (root / MANIFEST).is_file():
-        raise InvalidStoreError(f"{root} is not an mmreplay store (no {MANIFEST})")
+    check_root(root)
     passes: list[VerifyReport] = []
     for _ in range(attempts):
         before = _generation(root)
@@ -172,26 +169,10 @@ def _tail_problems(tail: np.ndarray, manifest: dict[str, Any], spec: StoreSpec) 
 def _zarr_problems(root: Path, spec: StoreSpec) -> list[str]:
     """The zarr metadata must describe the frames array this spec implies."""
     try:
-        group = json.loads((root / ZARR_JSON).read_bytes())
-        meta = json.loads((root / FRAMES / ZARR_JSON).read_bytes())
-    except (OSError, ValueError) as exc:
-        return [f"zarr metadata cannot be read: {exc}"]
-    got = _zarr_layout(group, meta)
-    want = {"group": "group", "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
-            "chunks": [1, spec.chunk_frames, *spec.obs_shape], "dtype": spec.obs_dtype,
-            "codecs": ["bytes", "zstd", "crc32c"]}
-    return [f"{FRAMES}/{ZARR_JSON}: {key} is {got.get(key)!r}, expected {value!r}"
-            for key, value in want.items() if got.get(key) != value]
-
-
-def _zarr_layout(group: Any, meta: Any) -> dict[str, Any]:
-    try:
-        return {"group": group.get("node_type"), "shape": meta.get("shape"),
-                "chunks": meta["chunk_grid"]["configuration"]["chunk_shape"],
-                "dtype": meta.get("data_type"),
-                "codecs": [c.get("name") for c in meta.get("codecs", [])]}
-    except (AttributeError, KeyError, TypeError):
-        return {}
+        check_zarr(root, spec)
+    except InvalidStoreError as exc:
+        return [str(exc)]
+    return []
 
 
 def disk_chunks(lo: int, hi: int, slots: int, chunk: int) -> list[int]:
@@ -228,13 +209,10 @@ def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
 def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str | None:
     path = frames.chunk_path(env, chunk)
     where = path.relative_to(root).as_posix()
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return f"frame chunk {where} is missing (it holds kept frames)"
-    except OSError as exc:
-        return f"frame chunk {where} cannot be read: {exc}"
     try:
+        data = bytes(read_small(path, f"frame chunk {where}", max_chunk_bytes(frames.spec)))
         frames._codec.decode(data, where)
     except InvalidStoreError as exc:
         return str(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zlib
@@ -238,6 +239,14 @@ def _delete_chunk(path: Path) -> str:
     return target.relative_to(path).as_posix()
 
 
+def _fifo_chunk(path: Path) -> str:
+    """A FIFO in place of a chunk: reading it would block forever."""
+    target = _kept_chunk(path)
+    target.unlink()
+    os.mkfifo(target)
+    return target.relative_to(path).as_posix()
+
+
 def _truncate_block(path: Path) -> str:
     name = _manifest(path)["blocks"][1]
     data = (path / name).read_bytes()
@@ -285,6 +294,13 @@ def test_verify_names_each_problem(fresh: Recorded, damage, capsys) -> None:
     assert code == 1, out
     assert out.splitlines() == [out.strip()] and named in out  # one problem, one line
     assert "problem" in err and "Traceback" not in out + err
+
+
+def test_verify_does_not_block_on_a_fifo(fresh: Recorded, capsys) -> None:
+    named = _fifo_chunk(fresh.path)
+    code, out, err = run(capsys, "verify", fresh.path)  # would hang if the FIFO were opened
+    assert code == 1 and named in out and "FIFO" in out
+    assert "Traceback" not in out + err
 
 
 def test_verify_detail_messages(fresh: Recorded, capsys: pytest.CaptureFixture[str]) -> None:
