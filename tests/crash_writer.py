@@ -251,7 +251,15 @@ def read_side(side: str | os.PathLike[str]) -> list[tuple[int, int]]:
 
 def read_rng_states(side: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """Position -> the store's RNG state as a flush at that position began (what it commits)."""
-    return {int(a): json.loads(b) for kind, a, b in _side_lines(side) if kind == "flushing"}
+    states = {}
+    for kind, a, b in _side_lines(side):
+        if kind != "flushing":
+            continue
+        try:  # a fragment of a line from an older writer would not parse: skip it
+            states[int(a)] = json.loads(b)
+        except ValueError:
+            continue
+    return states
 
 
 def _side_lines(side: str | os.PathLike[str]) -> list[list[str]]:
@@ -260,17 +268,24 @@ def _side_lines(side: str | os.PathLike[str]) -> list[list[str]]:
 
 
 def _record(side: str, position: int, generation: int) -> None:
-    with open(side, "a") as f:
-        f.write(f"flushed {position} {generation}\t\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _append(side, f"flushed {position} {generation}\t\n", sync=True)
 
 
 def _record_rng(side: str, position: int, store: ReplayStore) -> None:
     """No fsync: only a power cut, not SIGKILL, loses what `write` handed the kernel."""
     state = json.dumps(store._rng.bit_generator.state, separators=(",", ":"))
-    with open(side, "a") as f:
-        f.write(f"flushing {position} {state}\t\n")
+    _append(side, f"flushing {position} {state}\t\n", sync=False)
+
+
+def _append(side: str, line: str, *, sync: bool) -> None:
+    """One write(2) on an O_APPEND descriptor: a line is never split by a kill."""
+    fd = os.open(side, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _install_crash(target: str, nth: int, after: bool) -> None:
