@@ -7,7 +7,7 @@ verify that raced a flush is retried once the generation has moved on.
 
 Results are frozen dataclasses and numpy arrays. The terminal, image files and
 plots belong to `cli.py`. This module may read the store's private parts
-(`_ring`, `_frames`, `_sampler`, `_committed`): it is the library's own
+(`_ring`, `_frames`, `_sampler`, `_commits`): it is the library's own
 diagnostic view of them.
 """
 
@@ -112,7 +112,7 @@ def store_info(store: ReplayStore) -> StoreInfo:
     """Summary of an open store: config, counts, disk, RAM and sampler figures."""
     return StoreInfo(
         path=str(store.path),
-        format_version=int(store._committed["format_version"]),
+        format_version=int(store._commits.committed["format_version"]),
         generation=store.generation,
         spec=store.spec.to_dict(),
         counts=store.counts,

@@ -11,16 +11,14 @@ Directory layout (a zarr v3 group; see README "On-disk format")::
     <root>/lock                      flock'ed by the one writer
 
 Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
-policy in `samplers`, torch conversion in `torch_batch`.
+policy in `samplers`, commits and loading in `commit`, open-time checks in
+`manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import functools
 import os
-import stat
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,40 +29,32 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from . import validate
+from .commit import Committer, rng_from_state, take_lock
 from .errors import (
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
     ReadOnlyError,
-    StoreLockedError,
     UnknownIdError,
 )
 from .frame_store import FrameStore, create_frames_array
 from .layout import check_store_files
 from .manifest import (
-    FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
-    MAX_COUNTER,
     MAX_RAM_BYTES,
-    STEP_DIRS,
     check_manifest,
     check_ram,
-    check_rng,
     check_root,
-    check_step_columns,
     parse_spec,
     read_manifest,
-    write_manifest,
 )
 from .prefetch import BatchPrefetcher
-from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, save_npy
+from .ring import StepRing
+from .safe_io import TMP_DIR
 from .samplers import PrioritySampler, make_sampler
 from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
-LOCK = "lock"
 READER_RETRIES = 5
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -109,7 +99,7 @@ class ReplayStore:
                                   before_chunk_write=self._before_chunk_write)
         self._sampler = make_sampler(spec)
         self._rng = np.random.default_rng()
-        self._committed: dict[str, Any] = {}
+        self._commits = Committer(root, spec, durable=durable)
         self._prio_dirty: set[int] = set()
         self._lock = threading.RLock()
         self._manifest_key: tuple[int, int, int] | None = None
@@ -134,7 +124,7 @@ class ReplayStore:
         create_frames_array(root, spec)
         (root / TMP_DIR).mkdir()
         store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=_lock(root))
+                    lock_fd=take_lock(root))
         store._rng = np.random.default_rng(seed)
         store.flush()
         return store
@@ -152,7 +142,7 @@ class ReplayStore:
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
         root = Path(path)
         check_root(root)
-        lock_fd = _lock(root) if mode == "r+" else None
+        lock_fd = take_lock(root) if mode == "r+" else None
         try:
             return cls._open_checked(root, writable=mode == "r+", durable=durable,
                                      cache_bytes=cache_bytes, lock_fd=lock_fd,
@@ -176,7 +166,7 @@ class ReplayStore:
             store._load(manifest)
             if writable:
                 (root / TMP_DIR).mkdir(exist_ok=True)
-                store._sweep()
+                store._commits.sweep()
         except BaseException:
             store._frames.close()
             raise
@@ -370,7 +360,7 @@ class ReplayStore:
     @property
     def generation(self) -> int:
         """Number of the last committed manifest."""
-        return int(self._committed.get("generation", 0))
+        return self._commits.generation
 
     @_locked
     def flush(self) -> None:
@@ -381,37 +371,14 @@ class ReplayStore:
             self._frames.sync()
         else:
             self._frames.drain()  # the manifest may only name chunks that are on disk
-        gen = self.generation + 1
-        files = dict(self._committed.get("files", {}))
-        blocks = self._write_blocks("steps", self._ring.steps, self._ring.dirty_blocks,
-                                    gen, files)
-        tail = f"tail/tail.g{gen:08d}.npy"
-        files.pop(self._committed.get("tail"), None)
-        files[tail] = self._save(tail, self._frames.tail_frames())
-        manifest = self._manifest(gen, blocks, tail, files)
         sampler = self._priority_sampler()
-        if sampler is not None:
-            priorities = sampler.priorities().reshape(self.spec.num_envs, -1)
-            dirty = self._ring.dirty_blocks | self._prio_dirty
-            manifest["prio_blocks"] = self._write_blocks("prio", priorities, dirty, gen, files)
-            manifest["max_priority"] = sampler.max_priority()
-        write_manifest(self.path, manifest, self._tmp, durable=self.durable)
-        old, self._committed = self._committed, manifest
+        self._commits.commit(
+            self._ring, self._frames.tail_frames(), self._rng.bit_generator.state,
+            priorities=None if sampler is None else sampler.priorities(),
+            max_priority=1.0 if sampler is None else sampler.max_priority(),
+            prio_dirty=self._prio_dirty)
         self._ring.dirty_blocks.clear()
         self._prio_dirty.clear()
-        self._remove_unnamed(old)
-
-    def _write_blocks(self, kind: str, columns: np.ndarray, dirty: set[int], gen: int,
-                      files: dict[str, int]) -> list[str | None]:
-        """Save the dirty blocks of a (num_envs, slots) array under new names."""
-        key = "blocks" if kind == "steps" else f"{kind}_blocks"
-        blocks = list(self._committed.get(key, [None] * self._num_blocks()))
-        for b in sorted(dirty):
-            name = f"{kind}/b{b:06d}.g{gen:08d}.npy"
-            files.pop(blocks[b], None)
-            blocks[b] = name
-            files[name] = self._save(name, columns[:, self._block_range(b)])
-        return blocks
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
@@ -441,85 +408,26 @@ class ReplayStore:
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
 
     # -- persistence helpers --------------------------------------------------------
-    @property
-    def _tmp(self) -> Path:
-        return self.path / TMP_DIR
-
-    def _num_blocks(self) -> int:
-        return -(-self.spec.slots_per_env // self.spec.block_slots)
-
-    def _block_range(self, b: int) -> slice:
-        size = self.spec.block_slots
-        return slice(b * size, min((b + 1) * size, self.spec.slots_per_env))
-
-    def _save(self, name: str, array: np.ndarray) -> int:
-        return save_npy(self.path, name, array, self._tmp, durable=self.durable)
-
-    def _manifest(self, gen: int, blocks: list[str | None], tail: str,
-                  files: dict[str, int]) -> dict[str, Any]:
-        ring = self._ring
-        return {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "generation": gen,
-            "spec": self.spec.to_dict(),
-            "written": ring.written.tolist(), "kept_from": ring.oldest.tolist(),
-            "running": ring.running.tolist(), "next_id": ring.next_id,
-            "next_episode": ring.next_episode,
-            "rng": self._rng.bit_generator.state,
-            "blocks": blocks, "tail": tail, "files": files,
-        }
-
-    def _remove_unnamed(self, old: dict[str, Any]) -> None:
-        """Delete files the previous manifest named and the new one does not."""
-        keep = self._committed["files"]
-        for name in old.get("files", {}):
-            if name not in keep:
-                (self.path / name).unlink(missing_ok=True)
-
     def _before_chunk_write(self, env: int, chunk: int) -> None:
-        """Give up, in a committed manifest, the old frames a chunk write destroys.
-
-        The chunk about to be written holds the env's newest frames; the frames
-        it overwrites are exactly ``S`` older. If the committed manifest still
-        claims any of them, commit a copy that claims none of them (and, to
-        amortise, up to ``S // 16`` frames beyond) before the bytes change.
-        """
-        committed, spec = self._committed, self.spec
-        last_new = int(self._ring.written[env]) - 1
-        last_old = last_new - spec.slots_per_env
-        first_old = last_old - self._frames.chunk_slots(chunk) + 1
-        written = committed["written"][env]
-        on_disk_end = written - written % spec.slots_per_env % spec.chunk_frames
-        if last_old < committed["kept_from"][env] or first_old >= on_disk_end:
-            return  # the committed manifest claims none of the frames being overwritten
-        ahead = max(spec.chunk_frames, spec.slots_per_env // 16)
-        kept = list(committed["kept_from"])
-        kept[env] = min(last_old + 1 + ahead, committed["written"][env])
-        gen = self.generation + 1
-        self._committed = {**committed, "kept_from": kept, "generation": gen}
-        write_manifest(self.path, self._committed, self._tmp, durable=self.durable)
+        """The frame store is about to overwrite a chunk: see `Committer.give_up`."""
+        self._commits.give_up(env, int(self._ring.written[env]) - 1,
+                              self._frames.chunk_slots(chunk))
 
     def _load(self, manifest: dict[str, Any]) -> None:
         """Fill the RAM parts from a manifest that passed `check_manifest`."""
-        spec, ring = self.spec, self._ring
-        for b, name in enumerate(manifest["blocks"]):
-            if name is not None:
-                rows = self._block_range(b)
-                ring.steps[:, rows] = load_npy(
-                    self.path, name, manifest["files"][name], dtype=step_dtype(spec),
-                    shape=(spec.num_envs, rows.stop - rows.start))
-        check_step_columns(ring.steps, manifest)
-        ring.written[:] = _int_list(manifest, "written", spec.num_envs)
-        ring.kept_from[:] = _int_list(manifest, "kept_from", spec.num_envs)
-        ring.running[:] = np.asarray(manifest["running"], dtype=bool)
-        ring.next_id, ring.next_episode = manifest["next_id"], manifest["next_episode"]
-        tail = load_npy(self.path, manifest["tail"], manifest["files"][manifest["tail"]],
-                        dtype=self._frames.tail.dtype, shape=self._frames.tail.shape)
-        self._frames.load_tail(tail, ring.written % spec.slots_per_env)
-        ring.rebuild_validity()
-        ring.dirty_blocks.clear()
-        self._load_sampler(manifest)
-        self._set_rng_state(manifest["rng"])
-        self._committed = manifest
+        commits, ring = self._commits, self._ring
+        commits.load_ring(manifest, ring)
+        tail = commits.load_tail(manifest, self._frames.tail)
+        self._frames.load_tail(tail, ring.written % self.spec.slots_per_env)
+        ids = ring.steps["id"].reshape(-1)
+        sampler = self._priority_sampler()
+        if sampler is None:
+            self._sampler.update(np.arange(ring.valid.size), ring.valid, ids)
+        else:
+            sampler.load(commits.load_priorities(manifest), ids,
+                         float(manifest["max_priority"]), ring.valid)
+        self._rng = rng_from_state(manifest["rng"])
+        commits.committed = manifest
 
     def _priority_sampler(self) -> PrioritySampler | None:
         """The sampler, when it keeps priorities (``sampler != "uniform"``)."""
@@ -527,86 +435,9 @@ class ReplayStore:
             return None
         return cast(PrioritySampler, self._sampler)
 
-    def _load_sampler(self, manifest: dict[str, Any]) -> None:
-        ring, ids = self._ring, self._ring.steps["id"].reshape(-1)
-        sampler = self._priority_sampler()
-        if sampler is None:
-            self._sampler.update(np.arange(ring.valid.size), ring.valid, ids)
-            return
-        priorities = np.zeros((self.spec.num_envs, self.spec.slots_per_env))
-        for b, name in enumerate(manifest["prio_blocks"]):  # checked by check_manifest
-            if name is not None:
-                rows = self._block_range(b)
-                priorities[:, rows] = load_npy(
-                    self.path, name, manifest["files"][name], dtype=np.dtype("<f8"),
-                    shape=(self.spec.num_envs, rows.stop - rows.start))
-        if not (np.isfinite(priorities).all() and (priorities >= 0).all()):
-            raise InvalidStoreError("stored priorities must be finite and >= 0")
-        sampler.load(priorities.reshape(-1), ids, float(manifest["max_priority"]), ring.valid)
-
-    def _set_rng_state(self, state: dict[str, Any]) -> None:
-        check_rng(state)
-        try:
-            self._rng = np.random.Generator(np.random.PCG64())
-            self._rng.bit_generator.state = state
-        except (ValueError, TypeError, KeyError, OverflowError) as exc:
-            raise InvalidStoreError(f"manifest rng state is invalid: {exc}") from None
-
-    def _sweep(self) -> None:
-        """Remove temp files and step/tail files the manifest does not name.
-
-        Symlinks are removed, never followed; directories are left alone.
-        """
-        named = set(self._committed["files"])
-        for sub in (*STEP_DIRS, TMP_DIR):
-            for entry in _entries(self.path / sub):
-                stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR
-                         else entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
-                if stray and not entry.name.startswith(".") and not entry.is_dir(
-                        follow_symlinks=False):
-                    os.unlink(entry.path)
-
     def _check_writable(self, what: str) -> None:
         if self._closed:
             raise InvalidInputError(f"{what} on a closed store")
         if not self.writable:
             raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
-
-def _lock(root: Path) -> int:
-    """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
-    path = root / LOCK
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise InvalidStoreError(f"{LOCK} is not a regular file: {exc.strerror}") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise InvalidStoreError(f"{LOCK} is not a regular file")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StoreLockedError(f"{root} is already open for writing by another process") from None
-    return fd
-
-
-def _entries(directory: Path) -> list[os.DirEntry[str]]:
-    """The entries of a directory, none if it does not exist."""
-    try:
-        with os.scandir(directory) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
-
-
-def _int_list(manifest: dict[str, Any], key: str, size: int) -> np.ndarray:
-    value = manifest[key]
-    if len(value) != size or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNTER
-            for v in value):
-        raise InvalidStoreError(f"manifest field {key!r} must be {size} non-negative ints")
-    return np.asarray(value, dtype=np.int64)

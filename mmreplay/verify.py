@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .commit import LOCK
 from .errors import InvalidStoreError, MmreplayError
 from .frame_store import FRAMES, FrameStore, max_chunk_bytes
 from .inspect import ZARR_JSON, Progress, _files, _generation, kept_frames
@@ -24,7 +25,7 @@ from .manifest import MANIFEST, check_root, read_manifest
 from .ring import StepRing, step_dtype
 from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, read_small
 from .spec import StoreSpec
-from .store import LOCK, ReplayStore
+from .store import ReplayStore
 
 
 # -- verify ----------------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+"""Committing a store to its directory, and reading a commit back.
+
+A commit (``flush``) writes, under names carrying the new generation, every step
+block and priority block that changed, the RAM tail of frames, and finally
+``manifest.json`` (atomically); then it deletes the files the previous manifest
+named and the new one does not. Blocks are copy-on-write, so a crash at any
+point leaves the previous manifest and everything it names intact.
+
+`Committer` owns the committed manifest of one directory and every write that
+changes it, including the *give-up* commits that must precede a frame chunk
+overwriting frames the committed manifest still claims. It knows files and
+arrays; it does not know how frames are read or transitions sampled.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidStoreError, StoreLockedError
+from .manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MAX_COUNTER,
+    STEP_DIRS,
+    check_rng,
+    check_step_columns,
+    write_manifest,
+)
+from .ring import StepRing, step_dtype
+from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, save_npy
+from .spec import StoreSpec
+
+LOCK = "lock"
+
+
+class Committer:
+    """The committed state of one store directory and the writes that advance it."""
+
+    def __init__(self, root: Path, spec: StoreSpec, *, durable: bool) -> None:
+        self.root = root
+        self.spec = spec
+        self.durable = durable
+        self.committed: dict[str, Any] = {}
+
+    @property
+    def generation(self) -> int:
+        return int(self.committed.get("generation", 0))
+
+    # -- block layout ---------------------------------------------------------------
+    def num_blocks(self) -> int:
+        return -(-self.spec.slots_per_env // self.spec.block_slots)
+
+    def block_range(self, b: int) -> slice:
+        size = self.spec.block_slots
+        return slice(b * size, min((b + 1) * size, self.spec.slots_per_env))
+
+    # -- writing --------------------------------------------------------------------
+    def commit(self, ring: StepRing, tail: np.ndarray, rng_state: Mapping[str, Any], *,
+               priorities: np.ndarray | None = None, max_priority: float = 1.0,
+               prio_dirty: set[int] | None = None) -> None:
+        """Write what changed since the last commit, then the manifest, then clean up."""
+        gen = self.generation + 1
+        files = dict(self.committed.get("files", {}))
+        blocks = self._write_blocks("steps", ring.steps, ring.dirty_blocks, gen, files)
+        tail_name = f"tail/tail.g{gen:08d}.npy"
+        files.pop(self.committed.get("tail"), None)
+        files[tail_name] = self._save(tail_name, tail)
+        manifest = self._manifest(gen, ring, rng_state, blocks, tail_name, files)
+        if priorities is not None:
+            dirty = ring.dirty_blocks | (prio_dirty or set())
+            grid = priorities.reshape(self.spec.num_envs, -1)
+            manifest["prio_blocks"] = self._write_blocks("prio", grid, dirty, gen, files)
+            manifest["max_priority"] = max_priority
+        write_manifest(self.root, manifest, self.root / TMP_DIR, durable=self.durable)
+        old, self.committed = self.committed, manifest
+        self._remove_unnamed(old)
+
+    def give_up(self, env: int, last_new: int, chunk_slots: int) -> None:
+        """Give up, in a committed manifest, the old frames a chunk write will destroy.
+
+        The chunk about to be written ends with frame `last_new` of `env`; the
+        frames it overwrites are exactly ``S`` older. If the committed manifest
+        still claims any of them on disk, commit a copy that claims none of them
+        (and, to amortise, up to ``max(chunk, S // 16)`` frames beyond) first.
+        """
+        committed, spec = self.committed, self.spec
+        last_old = last_new - spec.slots_per_env
+        first_old = last_old - chunk_slots + 1
+        written = committed["written"][env]
+        on_disk_end = written - written % spec.slots_per_env % spec.chunk_frames
+        if last_old < committed["kept_from"][env] or first_old >= on_disk_end:
+            return  # the committed manifest claims none of the frames being overwritten
+        ahead = max(spec.chunk_frames, spec.slots_per_env // 16)
+        kept = list(committed["kept_from"])
+        kept[env] = min(last_old + 1 + ahead, written)
+        self.committed = {**committed, "kept_from": kept, "generation": self.generation + 1}
+        write_manifest(self.root, self.committed, self.root / TMP_DIR, durable=self.durable)
+
+    def _write_blocks(self, kind: str, columns: np.ndarray, dirty: set[int], gen: int,
+                      files: dict[str, int]) -> list[str | None]:
+        """Save the dirty blocks of a (num_envs, slots) array under new names."""
+        key = "blocks" if kind == "steps" else f"{kind}_blocks"
+        blocks = list(self.committed.get(key, [None] * self.num_blocks()))
+        for b in sorted(dirty):
+            name = f"{kind}/b{b:06d}.g{gen:08d}.npy"
+            files.pop(blocks[b], None)
+            blocks[b] = name
+            files[name] = self._save(name, columns[:, self.block_range(b)])
+        return blocks
+
+    def _save(self, name: str, array: np.ndarray) -> int:
+        return save_npy(self.root, name, array, self.root / TMP_DIR, durable=self.durable)
+
+    def _manifest(self, gen: int, ring: StepRing, rng_state: Mapping[str, Any],
+                  blocks: list[str | None], tail: str, files: dict[str, int]) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "generation": gen,
+            "spec": self.spec.to_dict(),
+            "written": ring.written.tolist(), "kept_from": ring.oldest.tolist(),
+            "running": ring.running.tolist(), "next_id": ring.next_id,
+            "next_episode": ring.next_episode, "rng": rng_state,
+            "blocks": blocks, "tail": tail, "files": files,
+        }
+
+    def _remove_unnamed(self, old: dict[str, Any]) -> None:
+        """Delete files the previous manifest named and the new one does not."""
+        keep = self.committed["files"]
+        for name in old.get("files", {}):
+            if name not in keep:
+                (self.root / name).unlink(missing_ok=True)
+
+    # -- reading --------------------------------------------------------------------
+    def load_ring(self, manifest: dict[str, Any], ring: StepRing) -> None:
+        """Fill the ring from a manifest that passed `check_manifest`."""
+        spec = self.spec
+        for b, name in enumerate(manifest["blocks"]):
+            if name is not None:
+                rows = self.block_range(b)
+                ring.steps[:, rows] = load_npy(
+                    self.root, name, manifest["files"][name], dtype=step_dtype(spec),
+                    shape=(spec.num_envs, rows.stop - rows.start))
+        check_step_columns(ring.steps, manifest)
+        ring.written[:] = int_list(manifest, "written", spec.num_envs)
+        ring.kept_from[:] = int_list(manifest, "kept_from", spec.num_envs)
+        ring.running[:] = np.asarray(manifest["running"], dtype=bool)
+        ring.next_id, ring.next_episode = manifest["next_id"], manifest["next_episode"]
+        ring.rebuild_validity()
+        ring.dirty_blocks.clear()
+
+    def load_tail(self, manifest: dict[str, Any], like: np.ndarray) -> np.ndarray:
+        name = manifest["tail"]
+        return load_npy(self.root, name, manifest["files"][name], dtype=like.dtype,
+                        shape=like.shape)
+
+    def load_priorities(self, manifest: dict[str, Any]) -> np.ndarray:
+        """The flat priority column of a prioritized store's manifest."""
+        spec = self.spec
+        priorities = np.zeros((spec.num_envs, spec.slots_per_env))
+        for b, name in enumerate(manifest["prio_blocks"]):  # checked by check_manifest
+            if name is not None:
+                rows = self.block_range(b)
+                priorities[:, rows] = load_npy(
+                    self.root, name, manifest["files"][name], dtype=np.dtype("<f8"),
+                    shape=(spec.num_envs, rows.stop - rows.start))
+        if not (np.isfinite(priorities).all() and (priorities >= 0).all()):
+            raise InvalidStoreError("stored priorities must be finite and >= 0")
+        return priorities.reshape(-1)
+
+    def sweep(self) -> None:
+        """Remove temp files and step/tail/prio files the manifest does not name.
+
+        Symlinks are removed, never followed; directories are left alone.
+        """
+        named = set(self.committed["files"])
+        for sub in (*STEP_DIRS, TMP_DIR):
+            for entry in _entries(self.root / sub):
+                stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR
+                         else entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
+                if stray and not entry.name.startswith(".") and not entry.is_dir(
+                        follow_symlinks=False):
+                    os.unlink(entry.path)
+
+
+def rng_from_state(state: dict[str, Any]) -> np.random.Generator:
+    """The PCG64 generator a manifest's ``rng`` field describes."""
+    check_rng(state)
+    try:
+        rng = np.random.Generator(np.random.PCG64())
+        rng.bit_generator.state = state
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        raise InvalidStoreError(f"manifest rng state is invalid: {exc}") from None
+    return rng
+
+
+def take_lock(root: Path) -> int:
+    """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
+    path = root / LOCK
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise InvalidStoreError(f"{LOCK} is not a regular file: {exc.strerror}") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidStoreError(f"{LOCK} is not a regular file")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StoreLockedError(f"{root} is already open for writing by another process") from None
+    return fd
+
+
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    """The entries of a directory, none if it does not exist."""
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def int_list(manifest: dict[str, Any], key: str, size: int) -> np.ndarray:
+    value = manifest[key]
+    if len(value) != size or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNTER
+            for v in value):
+        raise InvalidStoreError(f"manifest field {key!r} must be {size} non-negative ints")
+    return np.asarray(value, dtype=np.int64)
