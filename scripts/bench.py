@@ -334,6 +334,21 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def source_info() -> dict[str, Any]:
+    """Which mmreplay ran: its path, and the repository's HEAD and whether mmreplay/ differs."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*argv: str) -> str | None:
+        proc = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True,
+                              check=False)
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", "mmreplay")
+    return {"mmreplay_path": str(Path(mmreplay.__file__).parent),
+            "git_head": git("rev-parse", "HEAD"),
+            "git_mmreplay_modified": None if status is None else bool(status)}
+
+
 def machine_info() -> dict[str, Any]:
     pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return {
@@ -348,6 +363,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "mmreplay": getattr(mmreplay, "__version__", "unknown"),
+        **source_info(),
         **{name: package_version(name) for name in ("cpprb", "stable-baselines3", "torchrl")},
         "tmp_dir": tempfile.gettempdir(),
         "loadavg_1m_at_start": os.getloadavg()[0],  # other work on the machine skews figures
@@ -994,7 +1010,11 @@ def print_report(result: dict[str, Any], args: Args) -> None:
         print_cold(result, args)
     print_open_flush(result, args)
     print_targets(result["targets"])
-    print(f"\nmalloc in every bench process: {result['machine']['malloc']}")
+    m = result["machine"]
+    print(f"\nmalloc in every bench process: {m['malloc']}")
+    print(f"mmreplay from {m['mmreplay_path']} (repository HEAD {str(m['git_head'])[:10]}, "
+          f"mmreplay/ modified in the work tree: {m['git_mmreplay_modified']}); "
+          f"load average at start {m['loadavg_1m_at_start']:.2f} on {m['cpu_count']} CPUs")
 
 
 def write_json(result: dict[str, Any], out_dir: Path, name: str) -> Path:
