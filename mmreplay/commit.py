@@ -32,10 +32,11 @@ from .manifest import (
     STEP_DIRS,
     check_rng,
     check_step_columns,
+    read_manifest,
     write_manifest,
 )
 from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, save_npy
+from .safe_io import TMP_DIR, TMP_SUFFIX, fsync_dir, load_npy, save_npy
 from .spec import StoreSpec
 
 LOCK = "lock"
@@ -79,9 +80,22 @@ class Committer:
             grid = priorities.reshape(self.spec.num_envs, -1)
             manifest["prio_blocks"] = self._write_blocks("prio", grid, dirty, gen, files)
             manifest["max_priority"] = max_priority
-        write_manifest(self.root, manifest, self.root / TMP_DIR, durable=self.durable)
-        old, self.committed = self.committed, manifest
+        if self.durable:
+            self._sync_dirs()
+        old = self.committed
+        self._publish(manifest)
         self._remove_unnamed(old)
+
+    def _sync_dirs(self) -> None:
+        """Make the new files' names durable before a manifest names them.
+
+        Each file was fsynced before its rename, but a rename lives in its directory:
+        without this a power cut can keep the new manifest (the root is fsynced after
+        it) and lose the blocks and tail it names.
+        """
+        for sub in STEP_DIRS:
+            if (self.root / sub).is_dir():
+                fsync_dir(self.root / sub)
 
     def give_up(self, env: int, last_new: int, chunk_slots: int) -> None:
         """Give up, in a committed manifest, the old frames a chunk write will destroy.
@@ -101,8 +115,22 @@ class Committer:
         ahead = max(spec.chunk_frames, spec.slots_per_env // 16)
         kept = list(committed["kept_from"])
         kept[env] = min(last_old + 1 + ahead, written)
-        self.committed = {**committed, "kept_from": kept, "generation": self.generation + 1}
-        write_manifest(self.root, self.committed, self.root / TMP_DIR, durable=self.durable)
+        self._publish({**committed, "kept_from": kept, "generation": self.generation + 1})
+
+    def _publish(self, manifest: dict[str, Any]) -> None:
+        """Write `manifest` and make it the committed one once it is ``manifest.json``.
+
+        An error after the rename (the durable directory fsync) still raises, but the
+        manifest is then the committed one: the next commit must not reuse its generation
+        (its file names), nor may a give-up be believed before it is on disk.
+        """
+        try:
+            write_manifest(self.root, manifest, self.root / TMP_DIR, durable=self.durable)
+        except BaseException:
+            if _generation_on_disk(self.root) == manifest["generation"]:
+                self.committed = manifest
+            raise
+        self.committed = manifest
 
     def _write_blocks(self, kind: str, columns: np.ndarray, dirty: set[int], gen: int,
                       files: dict[str, int]) -> list[str | None]:
@@ -187,6 +215,13 @@ class Committer:
                 if stray and not entry.name.startswith(".") and not entry.is_dir(
                         follow_symlinks=False):
                     os.unlink(entry.path)
+
+
+def _generation_on_disk(root: Path) -> int | None:
+    try:
+        return int(read_manifest(root)["generation"])
+    except (OSError, InvalidStoreError, KeyError, TypeError, ValueError):
+        return None
 
 
 def rng_from_state(state: dict[str, Any]) -> np.random.Generator:

@@ -146,11 +146,15 @@ class ChunkWriter:
         self.written: list[Path] = []
 
     def submit(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
-        while len(self._futures) >= self._max or (self._futures and self._futures[0].done()):
-            self._futures.popleft().result()
+        """Queue a chunk, then raise an earlier write's error, if any (the chunk stays queued)."""
         with self._lock:
             self.pending[key] = frames
-        self._futures.append(self._pool.submit(self._write, key, path, frames))
+        future = self._pool.submit(self._write, key, path, frames)
+        try:
+            while len(self._futures) >= self._max or (self._futures and self._futures[0].done()):
+                self._futures.popleft().result()  # a failed chunk stays in _failed for drain
+        finally:
+            self._futures.append(future)
 
     def _write(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
         try:
@@ -173,7 +177,9 @@ class ChunkWriter:
                 error = error or exc
         if error is not None:
             raise error
-        failed, self._failed = self._failed, []
+        with self._lock:  # a chunk a newer lap has replaced since must not be written back
+            failed = [f for f in self._failed if self.pending.get(f[0]) is f[2]]
+            self._failed = []
         for key, path, frames in failed:
             self._futures.append(self._pool.submit(self._write, key, path, frames))
         if failed:
@@ -210,6 +216,7 @@ class FrameStore:
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
         self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable else None
+        self._held: dict[tuple[int, int], np.ndarray] = {}  # finished, not yet submitted
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
@@ -233,18 +240,31 @@ class FrameStore:
                 self._write_chunk(env, chunk)
 
     def _write_chunk(self, env: int, chunk: int) -> None:
-        if self._hook is not None:
-            self._hook(env, chunk)
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
-        assert self._writer is not None, "append on a read-only frame store"
-        self._writer.submit((env, chunk), self.chunk_path(env, chunk), frames)
         self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
+        self._held[(env, chunk)] = frames
+        self._submit_held()
+
+    def _submit_held(self) -> None:
+        """Hand finished chunks to the writer, in order, each after its hook.
+
+        A chunk whose hook (a give-up commit) raised stays held, readable from RAM,
+        and is retried by the next chunk or `drain`, so no finished chunk is ever lost.
+        """
+        assert self._writer is not None, "append on a read-only frame store"
+        while self._held:
+            key, frames = next(iter(self._held.items()))
+            if self._hook is not None:
+                self._hook(*key)
+            del self._held[key]
+            self._writer.submit(key, self.chunk_path(*key), frames)
 
     def drain(self) -> None:
         """Wait until every finished chunk is on disk (raises a failed write's error)."""
         if self._writer is not None:
+            self._submit_held()
             self._writer.drain()
 
     def sync(self) -> None:
@@ -315,7 +335,9 @@ class FrameStore:
         cached = self._cache.get((env, chunk))
         if cached is not None:
             return cached
-        pending = self._writer.pending.get((env, chunk)) if self._writer else None
+        pending = self._held.get((env, chunk))
+        if pending is None and self._writer is not None:
+            pending = self._writer.pending.get((env, chunk))
         if pending is not None:
             return pending
         path = self.chunk_path(env, chunk)

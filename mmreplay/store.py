@@ -56,6 +56,7 @@ from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, make_batch
 
 READER_RETRIES = 5
+OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -142,20 +143,47 @@ class ReplayStore:
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
         root = Path(path)
         check_root(root)
-        lock_fd = take_lock(root) if mode == "r+" else None
+        if mode == "r":
+            return cls._open_reader(root, durable=durable, cache_bytes=cache_bytes,
+                                    max_ram_bytes=max_ram_bytes)
+        lock_fd = take_lock(root)
         try:
-            return cls._open_checked(root, writable=mode == "r+", durable=durable,
+            return cls._open_checked(root, writable=True, durable=durable,
                                      cache_bytes=cache_bytes, lock_fd=lock_fd,
                                      max_ram_bytes=max_ram_bytes)
         except BaseException:
-            if lock_fd is not None:
-                os.close(lock_fd)
+            os.close(lock_fd)
             raise
 
     @classmethod
+    def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int,
+                     max_ram_bytes: int) -> ReplayStore:
+        """Open read-only beside a possibly live writer.
+
+        A writer deletes the files of the generation it replaced right after it
+        commits; a reader that read the old manifest may then find one missing.
+        That is only damage if the manifest is still the one the reader read:
+        otherwise a commit raced the open, and the open starts again. "Still the
+        one" compares contents, not (inode, mtime, size), which a writer committing
+        within one clock tick can repeat with a recycled inode.
+        """
+        for attempt in range(OPEN_RETRIES):
+            manifest = read_manifest(root)
+            try:
+                return cls._open_checked(root, writable=False, durable=durable,
+                                         cache_bytes=cache_bytes, lock_fd=None,
+                                         max_ram_bytes=max_ram_bytes, manifest=manifest)
+            except InvalidStoreError:
+                if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
+                    raise
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+    @classmethod
     def _open_checked(cls, root: Path, *, writable: bool, durable: bool, cache_bytes: int,
-                      lock_fd: int | None, max_ram_bytes: int) -> ReplayStore:
-        manifest = read_manifest(root)
+                      lock_fd: int | None, max_ram_bytes: int,
+                      manifest: dict[str, Any] | None = None) -> ReplayStore:
+        if manifest is None:
+            manifest = read_manifest(root)
         spec = parse_spec(manifest)
         check_ram(spec, max_ram_bytes)
         check_manifest(manifest, spec)

@@ -1,0 +1,197 @@
+"""One writer, isolated readers, across processes.
+
+A writer process holds the store's lock: a second writable open anywhere is refused at
+once, and works once the writer is gone (closed or killed). Read-only opens beside a
+writer that commits in a tight loop each see exactly one generation: every frame and
+field they return is what the writer wrote for that id (frames encode their number).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from mmreplay import ReplayStore, StoreLockedError
+
+OBS = (4,)  # a frame is its number as four little-endian bytes
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from mmreplay import ReplayStore
+    store = ReplayStore.open(sys.argv[1])
+    print("ready", flush=True)
+    sys.stdin.read()  # hold the lock until the parent closes our stdin
+    store.close()
+""")
+
+WRITER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from mmreplay import ReplayStore
+    path, stop = sys.argv[1], sys.argv[2]
+    store = ReplayStore.open(path)
+    frame = lambda n: np.array([n], "<u4").view(np.uint8)
+    n = int(store.counts.frames_written) - 1  # the last frame written
+    commits = 0
+    print("ready", flush=True)
+    while not os.path.exists(stop):
+        for _ in range(1 + n % 3):
+            store.add(n, float(n), frame(n + 1), False, False)
+            n += 1
+        store.flush()
+        commits += 1
+    store.close()
+    print(commits, n, flush=True)
+""")
+
+READER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from mmreplay import ReplayStore, InvalidStoreError, UnknownIdError
+    path, opens = sys.argv[1], int(sys.argv[2])
+    calls = 0
+    checked = ReplayStore._open_checked.__func__
+    def counting(cls, *args, **kwargs):
+        global calls
+        calls += 1
+        return checked(cls, *args, **kwargs)
+    ReplayStore._open_checked = classmethod(counting)
+    stats = dict(opens=0, retried=0, most_attempts=0, failures=0, inconsistent=0,
+                 raced_get=0, checked=0, errors=[])
+    def problem(what):
+        stats["inconsistent"] += 1
+        stats["errors"].append(what)
+    for _ in range(opens):
+        calls = 0
+        stats["opens"] += 1
+        try:
+            store = ReplayStore.open(path, "r", cache_bytes=0)
+        except InvalidStoreError as exc:
+            stats["failures"] += 1
+            stats["errors"].append(f"{exc} after {calls} attempts")
+            continue
+        finally:
+            stats["retried"] += calls > 1
+            stats["most_attempts"] = max(stats["most_attempts"], calls)
+        counts = store.counts
+        ids = store.valid_ids()
+        try:
+            batch = store.get(ids)
+        except UnknownIdError:  # the writer gave some up meanwhile: refused, not wrong
+            stats["raced_get"] += 1
+            store.close()
+            continue
+        total = counts.transitions
+        if counts.frames_written != total + 1:
+            problem(f"frames_written {counts.frames_written} with {total} transitions")
+        if ids.size and not np.array_equal(ids, np.arange(ids[0], total)):
+            problem(f"ids {ids[0]}..{ids[-1]} ({ids.size}) with {total} transitions")
+        obs = batch.obs.numpy().reshape(ids.size, -1).view("<u4").reshape(-1)
+        nxt = batch.next_obs.numpy().reshape(ids.size, -1).view("<u4").reshape(-1)
+        for name, got, want in [("obs", obs, ids), ("next_obs", nxt, ids + 1),
+                                ("action", batch.action.numpy(), ids),
+                                ("reward", batch.reward.numpy(), ids.astype(np.float32))]:
+            if not np.array_equal(got, want):
+                problem(f"{name} differs from the ids in generation {store.generation}")
+        stats["checked"] += int(ids.size)
+        store.close()
+    print(json.dumps(stats))
+""")
+
+
+def frame(n: int) -> np.ndarray:
+    return np.array([n], "<u4").view(np.uint8)
+
+
+def make_store(path, **kw) -> None:
+    """A small store whose frame n is `frame(n)` and whose transition t has action t."""
+    kw.setdefault("capacity", 64)
+    kw.setdefault("chunk_frames", 4)
+    kw.setdefault("block_slots", 16)
+    store = ReplayStore.create(path, obs_shape=OBS, seed=0, **kw)
+    store.reset(frame(0))
+    for n in range(40):
+        store.add(n, float(n), frame(n + 1), False, False)
+    store.close()
+
+
+def spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise AssertionError(f"child did not start: {line!r} {proc.communicate()[1]}")
+
+
+@pytest.mark.parametrize("writer_ends", ["close", "sigkill"])
+def test_second_writer_is_refused_at_once_across_processes(tmp_path, writer_ends):
+    path = tmp_path / "store"
+    make_store(path)
+    holder = spawn(HOLDER, path)
+    try:
+        wait_ready(holder)
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(StoreLockedError, match="already open for writing"):
+                ReplayStore.open(path)
+            assert time.monotonic() - start < 1.0  # refused, not waited for
+        with ReplayStore.open(path, "r") as reader:  # readers take no lock
+            assert reader.counts.transitions == 40
+        if writer_ends == "close":
+            holder.communicate("", timeout=30)
+            assert holder.returncode == 0
+        else:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=30)
+    finally:
+        holder.kill()
+        holder.communicate()
+    with ReplayStore.open(path) as store:  # the kernel dropped the lock with the writer
+        assert store.counts.transitions == 40
+
+
+def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path):
+    path, stop = tmp_path / "store", tmp_path / "stop"
+    make_store(path)
+    opens = int(os.environ.get("MMREPLAY_READER_OPENS", "150"))
+    writer = spawn(WRITER, path, stop)
+    wait_ready(writer)
+    readers = [spawn(READER, path, opens) for _ in range(3)]
+    try:
+        outs = [r.communicate(timeout=300) for r in readers]
+    finally:
+        stop.touch()
+        for r in readers:
+            r.kill()
+        commits_line, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err
+    for r, (_out, err) in zip(readers, outs, strict=True):
+        assert r.returncode == 0, err
+    stats = [json.loads(out) for out, _ in outs]
+    total = {k: sum(s[k] for s in stats) for k in stats[0] if k != "errors"}
+    total["most_attempts"] = max(s["most_attempts"] for s in stats)
+    errors = [e for s in stats for e in s["errors"]]
+    print(f"\nreaders: {total}; writer commits, last frame: {commits_line.split()}")
+    assert total["opens"] == 3 * opens
+    assert total["failures"] == 0, errors[:5]
+    assert total["inconsistent"] == 0, errors[:5]
+    assert total["checked"] > 0
+    with ReplayStore.open(path, "r") as store:  # and the writer's last flush is all there
+        ids = store.valid_ids()
+        assert store.counts.transitions == int(commits_line.split()[1])
+        batch = store.get(ids)
+        assert np.array_equal(batch.action.numpy(), ids)
