@@ -110,7 +110,7 @@ class Args:
     """cold: timed sample calls with cache_bytes=1, page cache warm"""
     page_cold_reps: int = 50
     """cold: timed sample calls after the chunk files left the page cache"""
-    naive_reps: int = 20
+    naive_reps: int = 100
     """cold: timed naive-zarr calls on the scale store (slow)"""
     flush_steps: int = 10_000
     """flush: steps added before each timed flush"""
