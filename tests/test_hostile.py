@@ -55,6 +55,8 @@ from mmreplay.safe_io import load_npy, parse_json
 CASES = cases()
 SMALL = [c for c in CASES if not c.huge]
 HUGE = [c for c in CASES if c.huge]
+# The reliability promise: a hostile store cannot stall an open. A hang guard, not a speed
+# target (the slowest open seen is ~0.5 s).
 MAX_OPEN_SECONDS = 2.0
 MAX_RSS_GROWTH_MIB = 512
 STATS: dict[str, Any] = {"opens": 0, "refused": 0, "slowest": 0.0, "slowest_case": ""}
