@@ -32,7 +32,7 @@ from .manifest import (
     STEP_DIRS,
     check_rng,
     check_step_columns,
-    read_manifest,
+    committed_generation,
     write_manifest,
 )
 from .ring import StepRing, step_dtype
@@ -127,7 +127,7 @@ class Committer:
         try:
             write_manifest(self.root, manifest, self.root / TMP_DIR, durable=self.durable)
         except BaseException:
-            if _generation_on_disk(self.root) == manifest["generation"]:
+            if committed_generation(self.root) == manifest["generation"]:
                 self.committed = manifest
             raise
         self.committed = manifest
@@ -215,13 +215,6 @@ class Committer:
                 if stray and not entry.name.startswith(".") and not entry.is_dir(
                         follow_symlinks=False):
                     os.unlink(entry.path)
-
-
-def _generation_on_disk(root: Path) -> int | None:
-    try:
-        return int(read_manifest(root)["generation"])
-    except (OSError, InvalidStoreError, KeyError, TypeError, ValueError):
-        return None
 
 
 def rng_from_state(state: dict[str, Any]) -> np.random.Generator:

@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError, InvalidStoreError, MmreplayError
+from .errors import InvalidInputError
 from .frame_store import FRAMES
-from .manifest import read_manifest
 from .ring import StepRing
 from .store import ReplayStore, StoreCounts
 
@@ -33,25 +32,9 @@ ZARR_JSON = "zarr.json"
 
 
 # -- opening ----------------------------------------------------------------------------
-def open_readonly(path: str | os.PathLike[str], *, attempts: int = 5) -> ReplayStore:
-    """Open a store read-only; retry if a writer replaced its files while we read them."""
-    root = Path(path)
-    for attempt in range(attempts):
-        before = _generation(root)
-        try:
-            return ReplayStore.open(root, mode="r")
-        except InvalidStoreError:
-            if attempt + 1 == attempts or _generation(root) in (before, None):
-                raise
-    raise AssertionError("unreachable")
-
-
-def _generation(root: Path) -> int | None:
-    """Generation of the committed manifest, None if it cannot be read."""
-    try:
-        return int(read_manifest(root)["generation"])
-    except (MmreplayError, OSError):
-        return None
+def open_readonly(path: str | os.PathLike[str]) -> ReplayStore:
+    """Open a store read-only (`ReplayStore.open` retries opens that race a commit)."""
+    return ReplayStore.open(Path(path), mode="r")
 
 
 # -- info -------------------------------------------------------------------------------

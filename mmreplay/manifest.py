@@ -361,3 +361,9 @@ def check_step_columns(steps: np.ndarray, manifest: dict[str, Any]) -> None:
             f"next_id={manifest['next_id']}, episodes below {manifest['next_episode']})")
 
 
+def committed_generation(root: Path) -> int | None:
+    """Generation of the manifest on disk now; None if it cannot be read."""
+    try:
+        return int(read_manifest(root)["generation"])
+    except (OSError, InvalidStoreError):
+        return None

@@ -8,7 +8,7 @@ dicts; it never touches files.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -113,7 +113,7 @@ def _complete(spec: StoreSpec) -> StoreSpec:
             f"{spec.capacity} // {spec.num_envs} = {spec.slots_per_env}")
     chunk = spec.chunk_frames or default_chunk_frames(spec.frame_bytes)
     chunk = min(chunk, spec.slots_per_env)
-    return StoreSpec(**{**spec.__dict__, "chunk_frames": chunk})
+    return replace(spec, chunk_frames=chunk)
 
 
 def default_chunk_frames(frame_bytes: int) -> int:

@@ -368,9 +368,13 @@ class ReplayStore:
             return False
         np.maximum(self._ring.kept_from, kept, out=self._ring.kept_from)
         self._ring.rebuild_validity()
+        self._update_all_slots()
+        return True
+
+    def _update_all_slots(self) -> None:
+        """Tell the sampler the validity and id of every slot (after a full rebuild)."""
         ring = self._ring
         self._sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
-        return True
 
     def _still_valid(self, flat: np.ndarray) -> bool:
         """After a read: False if a writer gave up any of these transitions meanwhile."""
@@ -447,12 +451,11 @@ class ReplayStore:
         commits.load_ring(manifest, ring)
         tail = commits.load_tail(manifest, self._frames.tail)
         self._frames.load_tail(tail, ring.written % self.spec.slots_per_env)
-        ids = ring.steps["id"].reshape(-1)
         sampler = self._priority_sampler()
         if sampler is None:
-            self._sampler.update(np.arange(ring.valid.size), ring.valid, ids)
+            self._update_all_slots()
         else:
-            sampler.load(commits.load_priorities(manifest), ids,
+            sampler.load(commits.load_priorities(manifest), ring.steps["id"].reshape(-1),
                          float(manifest["max_priority"]), ring.valid)
         self._rng = rng_from_state(manifest["rng"])
         commits.committed = manifest

@@ -19,9 +19,9 @@ import numpy as np
 from .commit import LOCK
 from .errors import InvalidStoreError, MmreplayError
 from .frame_store import FRAMES, FrameStore, max_chunk_bytes
-from .inspect import ZARR_JSON, Progress, _files, _generation, kept_frames
+from .inspect import ZARR_JSON, Progress, _files, kept_frames
 from .layout import check_zarr
-from .manifest import MANIFEST, check_root, read_manifest
+from .manifest import MANIFEST, check_root, committed_generation, read_manifest
 from .ring import StepRing, step_dtype
 from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, read_small
 from .spec import StoreSpec
@@ -59,9 +59,9 @@ def verify_store(path: str | os.PathLike[str], *, progress: Progress | None = No
     check_root(root)
     passes: list[VerifyReport] = []
     for _ in range(attempts):
-        before = _generation(root)
+        before = committed_generation(root)
         report = _verify_once(root, progress)
-        if report.ok or _generation(root) == before:
+        if report.ok or committed_generation(root) == before:
             return report
         passes.append(report)
     # A writer committed during every pass: files it replaced look missing or stray for

@@ -325,7 +325,7 @@ def test_verify_racing_a_writer_keeps_only_lasting_problems(
         report = once(root, progress)
         return replace(report, problems=(*report.problems, f"transient {next(passes)}"))
 
-    monkeypatch.setattr(verify_mod, "_generation", lambda root: next(generations))
+    monkeypatch.setattr(verify_mod, "committed_generation", lambda root: next(generations))
     monkeypatch.setattr(verify_mod, "_verify_once", racing_pass)
     code, out, err = run(capsys, "verify", fresh.path)
     assert code == 1 and out.splitlines() == [f"frame chunk {flipped} fails its crc32c checksum"]
