@@ -18,7 +18,9 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,11 @@ from .safe_io import TMP_DIR, TMP_SUFFIX, fsync_dir, load_npy, save_npy
 from .spec import StoreSpec
 
 LOCK = "lock"
+# Read-only opens hold a shared flock on this file while they load a generation; the
+# writer deletes replaced files only when it can take it exclusively, else at a later
+# commit. So a reader never finds a file of the manifest it read missing.
+READERS = "readers"
+READERS_WAIT_S = 2.0  # a reader that cannot share the lock this long loads without it
 
 
 class Committer:
@@ -50,6 +57,8 @@ class Committer:
         self.spec = spec
         self.durable = durable
         self.committed: dict[str, Any] = {}
+        self.retired: set[str] = set()  # replaced files not yet deleted
+        self.readers_fd: int | None = None  # a writer's handle on READERS
 
     @property
     def generation(self) -> int:
@@ -159,11 +168,44 @@ class Committer:
         }
 
     def _remove_unnamed(self, old: dict[str, Any]) -> None:
-        """Delete files the previous manifest named and the new one does not."""
+        """Retire files the previous manifest named and the new one does not."""
         keep = self.committed["files"]
-        for name in old.get("files", {}):
-            if name not in keep:
+        self.retired.update(name for name in old.get("files", {}) if name not in keep)
+        self.remove_retired()
+
+    def remove_retired(self) -> None:
+        """Delete retired files unless a reader is loading (then a later call does)."""
+        if not self.retired or not self._exclude_readers():
+            return
+        try:
+            for name in sorted(self.retired):
                 (self.root / name).unlink(missing_ok=True)
+            self.retired.clear()
+        finally:
+            if self.readers_fd is not None:
+                fcntl.flock(self.readers_fd, fcntl.LOCK_UN)
+
+    def _exclude_readers(self) -> bool:
+        if self.readers_fd is None:
+            return True
+        try:
+            fcntl.flock(self.readers_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def open_readers(self) -> None:
+        """Writer: create/open ``root/readers`` (regular file, never through a symlink)."""
+        self.readers_fd = _open_regular(self.root / READERS, writer=True)
+
+    def close(self) -> None:
+        """Writer: delete what can be deleted and let go of ``root/readers``."""
+        try:
+            self.remove_retired()
+        finally:
+            if self.readers_fd is not None:
+                os.close(self.readers_fd)
+                self.readers_fd = None
 
     # -- reading --------------------------------------------------------------------
     def load_ring(self, manifest: dict[str, Any], ring: StepRing) -> None:
@@ -208,7 +250,15 @@ class Committer:
         Symlinks are removed, never followed; directories are left alone.
         """
         named = set(self.committed["files"])
-        for sub in (*STEP_DIRS, TMP_DIR):
+        readers_out = self._exclude_readers()
+        try:
+            self._sweep(named, (*STEP_DIRS, TMP_DIR) if readers_out else (TMP_DIR,))
+        finally:
+            if readers_out and self.readers_fd is not None:
+                fcntl.flock(self.readers_fd, fcntl.LOCK_UN)
+
+    def _sweep(self, named: set[str], subdirs: tuple[str, ...]) -> None:
+        for sub in subdirs:
             for entry in _entries(self.root / sub):
                 stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR
                          else entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
@@ -230,22 +280,64 @@ def rng_from_state(state: dict[str, Any]) -> np.random.Generator:
 
 def take_lock(root: Path) -> int:
     """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
-    path = root / LOCK
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise InvalidStoreError(f"{LOCK} is not a regular file: {exc.strerror}") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise InvalidStoreError(f"{LOCK} is not a regular file")
+    fd = _open_regular(root / LOCK, writer=True)
+    assert fd is not None  # a writer's open raises instead
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise StoreLockedError(f"{root} is already open for writing by another process") from None
+    return fd
+
+
+@contextmanager
+def readers_shared(root: Path) -> Iterator[None]:
+    """Reader: hold a shared lock on ``root/readers`` while loading a generation.
+
+    Without the file (a store no writer has opened since this version) or when
+    the lock cannot be had within READERS_WAIT_S, the caller loads without it
+    and relies on its retry.
+    """
+    fd = _open_regular(root / READERS, writer=False)
+    if fd is None:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + READERS_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # a writer is deleting files; that takes microseconds
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_regular(path: Path, *, writer: bool) -> int | None:
+    """An fd on a regular file; a writer creates it, a reader gets None if it is absent.
+
+    Never follows a symlink or blocks on a FIFO; anything but a regular file raises
+    for a writer and is None for a reader.
+    """
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    flags |= os.O_RDWR | os.O_CREAT if writer else os.O_RDONLY
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        if not writer:
+            return None
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise InvalidStoreError(f"{path.name} is not a regular file: {exc.strerror}") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        if not writer:
+            return None
+        raise InvalidStoreError(f"{path.name} is not a regular file")
     return fd
 
 

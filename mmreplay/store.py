@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from . import validate
-from .commit import Committer, rng_from_state, take_lock
+from .commit import Committer, readers_shared, rng_from_state, take_lock
 from .errors import (
     EmptyStoreError,
     InvalidInputError,
@@ -127,6 +127,7 @@ class ReplayStore:
         store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
                     lock_fd=take_lock(root))
         store._rng = np.random.default_rng(seed)
+        store._commits.open_readers()
         store.flush()
         return store
 
@@ -160,22 +161,25 @@ class ReplayStore:
                      max_ram_bytes: int) -> ReplayStore:
         """Open read-only beside a possibly live writer.
 
-        A writer deletes the files of the generation it replaced right after it
-        commits; a reader that read the old manifest may then find one missing.
-        That is only damage if the manifest is still the one the reader read:
+        A writer deletes the files of the generation it replaced after it commits,
+        but not while a reader holds the shared lock on ``root/readers`` (see
+        `readers_shared`). Without that lock (a store no writer has opened since it
+        existed, or a writer that ignores it) a reader that read the old manifest may
+        find a file missing. That is only damage if the manifest is still the one the reader read:
         otherwise a commit raced the open, and the open starts again. "Still the
         one" compares contents, not (inode, mtime, size), which a writer committing
         within one clock tick can repeat with a recycled inode.
         """
-        for attempt in range(OPEN_RETRIES):
-            manifest = read_manifest(root)
-            try:
-                return cls._open_checked(root, writable=False, durable=durable,
-                                         cache_bytes=cache_bytes, lock_fd=None,
-                                         max_ram_bytes=max_ram_bytes, manifest=manifest)
-            except InvalidStoreError:
-                if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
-                    raise
+        with readers_shared(root):
+            for attempt in range(OPEN_RETRIES):
+                manifest = read_manifest(root)
+                try:
+                    return cls._open_checked(root, writable=False, durable=durable,
+                                             cache_bytes=cache_bytes, lock_fd=None,
+                                             max_ram_bytes=max_ram_bytes, manifest=manifest)
+                except InvalidStoreError:
+                    if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
+                        raise
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     @classmethod
@@ -194,9 +198,11 @@ class ReplayStore:
             store._load(manifest)
             if writable:
                 (root / TMP_DIR).mkdir(exist_ok=True)
+                store._commits.open_readers()
                 store._commits.sweep()
         except BaseException:
             store._frames.close()
+            store._commits.close()
             raise
         store._lock_fd = lock_fd
         return store
@@ -425,6 +431,7 @@ class ReplayStore:
             finally:
                 self._closed = True
                 self._frames.close()
+                self._commits.close()
                 if self._lock_fd is not None:
                     os.close(self._lock_fd)
                     self._lock_fd = None

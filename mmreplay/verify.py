@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .commit import LOCK
+from .commit import LOCK, READERS
 from .errors import InvalidStoreError, MmreplayError
 from .frame_store import FRAMES, FrameStore, max_chunk_bytes
 from .inspect import ZARR_JSON, Progress, _files, kept_frames
@@ -283,7 +283,7 @@ def _frames_problem(env: np.ndarray, frames: np.ndarray, what: str) -> str:
 
 def _unexpected_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> list[str]:
     """Files that are neither named by the manifest nor part of the fixed layout."""
-    named = set(manifest["files"]) | {MANIFEST, LOCK}
+    named = set(manifest["files"]) | {MANIFEST, LOCK, READERS}
     out = []
     for path, _ in _files(root):
         rel = path.relative_to(root).as_posix()

@@ -585,6 +585,8 @@ def link_cases() -> Iterator[Case]:
     yield Case("link-root", _link_root)
     yield Case("link-lock", _link_file("lock", "copy"), modes=("r+",))
     yield Case("link-lock-fifo", _link_file("lock", "fifo"), modes=("r+",))
+    yield Case("link-readers", _link_file("readers", "copy"), modes=("r+",))
+    yield Case("link-readers-fifo", _link_file("readers", "fifo"), modes=("r+",))
 
 
 def _target(env: Env, target: str, source: Path) -> Path:
@@ -637,6 +639,7 @@ def fifo_cases() -> Iterator[Case]:
     yield Case("fifo-frames-dir", _fifo_dir("frames"))
     yield Case("fifo-steps-dir", _fifo_dir("steps"))
     yield Case("fifo-lock", _fifo("lock"), modes=("r+",))
+    yield Case("fifo-readers", _fifo("readers"), modes=("r+",))
 
 
 def _fifo(what: str) -> Callable[[Env], None]:

@@ -31,6 +31,7 @@ import pytest
 from hostile_stores import build_store
 
 from mmreplay import ReplayStore
+from mmreplay.commit import LOCK, READERS
 from mmreplay.errors import InvalidStoreError
 
 try:
@@ -40,6 +41,7 @@ except ImportError:  # before verify moved out of inspect
 
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 MUTATIONS = 24_000 if LONG else 2_400
+LOCK_FILES = (LOCK, READERS)
 KINDS = ("flip", "truncate", "delete", "empty", "append")
 FIELDS = ("ids", "obs", "next_obs", "action", "reward", "discount", "terminated", "truncated",
           "weights")
@@ -78,7 +80,7 @@ def build_gave_up(path: Path) -> None:
         if i == 30:
             store.flush()
     store._frames.drain()  # every chunk written so far is on disk: a crash now
-    shutil.copytree(live, path, ignore=shutil.ignore_patterns("lock"))
+    shutil.copytree(live, path, ignore=shutil.ignore_patterns(*LOCK_FILES))
     store.close()
 
 
@@ -87,8 +89,8 @@ def pristine(root: Path, kind: str) -> Pristine:
         build_gave_up(root)
     else:
         build_store(root, kind)
-    files = {p.relative_to(root).as_posix(): p.read_bytes()
-             for p in sorted(root.rglob("*")) if p.is_file()}
+    files = {p.relative_to(root).as_posix(): p.read_bytes()  # lock files hold no data
+             for p in sorted(root.rglob("*")) if p.is_file() and p.name not in LOCK_FILES}
     with ReplayStore.open(root, "r") as store:
         ids = store.valid_ids()
         batch = fields(store.get(ids))
@@ -219,7 +221,7 @@ def test_restored_stores_are_pristine(stores: list[Pristine]) -> None:
     """The loop above restores every file: each store still reads as at the start."""
     for orig in stores:
         files = {p.relative_to(orig.root).as_posix() for p in orig.root.rglob("*")
-                 if p.is_file()}
+                 if p.is_file() and p.name not in LOCK_FILES}
         assert files == set(orig.files)
         assert read_back(orig.root, orig, "pristine")
         assert verify_store(orig.root).ok

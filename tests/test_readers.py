@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from mmreplay import ReplayStore, StoreLockedError
+from mmreplay.commit import readers_shared
 
 OBS = (4,)  # a frame is its number as four little-endian bytes
 
@@ -195,3 +196,50 @@ def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path)
         assert store.counts.transitions == int(commits_line.split()[1])
         batch = store.get(ids)
         assert np.array_equal(batch.action.numpy(), ids)
+
+
+def step_files(path) -> set[str]:
+    return {p.relative_to(path).as_posix() for d in ("steps", "tail") for p in (path / d).iterdir()}
+
+
+def test_a_loading_reader_keeps_the_files_of_its_generation(tmp_path):
+    """While a reader holds `readers`, commits delete nothing; the first commit after does."""
+    path = tmp_path / "store"
+    make_store(path)
+    writer = ReplayStore.open(path)
+    before = step_files(path)
+    with readers_shared(path):
+        for n in range(40, 60):
+            writer.add(n, float(n), frame(n + 1), False, False)
+            writer.flush()
+        assert before <= step_files(path)  # nothing the loading reader may read is gone
+        assert writer._commits.retired
+    writer.add(60, 60.0, frame(61), False, False)
+    writer.flush()
+    assert not writer._commits.retired
+    assert step_files(path) == {n for n in writer._commits.committed["files"]
+                                if n.startswith(("steps/", "tail/"))}
+    writer.close()
+
+
+def test_files_a_reader_kept_past_close_go_at_the_next_writable_open(tmp_path):
+    path = tmp_path / "store"
+    make_store(path)
+    with readers_shared(path):
+        writer = ReplayStore.open(path)
+        writer.add(40, 40.0, frame(41), False, False)
+        writer.close()
+        leftover = step_files(path)
+    store = ReplayStore.open(path)
+    named = {n for n in store._commits.committed["files"] if n.startswith(("steps/", "tail/"))}
+    assert step_files(path) == named < leftover
+    store.close()
+
+
+def test_a_reader_without_the_readers_file_still_opens(tmp_path):
+    path = tmp_path / "store"
+    make_store(path)
+    (path / "readers").unlink()
+    with ReplayStore.open(path, "r") as store:
+        assert store.counts.transitions == 40
+    assert not (path / "readers").exists()  # a read-only open writes nothing
