@@ -189,6 +189,8 @@ def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path)
     print(f"\nreaders: {total}; writer commits, last frame: {commits_line.split()}")
     assert total["opens"] == 3 * opens
     assert total["failures"] == 0, errors[:5]
+    # The readers lock keeps a loading reader's files; without it ~40% of opens retried.
+    assert total["retried"] <= total["opens"] // 20, total
     assert total["inconsistent"] == 0, errors[:5]
     assert total["checked"] > 0
     with ReplayStore.open(path, "r") as store:  # and the writer's last flush is all there
