@@ -8,7 +8,7 @@ Layout::
 The array has shape ``(num_envs, slots_per_env, *obs_shape)`` and chunk shape
 ``(1, chunk_frames, *obs_shape)``; chunk keys use zarr's default encoding with
 the ``"."`` separator (one flat directory, no directory per chunk); codecs are
-``bytes -> zstd -> crc32c``, so
+``bytes -> blosc(lz4) -> crc32c`` (``bytes -> zstd -> crc32c`` with ``codec="zstd"``), so
 ``zarr.open_group(root)["frames"]`` reads it with no help from mmreplay.
 
 Frames arrive one slot at a time per env (the ring's cursor). The chunk being
@@ -36,16 +36,18 @@ from pathlib import Path
 
 import google_crc32c
 import numcodecs
+from numcodecs import blosc
 import numpy as np
 import zarr
-from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import InvalidStoreError
-from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
+from .safe_io import TMP_DIR, fsync_dir, read_regular, write_atomic
 from .spec import StoreSpec
 
 FRAMES = "frames"
 ChunkHook = Callable[[int, int], None]
+BLOSC_HEADER = 16
 
 
 def create_frames_array(root: Path, spec: StoreSpec) -> None:
@@ -56,45 +58,82 @@ def create_frames_array(root: Path, spec: StoreSpec) -> None:
         shape=(spec.num_envs, spec.slots_per_env, *spec.obs_shape),
         chunks=(1, spec.chunk_frames, *spec.obs_shape),
         dtype=spec.obs_dtype,
-        compressors=[ZstdCodec(level=spec.codec_level), Crc32cCodec()],
+        compressors=[compressor(spec), Crc32cCodec()],
         chunk_key_encoding={"name": "default", "separator": "."},
         fill_value=0,
     )
 
 
+def compressor(spec: StoreSpec) -> BloscCodec | ZstdCodec:
+    if spec.codec == "zstd":
+        return ZstdCodec(level=spec.codec_level)
+    return BloscCodec(cname="lz4", clevel=spec.codec_level, shuffle="noshuffle", typesize=1,
+                      blocksize=0)
+
+
 def max_chunk_bytes(spec: StoreSpec) -> int:
-    """Largest valid chunk file: zstd's compress bound of a raw chunk, plus the crc32c."""
+    """Largest valid chunk file: zstd's compress bound of a raw chunk (above blosc's), plus
+    the crc32c."""
     raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
     return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
 
 
 class ChunkCodec:
-    """Encodes one chunk exactly as zarr's ``bytes -> zstd -> crc32c`` chain does."""
+    """Encodes and decodes one chunk exactly as zarr's codec chain of the spec does.
+
+    ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``) or ``bytes -> zstd -> crc32c``.
+    """
 
     def __init__(self, spec: StoreSpec) -> None:
-        self._zstd = numcodecs.Zstd(level=spec.codec_level)
+        self._lz4 = spec.codec == "lz4"
+        self._inner = (numcodecs.Blosc(cname="lz4", clevel=spec.codec_level,
+                                       shuffle=numcodecs.Blosc.NOSHUFFLE, blocksize=0)
+                       if self._lz4 else numcodecs.Zstd(level=spec.codec_level))
         self._dtype = np.dtype(spec.obs_dtype).newbyteorder("<")
         self._shape = (spec.chunk_frames, *spec.obs_shape)
-        self._nbytes = int(np.prod(self._shape)) * self._dtype.itemsize
+        self.nbytes = int(np.prod(self._shape)) * self._dtype.itemsize
 
     def encode(self, frames: np.ndarray) -> bytes:
-        payload = self._zstd.encode(np.ascontiguousarray(frames, dtype=self._dtype).tobytes())
-        return bytes(payload) + struct.pack("<I", google_crc32c.value(bytes(payload)))
+        payload = bytes(self._inner.encode(
+            np.ascontiguousarray(frames, dtype=self._dtype).tobytes()))
+        return payload + struct.pack("<I", google_crc32c.value(payload))
 
     def decode(self, data: bytes, where: str) -> np.ndarray:
+        out = np.empty(self._shape, self._dtype)
+        self.decode_into(data, out.reshape(-1).view(np.uint8), where)
+        return out
+
+    def decode_into(self, data: bytes, out: np.ndarray, where: str) -> None:
+        """Decode a chunk file's bytes into `out`, a C-contiguous uint8 array of nbytes."""
         if len(data) < 5:
             raise InvalidStoreError(f"frame chunk {where} is truncated ({len(data)} bytes)")
-        payload, stored = data[:-4], struct.unpack("<I", data[-4:])[0]
-        if google_crc32c.value(payload) != stored:
+        payload = data[:-4]
+        if google_crc32c.value(payload) != struct.unpack("<I", data[-4:])[0]:
             raise InvalidStoreError(f"frame chunk {where} fails its crc32c checksum")
         try:
-            raw = self._zstd.decode(payload)
-        except Exception as exc:  # numcodecs raises RuntimeError on bad frames
+            if self._lz4:
+                self._blosc_into(payload, out, where)
+                return
+            raw = self._inner.decode(payload)
+        except InvalidStoreError:
+            raise
+        except Exception as exc:  # numcodecs raises RuntimeError/ValueError on bad frames
             raise InvalidStoreError(f"frame chunk {where} does not decode: {exc}") from None
-        if len(raw) != self._nbytes:
+        if len(raw) != self.nbytes:
             raise InvalidStoreError(
-                f"frame chunk {where} decodes to {len(raw)} bytes, expected {self._nbytes}")
-        return np.frombuffer(raw, dtype=self._dtype).reshape(self._shape)
+                f"frame chunk {where} decodes to {len(raw)} bytes, expected {self.nbytes}")
+        out[:] = np.frombuffer(raw, np.uint8)
+
+    def _blosc_into(self, payload: bytes, out: np.ndarray, where: str) -> None:
+        """Blosc into `out`, after checking the header's sizes (blosc trusts them)."""
+        if len(payload) < BLOSC_HEADER:
+            raise InvalidStoreError(f"frame chunk {where} is truncated ({len(payload)} bytes)")
+        nbytes, _, cbytes = struct.unpack_from("<III", payload, 4)
+        if nbytes != self.nbytes or cbytes != len(payload):
+            raise InvalidStoreError(
+                f"frame chunk {where}: blosc header says {nbytes} bytes from {cbytes}, expected "
+                f"{self.nbytes} from {len(payload)}")
+        blosc.decompress(payload, out)
 
 
 class ChunkCache:
@@ -203,6 +242,8 @@ class FrameStore:
                  cache_bytes: int = 256 << 20, before_chunk_write: ChunkHook | None = None):
         self.spec = spec
         self._dir = Path(root) / FRAMES
+        self._dir_str = str(self._dir)
+        self._key_suffix = ".0" * len(spec.obs_shape)
         self._tmp_dir = Path(root) / TMP_DIR
         self._writable = writable
         self._durable = durable
@@ -220,8 +261,10 @@ class FrameStore:
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
-        zeros = ".0" * len(self.spec.obs_shape)
-        return self._dir / f"c.{env}.{chunk}{zeros}"
+        return Path(self._chunk_file(env, chunk))
+
+    def _chunk_file(self, env: int, chunk: int) -> str:
+        return f"{self._dir_str}/c.{env}.{chunk}{self._key_suffix}"
 
     def chunk_slots(self, chunk: int) -> int:
         """Real slots in `chunk`; the last chunk of the ring may be short."""
@@ -300,48 +343,62 @@ class FrameStore:
 
     # -- reading --------------------------------------------------------------
     def read(self, flat_slots: np.ndarray) -> np.ndarray:
-        """Frames at `flat_slots` (any shape); -1 gives zeros. One pass per distinct chunk."""
+        """A fresh array of the frames at `flat_slots` (any shape); -1 gives zeros.
+
+        Every distinct chunk the slots touch (the zero frame and each env's RAM tail
+        count as chunks too) is fetched once, from the cache, RAM or disk, into one
+        table; one fancy index of that table is the result, so each frame is copied
+        once.
+        """
         flat = np.asarray(flat_slots, dtype=np.int64)
-        out = np.zeros((*flat.shape, *self.spec.obs_shape), self.spec.obs_dtype)
-        wanted = flat >= 0
-        env, slot = np.divmod(flat[wanted], self.spec.slots_per_env)
+        shape = (*flat.shape, *self.spec.obs_shape)
+        flat = flat.reshape(-1)
+        pad = flat < 0
+        env, slot = np.divmod(np.where(pad, 0, flat), self.spec.slots_per_env)
         chunk, offset = np.divmod(slot, self._chunk_len)
-        frames = np.empty((env.size, *self.spec.obs_shape), self.spec.obs_dtype)
-        tail_chunk = self.next_slot[env] // self._chunk_len
-        in_tail = (chunk == tail_chunk) & (offset < self.tail_fill[env])
-        frames[in_tail] = self.tail[env[in_tail], offset[in_tail]]
-        on_disk = ~in_tail
-        keys = env[on_disk] * self.num_chunks + chunk[on_disk]
-        frames[on_disk] = self._gather_disk(keys, offset[on_disk])
-        out[wanted] = frames
-        return out
+        in_tail = (chunk == self.next_slot[env] // self._chunk_len) & (
+            offset < self.tail_fill[env])
+        # Table keys: disk chunks by env * num_chunks + chunk, then one per env's tail,
+        # then the zero chunk.
+        tails = self.spec.num_envs * self.num_chunks
+        key = np.where(in_tail, tails + env, env * self.num_chunks + chunk)
+        key[pad] = tails + self.spec.num_envs
+        offset[pad] = 0
+        unique, inverse = np.unique(key, return_inverse=True)
+        table = np.empty((unique.size, self._chunk_len, *self.spec.obs_shape),
+                         self.spec.obs_dtype)
+        from_disk = []
+        for i, k in enumerate(unique.tolist()):
+            if k >= tails:
+                table[i] = self.tail[k - tails] if k - tails < self.spec.num_envs else 0
+                continue
+            env_i, chunk_i = divmod(k, self.num_chunks)
+            held = self._in_ram(env_i, chunk_i)
+            if held is None:
+                from_disk.append((i, env_i, chunk_i))
+            else:
+                table[i] = held
+        if from_disk:
+            self._fetch(from_disk, table)
+        frames = table.reshape(-1, *self.spec.obs_shape)
+        return frames[inverse.reshape(-1) * self._chunk_len + offset].reshape(shape)
 
-    def _gather_disk(self, keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """Rows `offsets` of chunks `keys` (env * num_chunks + chunk), one load per chunk."""
-        out = np.empty((keys.size, *self.spec.obs_shape), self.spec.obs_dtype)
-        if keys.size == 0:
-            return out
-        order = np.argsort(keys, kind="stable")
-        sorted_keys = keys[order]
-        starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-        ends = np.r_[starts[1:], keys.size]
-        for key, lo, hi in zip(sorted_keys[starts].tolist(), starts.tolist(), ends.tolist(),
-                               strict=True):
-            rows = order[lo:hi]
-            out[rows] = self._load_chunk(*divmod(key, self.num_chunks))[offsets[rows]]
-        return out
+    def _fetch(self, todo: list[tuple[int, int, int]], table: np.ndarray) -> None:
+        """Read and decode chunks ``(i, env, chunk)`` into ``table[i]`` (and the cache)."""
+        as_bytes = table.reshape(table.shape[0], -1).view(np.uint8)
+        for i, env, chunk in todo:
+            path = self._chunk_file(env, chunk)
+            data = read_regular(path, f"frame chunk {path}", self._max_bytes)
+            self._codec.decode_into(data, as_bytes[i], path)
+        if self._cache.budget >= self._codec.nbytes:
+            for i, env, chunk in todo:
+                self._cache.put((env, chunk), table[i].copy())
 
-    def _load_chunk(self, env: int, chunk: int) -> np.ndarray:
-        cached = self._cache.get((env, chunk))
-        if cached is not None:
-            return cached
-        pending = self._held.get((env, chunk))
-        if pending is None and self._writer is not None:
-            pending = self._writer.pending.get((env, chunk))
-        if pending is not None:
-            return pending
-        path = self.chunk_path(env, chunk)
-        where = f"frame chunk {path}"
-        frames = self._codec.decode(bytes(read_small(path, where, self._max_bytes)), str(path))
-        self._cache.put((env, chunk), frames)
-        return frames
+    def _in_ram(self, env: int, chunk: int) -> np.ndarray | None:
+        """A chunk held in RAM: cached, finished but not yet on disk, or being written."""
+        found = self._cache.get((env, chunk))
+        if found is None:
+            found = self._held.get((env, chunk))
+        if found is None and self._writer is not None:
+            found = self._writer.pending.get((env, chunk))
+        return found

@@ -61,7 +61,6 @@ def frames_meta(spec: StoreSpec) -> dict[str, Any]:
     """The fields of ``frames/zarr.json`` exactly as ``create_frames_array`` writes them."""
     dtype = np.dtype(spec.obs_dtype)
     endian = {} if dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
-    zstd = {"level": spec.codec_level, "checksum": False}
     return {
         "zarr_format": 3, "node_type": "array",
         "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
@@ -69,10 +68,18 @@ def frames_meta(spec: StoreSpec) -> dict[str, Any]:
         "chunk_grid": {"name": "regular",
                        "configuration": {"chunk_shape": [1, spec.chunk_frames, *spec.obs_shape]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "codecs": [{"name": "bytes", **endian}, {"name": "zstd", "configuration": zstd},
-                   {"name": "crc32c"}],
+        "codecs": [{"name": "bytes", **endian}, compressor_meta(spec), {"name": "crc32c"}],
         "storage_transformers": [],
     }
+
+
+def compressor_meta(spec: StoreSpec) -> dict[str, Any]:
+    """The compressor entry of ``frames/zarr.json`` for the spec's codec."""
+    if spec.codec == "zstd":
+        return {"name": "zstd", "configuration": {"level": spec.codec_level, "checksum": False}}
+    return {"name": "blosc", "configuration": {"typesize": 1, "cname": "lz4",
+                                               "clevel": spec.codec_level,
+                                               "shuffle": "noshuffle", "blocksize": 0}}
 
 
 def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_JSON}") -> None:

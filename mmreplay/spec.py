@@ -16,7 +16,9 @@ import numpy as np
 from .errors import InvalidInputError, InvalidStoreError
 
 STACK_PADDINGS = ("zero", "first")
-CODECS = ("zstd",)
+# "lz4" is zarr's core blosc codec with cname lz4 (decodes ~4x faster than zstd, half the ratio).
+CODECS = ("lz4", "zstd")
+CODEC_LEVELS = {"lz4": (1, 9, 9), "zstd": (-5, 22, 1)}  # low, high, default
 SAMPLERS = ("uniform", "prioritized", "rank")
 # Dtypes a store may hold; anything else (object, void, strings) is refused.
 ALLOWED_DTYPES = (
@@ -42,8 +44,8 @@ class StoreSpec:
     action_shape: tuple[int, ...] = ()
     action_dtype: str = "int64"
     chunk_frames: int = 0  # 0 = chosen from the frame size at create time
-    codec: str = "zstd"
-    codec_level: int = 1
+    codec: str = "lz4"
+    codec_level: int = 9
     block_slots: int = 4096
     sampler: str = "uniform"
     alpha: float = 0.6
@@ -93,8 +95,8 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         action_shape=parse_shape("action_shape", kwargs.pop("action_shape", ()), allow_empty=True),
         action_dtype=parse_dtype("action_dtype", kwargs.pop("action_dtype", "int64")),
         chunk_frames=parse_int("chunk_frames", kwargs.pop("chunk_frames", 0), low=0, high=1 << 16),
-        codec=parse_choice("codec", kwargs.pop("codec", "zstd"), CODECS),
-        codec_level=parse_int("codec_level", kwargs.pop("codec_level", 1), low=-5, high=22),
+        codec=(codec := parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)),
+        codec_level=parse_codec_level(codec, kwargs.pop("codec_level", None)),
         block_slots=parse_int("block_slots", kwargs.pop("block_slots", 4096), low=1, high=1 << 24),
         sampler=parse_choice("sampler", kwargs.pop("sampler", "uniform"), SAMPLERS),
         alpha=parse_float("alpha", kwargs.pop("alpha", 0.6), low=0.0, high=10.0),
@@ -120,6 +122,12 @@ def default_chunk_frames(frame_bytes: int) -> int:
     """Largest power of two whose chunk stays within ~64 KiB raw (8 for 84x84 uint8)."""
     frames = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes))
     return min(4096, 1 << int(math.log2(frames)))
+
+
+def parse_codec_level(codec: str, value: Any) -> int:
+    low, high, default = CODEC_LEVELS[codec]
+    return default if value is None else parse_int(f"codec_level for {codec}", value, low=low,
+                                                   high=high)
 
 
 def parse_int(name: str, value: Any, *, low: int, high: int) -> int:

@@ -388,9 +388,9 @@ class ReplayStore:
 
     def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
         look = self._ring.lookup(flat)
-        both = self._frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
-        return make_batch(obs=both[0], action=look.action, reward=look.reward,
-                          next_obs=both[1], terminated=look.terminated,
+        frames = self._frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
+        return make_batch(frames=frames, action=look.action, reward=look.reward,
+                          terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount, weights=weights,
                           ids=look.ids)
 

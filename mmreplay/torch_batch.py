@@ -32,15 +32,20 @@ class Batch:
         return int(self.ids.shape[0])
 
 
-def make_batch(*, obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
-               next_obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-               discount: np.ndarray, weights: np.ndarray, ids: np.ndarray) -> Batch:
-    """Wrap numpy arrays (copied, contiguous) as a `Batch` of CPU tensors."""
+def make_batch(*, frames: np.ndarray, action: np.ndarray, reward: np.ndarray,
+               terminated: np.ndarray, truncated: np.ndarray, discount: np.ndarray,
+               weights: np.ndarray, ids: np.ndarray) -> Batch:
+    """A `Batch` of CPU tensors.
+
+    `frames` is a fresh C-contiguous ``(2, B, ...)`` array (obs, next_obs) that the
+    batch takes over without a copy; the small columns are copied (native order).
+    """
+    both = torch.from_numpy(frames)
     return Batch(
-        obs=_tensor(obs, obs.dtype),
+        obs=both[0],
         action=_tensor(action, action.dtype),
         reward=_tensor(reward, np.float32),
-        next_obs=_tensor(next_obs, next_obs.dtype),
+        next_obs=both[1],
         terminated=_tensor(terminated, np.bool_),
         truncated=_tensor(truncated, np.bool_),
         discount=_tensor(discount, np.float32),

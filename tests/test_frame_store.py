@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+
+import google_crc32c
 import numpy as np
 import pytest
 import zarr
@@ -11,8 +14,9 @@ from mmreplay.frame_store import ChunkCache, FrameStore, create_frames_array
 from mmreplay.spec import make_spec
 
 
-def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None):
-    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3, 2), chunk_frames=chunk)
+def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None, codec="lz4"):
+    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3, 2), chunk_frames=chunk,
+                     codec=codec)
     create_frames_array(tmp_path, spec)
     (tmp_path / "tmp").mkdir()
     return spec, FrameStore(tmp_path, spec, writable=True, before_chunk_write=hook)
@@ -25,17 +29,19 @@ def fill(store, env, values):
     store.drain()  # chunk writes happen on a background thread
 
 
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
 @pytest.mark.parametrize(("slots", "chunk"), [(7, 4), (8, 4), (5, 1), (6, 6)])
-def test_written_chunks_read_back_with_plain_zarr(tmp_path, slots, chunk):
-    spec, store = make(tmp_path, slots=slots, chunk=chunk)
+def test_written_chunks_read_back_with_plain_zarr(tmp_path, slots, chunk, codec):
+    spec, store = make(tmp_path, slots=slots, chunk=chunk, codec=codec)
     fill(store, 1, range(10, 10 + slots))  # one full lap: every chunk written
     arr = zarr.open_group(str(tmp_path), mode="r")["frames"]
     assert arr[1, :, 0, 0].tolist() == list(range(10, 10 + slots))
     assert arr[0].max() == 0
 
 
-def test_reads_frames_written_by_zarr(tmp_path):
-    spec, _ = make(tmp_path)
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_reads_frames_written_by_zarr(tmp_path, codec):
+    spec, _ = make(tmp_path, codec=codec)
     arr = zarr.open_group(str(tmp_path), mode="r+")["frames"]
     arr[0, 4:7] = np.arange(3, dtype=np.uint8)[:, None, None] + 40
     fresh = FrameStore(tmp_path, spec, writable=False)
@@ -73,6 +79,21 @@ def test_corrupted_or_missing_chunk_is_detected(tmp_path):
     path.unlink()
     with pytest.raises(InvalidStoreError, match="missing"):
         fresh.read(np.array([1]))
+
+
+@pytest.mark.parametrize("field, value", [(4, 6 * 4 - 1), (4, 6 * 4 + 1), (12, 5)])
+def test_blosc_header_sizes_are_checked_before_decoding(tmp_path, field, value):
+    """A chunk whose crc is right but whose blosc header lies about its sizes is refused
+    (blosc itself would trust them and write past or short of the frames)."""
+    spec, store = make(tmp_path)
+    fill(store, 0, range(4))
+    path = store.chunk_path(0, 0)
+    payload = bytearray(path.read_bytes()[:-4])
+    struct.pack_into("<I", payload, field, value)
+    path.write_bytes(bytes(payload) + struct.pack("<I", google_crc32c.value(bytes(payload))))
+    fresh = FrameStore(tmp_path, spec, writable=False)
+    with pytest.raises(InvalidStoreError, match="blosc header"):
+        fresh.read(np.array([0]))
 
 
 def test_no_temp_files_left_after_writes(tmp_path):

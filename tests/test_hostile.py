@@ -196,12 +196,14 @@ def test_ram_cap_is_configurable(bases: dict[str, Path]) -> None:
     ReplayStore.open(bases["uniform"], "r", max_ram_bytes=10 << 20).close()
 
 
+@pytest.mark.parametrize("codec, level", [("zstd", -2), ("lz4", 3)])
 @pytest.mark.parametrize("dtype", ["uint8", "int8", "uint16", "int16", "uint32", "int32",
                                    "uint64", "int64", "float16", "float32", "float64", "bool"])
-def test_zarr_metadata_of_every_allowed_dtype_is_accepted(tmp_path: Path, dtype: str) -> None:
-    """The check is exact, so it must accept what zarr writes for every dtype a store allows."""
+def test_zarr_metadata_of_every_allowed_dtype_is_accepted(tmp_path: Path, dtype: str,
+                                                          codec: str, level: int) -> None:
+    """The check is exact, so it must accept what zarr writes for every dtype and codec."""
     ReplayStore.create(tmp_path / "s", capacity=8, obs_shape=(3, 2), obs_dtype=dtype,
-                       codec_level=-2).close()
+                       codec=codec, codec_level=level).close()
     ReplayStore.open(tmp_path / "s", "r").close()
     ReplayStore.open(tmp_path / "s").close()
 
