@@ -239,7 +239,7 @@ class FrameStore:
     """
 
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
-                 cache_bytes: int = 256 << 20, before_chunk_write: ChunkHook | None = None):
+                 cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None):
         self.spec = spec
         self._dir = Path(root) / FRAMES
         self._dir_str = str(self._dir)

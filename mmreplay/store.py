@@ -112,7 +112,7 @@ class ReplayStore:
                obs_dtype: Any = np.uint8, num_envs: int = 1, frame_stack: int = 1,
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
-               durable: bool = False, cache_bytes: int = 256 << 20,
+               durable: bool = False, cache_bytes: int = 0,
                **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty)."""
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
@@ -133,7 +133,7 @@ class ReplayStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int = 256 << 20, max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int = 0, max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything

@@ -190,7 +190,7 @@ def latency_ms(fn: Callable[[], object], *, reps: int, warmup: int) -> dict[str,
 
 
 def new_store(path: Path, capacity: int, seed: int, *,
-              cache_bytes: int = 256 << 20) -> ReplayStore:
+              cache_bytes: int = 0) -> ReplayStore:
     return ReplayStore.create(path, capacity=capacity, obs_shape=(84, 84), obs_dtype=np.uint8,
                               frame_stack=FRAME_STACK, seed=seed, cache_bytes=cache_bytes)
 
@@ -547,7 +547,7 @@ def make_mmreplay(n: int, path: Path, args: Args) -> Buffer:
 
     def close() -> dict[str, Any]:
         store.close()
-        return {"cache_bytes": 256 << 20, **bench_disk(path, n)}
+        return {"cache_bytes": 0, **bench_disk(path, n)}
 
     return Buffer(fill, lambda: store.sample(args.batch_size), close)
 
