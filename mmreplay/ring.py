@@ -26,6 +26,7 @@ refresh, so ``append`` stays O(1). This module knows no pixels, codecs, RNG or t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -125,18 +126,24 @@ class StepRing:
         """
         slots = np.empty(envs.size, np.int64)
         for i, env in enumerate(envs.tolist()):
-            t = int(self.written[env]) - 1
-            prev = self.steps[env, t % self.S]
-            prev["has_step"], prev["id"] = True, self.next_id
-            prev["terminated"], prev["truncated"] = terminated[i], truncated[i]
-            prev["reward"], prev["action"] = reward[i], action[i]
-            self._id_loc[self.next_id % self._id_loc.size] = env * self.S + t % self.S
-            self.next_id += 1
-            self._touch(env, t)
-            rec, slots[i] = self._new_frame(env)
-            rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
-            self.running[env] = not (terminated[i] or truncated[i])
+            slots[i] = self.record_step(env, action[i], reward[i], terminated[i], truncated[i])
         return slots
+
+    def record_step(self, env: int, action: Any, reward: Any, terminated: bool,
+                    truncated: bool) -> int:
+        """`record_steps` for one env; returns the slot for its next frame."""
+        t = int(self.written[env]) - 1
+        prev = self.steps[env, t % self.S]
+        prev["has_step"], prev["id"] = True, self.next_id
+        prev["terminated"], prev["truncated"] = terminated, truncated
+        prev["reward"], prev["action"] = reward, action
+        self._id_loc[self.next_id % self._id_loc.size] = env * self.S + t % self.S
+        self.next_id += 1
+        self._touch(env, t)
+        rec, slot = self._new_frame(env)
+        rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
+        self.running[env] = not (terminated or truncated)
+        return slot
 
     def _new_frame(self, env: int) -> tuple[np.void, int]:
         """Claim the env's next slot for a new frame; returns its (blank) record and slot."""

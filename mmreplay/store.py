@@ -95,6 +95,7 @@ class ReplayStore:
         self._lock_fd = lock_fd
         self._ring = StepRing(spec)
         self._envs = np.arange(spec.num_envs, dtype=np.int64)
+        self._scalar_step = validate.scalar_step_checker(spec)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=cache_bytes,
                                   before_chunk_write=self._before_chunk_write)
@@ -229,6 +230,11 @@ class ReplayStore:
             autoreset: Any = None) -> None:
         """Record one step of every env (see README for the autoreset rule)."""
         self._check_writable("add")
+        if self._scalar_step is not None and autoreset is None and self._ring.running[0]:
+            step = self._scalar_step(action, reward, next_obs, terminated, truncated)
+            if step is not None:  # else: not plain scalars; the general path checks them
+                self._frames.append_one(0, self._ring.record_step(0, *step), next_obs)
+                return
         spec = self.spec
         frames = validate.observations(spec, next_obs, spec.num_envs, "next_obs")
         auto = validate.flags(spec, "autoreset", autoreset)

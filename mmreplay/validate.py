@@ -7,6 +7,8 @@ here mutates a store, so a rejected call leaves the store unchanged.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -129,3 +131,34 @@ def priorities(value: Any, count: int) -> np.ndarray:
         bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
         raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
     return arr
+
+
+def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None] | None:
+    """A fast check of one single-env step given as plain scalars, or None if the spec
+    has more envs, an action shape, a non-integer action dtype or float frames.
+
+    The checker returns ``(action, reward, terminated, truncated)`` when every
+    argument is exactly what the general checks would accept unchanged, and None
+    otherwise (the caller then runs the general checks, which raise or convert).
+    """
+    action_dtype = np.dtype(spec.action_dtype)
+    obs_dtype = np.dtype(spec.obs_dtype)
+    if spec.num_envs != 1 or spec.action_shape or action_dtype.kind not in "iu" \
+            or obs_dtype.kind == "f":
+        return None
+    info = np.iinfo(action_dtype)
+    low, high, shape = int(info.min), int(info.max), spec.obs_shape
+    ints, reals = (int, np.integer), (int, float, np.integer, np.floating)
+
+    def check(action: Any, reward: Any, obs: Any, terminated: Any,
+              truncated: Any) -> tuple[Any, ...] | None:
+        if type(terminated) is not bool or type(truncated) is not bool \
+                or type(obs) is not np.ndarray or obs.shape != shape or obs.dtype != obs_dtype \
+                or not isinstance(action, ints) or isinstance(action, bool) \
+                or not isinstance(reward, reals) or isinstance(reward, bool):
+            return None
+        if not low <= action <= high or not math.isfinite(reward):
+            return None
+        return action, float(reward), terminated, truncated
+
+    return check

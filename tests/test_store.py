@@ -211,6 +211,8 @@ BAD_ADDS = [
     (dict(terminated=1), "bool"),
     (dict(action=np.array([1, 2])), "shape"),
     (dict(action=1.5), "int64"),
+    (dict(action=np.float64(2.0)), "int64"),
+    (dict(terminated=np.float64(0.0)), "bool"),
     (dict(autoreset=np.array([True, False])), "shape"),
 ]
 
@@ -229,6 +231,31 @@ def test_bad_add_is_rejected_and_changes_nothing(tmp_path, override, message):
     assert_same_batches(before, after)
     store.add(0, 1.0, frame(4), True, False)  # and the store still works
     assert store.counts.transitions == 4
+
+
+@pytest.mark.parametrize("action_dtype", ["int64", "uint8"])
+def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
+    """Single-env adds of plain Python scalars take a short path; its result must be
+    exactly what the general path stores for the same values given as numpy arrays."""
+    rng = np.random.default_rng(0)
+    stores = [make(tmp_path / name, capacity=40, frame_stack=2, n_step=2,
+                   action_dtype=action_dtype) for name in ("plain", "arrays")]
+    for store in stores:
+        store.reset(frame(0))
+    for t in range(1, 100):
+        action, reward = int(rng.integers(0, 200)), float(rng.normal() * 1e3)
+        term, trunc = bool(rng.random() < 0.08), bool(rng.random() < 0.04)
+        obs = frame(int(rng.integers(0, 255)))
+        stores[0].add(action, reward, obs, term, trunc)
+        stores[1].add(np.array(action, action_dtype), np.float64(reward), obs[None],
+                      np.array([term]), np.bool_(trunc))
+        if term or trunc:
+            for store in stores:
+                store.reset(frame(t))
+    a, b = (snapshot(store) for store in stores)
+    assert np.array_equal(a[0], b[0]) and a[0].size > 20
+    assert_same_batches(a[1], b[1])
+    assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
 
 
 def test_add_before_reset(tmp_path):
