@@ -149,16 +149,17 @@ def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None
     info = np.iinfo(action_dtype)
     low, high, shape = int(info.min), int(info.max), spec.obs_shape
     ints, reals = (int, np.integer), (int, float, np.integer, np.floating)
+    flag_types = (bool, np.bool_)
 
     def check(action: Any, reward: Any, obs: Any, terminated: Any,
               truncated: Any) -> tuple[Any, ...] | None:
-        if type(terminated) is not bool or type(truncated) is not bool \
+        if type(terminated) not in flag_types or type(truncated) not in flag_types \
                 or type(obs) is not np.ndarray or obs.shape != shape or obs.dtype != obs_dtype \
                 or not isinstance(action, ints) or isinstance(action, bool) \
                 or not isinstance(reward, reals) or isinstance(reward, bool):
             return None
         if not low <= action <= high or not math.isfinite(reward):
             return None
-        return action, float(reward), terminated, truncated
+        return action, float(reward), bool(terminated), bool(truncated)
 
     return check

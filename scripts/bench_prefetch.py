@@ -37,7 +37,7 @@ def nature_cnn(actions: int) -> nn.Module:
 def build_store(path: Path, frames: int, seed: int) -> ReplayStore:
     data = record_frames("ALE/Breakout-v5", frames, seed)
     store = ReplayStore.create(path, capacity=frames, obs_shape=(84, 84), frame_stack=4,
-                               seed=seed, cache_bytes=64 << 20)
+                               seed=seed)
     for i in range(frames):
         if data.is_first[i]:
             store.reset(data.frames[i])

@@ -246,7 +246,7 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
         action, reward = int(rng.integers(0, 200)), float(rng.normal() * 1e3)
         term, trunc = bool(rng.random() < 0.08), bool(rng.random() < 0.04)
         obs = frame(int(rng.integers(0, 255)))
-        stores[0].add(action, reward, obs, term, trunc)
+        stores[0].add(action, reward, obs, term, np.bool_(trunc) if t % 2 else trunc)
         stores[1].add(np.array(action, action_dtype), np.float64(reward), obs[None],
                       np.array([term]), np.bool_(trunc))
         if term or trunc:
