@@ -13,7 +13,8 @@ import zarr
 from mmreplay import ReplayStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "store_v1"
+GOLDEN = FIXTURES / "store_v1"  # zstd chunks, the first codec
+GOLDEN_LZ4 = FIXTURES / "store_v1_lz4"  # the same steps with blosc-lz4 chunks (the default)
 EXPECTED = json.loads((FIXTURES / "store_v1.expected.json").read_text())
 
 
@@ -22,8 +23,9 @@ def fields(batch) -> dict:
         "ids", "obs", "next_obs", "action", "reward", "discount", "terminated", "truncated")}
 
 
-def test_golden_store_reads_back_identically():
-    with ReplayStore.open(GOLDEN, mode="r") as store:
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
+def test_golden_store_reads_back_identically(golden):
+    with ReplayStore.open(golden, mode="r") as store:
         got = fields(store.get(store.valid_ids()))
         assert store.sample(8).ids.tolist() == EXPECTED["next_samples"]  # RNG state persisted
     for name in ("ids", "obs", "next_obs", "action", "terminated", "truncated"):
@@ -32,18 +34,25 @@ def test_golden_store_reads_back_identically():
     np.testing.assert_allclose(got["discount"], EXPECTED["discount"], rtol=1e-6)
 
 
-def test_golden_manifest_and_zarr_layout():
-    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+@pytest.mark.parametrize(("golden", "codec"), [(GOLDEN, "zstd"), (GOLDEN_LZ4, "blosc")],
+                         ids=["zstd", "lz4"])
+def test_golden_manifest_and_zarr_layout(golden, codec):
+    manifest = json.loads((golden / "manifest.json").read_text())
     assert manifest["format"] == "mmreplay" and manifest["format_version"] == 1
-    frames = zarr.open_group(str(GOLDEN), mode="r")["frames"]
+    frames = zarr.open_group(str(golden), mode="r")["frames"]
     assert frames.shape == (2, 12, 4, 3) and frames.chunks == (1, 4, 4, 3)
-    meta = json.loads((GOLDEN / "frames" / "zarr.json").read_text())
-    assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd", "crc32c"]
+    meta = json.loads((golden / "frames" / "zarr.json").read_text())
+    assert [c["name"] for c in meta["codecs"]] == ["bytes", codec, "crc32c"]
+    with ReplayStore.open(golden, mode="r") as store:  # plain zarr reads the same frames
+        tail_chunk = int(store._frames.next_slot[0]) // 4  # its newest frames live in tail/
+        slots = np.array([s for s in range(12) if s // 4 != tail_chunk])
+        assert frames[0, slots].tolist() == store._frames.read(slots).tolist()
 
 
-def test_golden_store_can_be_resumed(tmp_path):
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
+def test_golden_store_can_be_resumed(tmp_path, golden):
     path = tmp_path / "copy"
-    shutil.copytree(GOLDEN, path)
+    shutil.copytree(golden, path)
     with ReplayStore.open(path) as store:
         before = store.counts
         store.reset(np.zeros((2, 4, 3), np.uint8))
@@ -54,6 +63,7 @@ def test_golden_store_can_be_resumed(tmp_path):
         assert store.get([before.transitions]).next_obs[0, -1].sum().item() == 12
 
 
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
 @pytest.mark.parametrize("name", ["manifest.json", "frames/zarr.json"])
-def test_fixture_is_committed(name):
-    assert (GOLDEN / name).is_file()
+def test_fixture_is_committed(golden, name):
+    assert (golden / name).is_file()
