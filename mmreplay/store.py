@@ -87,7 +87,7 @@ class ReplayStore:
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int, lock_fd: int | None) -> None:
+                 cache_bytes: int | None, lock_fd: int | None) -> None:
         self.path = root
         self.spec = spec
         self.writable = writable
@@ -97,7 +97,7 @@ class ReplayStore:
         self._envs = np.arange(spec.num_envs, dtype=np.int64)
         self._scalar_step = validate.scalar_step_checker(spec)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
-                                  cache_bytes=cache_bytes,
+                                  cache_bytes=validate.cache_budget(spec, cache_bytes),
                                   before_chunk_write=self._before_chunk_write)
         self._sampler = make_sampler(spec)
         self._rng = np.random.default_rng()
@@ -113,13 +113,14 @@ class ReplayStore:
                obs_dtype: Any = np.uint8, num_envs: int = 1, frame_stack: int = 1,
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
-               durable: bool = False, cache_bytes: int = 0,
+               durable: bool = False, cache_bytes: int | None = None,
                **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty)."""
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, **options)
+        cache_bytes = validate.cache_bytes(cache_bytes)
         root = Path(path)
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             raise InvalidInputError(f"{root} already exists and is not an empty directory")
@@ -134,13 +135,15 @@ class ReplayStore:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int = 0, max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int | None = None,
+             max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
         Any problem raises `InvalidStoreError`.
         """
+        cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
         root = Path(path)
@@ -158,7 +161,7 @@ class ReplayStore:
             raise
 
     @classmethod
-    def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int,
+    def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int | None,
                      max_ram_bytes: int) -> ReplayStore:
         """Open read-only beside a possibly live writer.
 
@@ -184,7 +187,8 @@ class ReplayStore:
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     @classmethod
-    def _open_checked(cls, root: Path, *, writable: bool, durable: bool, cache_bytes: int,
+    def _open_checked(cls, root: Path, *, writable: bool, durable: bool,
+                      cache_bytes: int | None,
                       lock_fd: int | None, max_ram_bytes: int,
                       manifest: dict[str, Any] | None = None) -> ReplayStore:
         if manifest is None:

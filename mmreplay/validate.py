@@ -133,6 +133,32 @@ def priorities(value: Any, count: int) -> np.ndarray:
     return arr
 
 
+AUTO_CACHE_BYTES = 256 << 20
+
+
+def cache_bytes(value: Any) -> int | None:
+    """The `cache_bytes` argument: an int >= 0, or None to let `cache_budget` pick."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise InvalidInputError(f"cache_bytes must be an int >= 0 or None, got {value!r}")
+    return int(value)
+
+
+def cache_budget(spec: StoreSpec, value: int | None) -> int:
+    """The decoded-chunk cache budget for a checked `cache_bytes`.
+
+    A cache hit saves one small file read and an lz4 decode but costs a copy, and a
+    miss costs a copy in, so it only pays when most reads hit: by default decoded
+    chunks are cached when all of them fit in 256 MiB (small observations), and
+    otherwise not at all (the OS page cache then holds the compressed chunk files).
+    """
+    if value is not None:
+        return value
+    frames = spec.num_envs * spec.slots_per_env * spec.frame_bytes
+    return frames if frames <= AUTO_CACHE_BYTES else 0
+
+
 def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None] | None:
     """A fast check of one single-env step given as plain scalars, or None if the spec
     has more envs, an action shape, a non-integer action dtype or float frames.

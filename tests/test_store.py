@@ -258,6 +258,20 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
     assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
 
 
+def test_cache_budget_default_and_bad_values(tmp_path):
+    small = make(tmp_path / "small")  # 64 frames of 12 bytes: every decoded chunk is cached
+    assert small._frames._cache.budget == 64 * 12
+    big = make(tmp_path / "big", capacity=4000, obs_shape=(84, 84, 3, 4))  # 1.1 GiB: none
+    assert big._frames._cache.budget == 0
+    assert make(tmp_path / "set", cache_bytes=5)._frames._cache.budget == 5
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(InvalidInputError, match="cache_bytes"):
+            ReplayStore.open(small.path, "r", cache_bytes=bad)
+        with pytest.raises(InvalidInputError, match="cache_bytes"):
+            make(tmp_path / "bad", cache_bytes=bad)
+        assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
 def test_add_before_reset(tmp_path):
     store = make(tmp_path)
     with pytest.raises(InvalidInputError, match="reset"):
