@@ -74,6 +74,12 @@ def actions(spec: StoreSpec, action: Any) -> np.ndarray:
         raise InvalidInputError(f"action dtype {arr.dtype} cannot be stored as {want}")
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
         raise InvalidInputError("action contains NaN or inf")
+    if want.kind in "iu" and arr.dtype.kind in "iu" and arr.size:
+        info = np.iinfo(want)
+        low, high = int(arr.min()), int(arr.max())
+        if low < info.min or high > info.max:
+            raise InvalidInputError(f"action {low if low < info.min else high} does not fit "
+                                    f"the store's action_dtype {want}")
     return arr.astype(want)
 
 

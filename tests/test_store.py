@@ -212,6 +212,8 @@ BAD_ADDS = [
     (dict(action=np.array([1, 2])), "shape"),
     (dict(action=1.5), "int64"),
     (dict(action=np.float64(2.0)), "int64"),
+    (dict(action=np.uint64(2**63)), "does not fit"),
+    (dict(action=2**63), "does not fit"),
     (dict(terminated=np.float64(0.0)), "bool"),
     (dict(autoreset=np.array([True, False])), "shape"),
 ]
@@ -256,6 +258,16 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
     assert np.array_equal(a[0], b[0]) and a[0].size > 20
     assert_same_batches(a[1], b[1])
     assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
+
+
+def test_actions_that_do_not_fit_the_action_dtype_are_refused(tmp_path):
+    store = make(tmp_path, action_dtype="int8")
+    store.reset(frame(0))
+    for bad in (300, -129, np.int64(128), np.array(1000)):
+        with pytest.raises(InvalidInputError, match="does not fit"):
+            store.add(bad, 0.0, frame(1), False, False)
+    store.add(np.int64(-128), 0.0, frame(1), True, False)
+    assert store.get([0]).action.tolist() == [-128] and store.counts.transitions == 1
 
 
 def test_cache_budget_default_and_bad_values(tmp_path):
