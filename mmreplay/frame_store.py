@@ -210,9 +210,6 @@ class ChunkWriter:
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        self.drain()
-
 
 class FrameStore:
     """Batched frame reads and appends over the zarr `frames` array.
@@ -309,9 +306,9 @@ class FrameStore:
             fsync_dir(self._dir)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Stop writing. Writes are synchronous, so only chunks whose write failed (an
+        error their caller already got, and `drain`/`flush` raise again) are dropped."""
+        self._writer = None
 
     # -- the RAM tail ---------------------------------------------------------
     def tail_frames(self) -> np.ndarray:

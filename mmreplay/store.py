@@ -441,10 +441,12 @@ class ReplayStore:
             finally:
                 self._closed = True
                 self._frames.close()
-                self._commits.close()
-                if self._lock_fd is not None:
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
+                try:
+                    self._commits.close()  # may fail to delete retired files: swept later
+                finally:
+                    if self._lock_fd is not None:
+                        os.close(self._lock_fd)
+                        self._lock_fd = None
 
     def __enter__(self) -> ReplayStore:
         return self

@@ -519,3 +519,25 @@ def test_reader_never_returns_frames_a_writer_overwrote(tmp_path):
     assert len(reader) < 29  # the reader saw the writer give frames up
     with pytest.raises(UnknownIdError):
         reader.get([0])
+
+
+def test_close_after_a_failed_chunk_write_raises_and_still_releases_the_lock(tmp_path,
+                                                                           monkeypatch):
+    import mmreplay.frame_store as fs
+    store = make(tmp_path, chunk_frames=2)
+    run_episode(store, 0, 3)
+    store.flush()
+    committed = store.counts.transitions
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs, "write_atomic", full)
+    store.reset(frame(50))
+    with pytest.raises(OSError, match="No space"):  # o_0 and the first step fill a chunk
+        store.add(0, 0.0, frame(51), False, False)
+    with pytest.raises(OSError, match="No space"):
+        store.close()
+    monkeypatch.undo()
+    with ReplayStore.open(store.path) as again:  # the lock was released; the last commit
+        assert again.counts.transitions == committed
