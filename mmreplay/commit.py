@@ -175,28 +175,33 @@ class Committer:
 
     def remove_retired(self) -> None:
         """Delete retired files unless a reader is loading (then a later call does)."""
-        if not self.retired or not self._exclude_readers():
+        if not self.retired:
             return
-        try:
-            for name in sorted(self.retired):
-                (self.root / name).unlink(missing_ok=True)
-            self.retired.clear()
-        finally:
-            if self.readers_fd is not None:
-                fcntl.flock(self.readers_fd, fcntl.LOCK_UN)
+        with self._readers_excluded() as free:
+            if free:
+                for name in sorted(self.retired):
+                    (self.root / name).unlink(missing_ok=True)
+                self.retired.clear()
 
-    def _exclude_readers(self) -> bool:
+    @contextmanager
+    def _readers_excluded(self) -> Iterator[bool]:
+        """Whether no reader is loading; if so, none can start until the block ends."""
         if self.readers_fd is None:
-            return True
+            yield True
+            return
         try:
             fcntl.flock(self.readers_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return False
-        return True
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(self.readers_fd, fcntl.LOCK_UN)
 
     def open_readers(self) -> None:
         """Writer: create/open ``root/readers`` (regular file, never through a symlink)."""
-        self.readers_fd = _open_regular(self.root / READERS, writer=True)
+        self.readers_fd = _open_lock_file(self.root / READERS, writer=True)
 
     def close(self) -> None:
         """Writer: delete what can be deleted and let go of ``root/readers``."""
@@ -250,21 +255,14 @@ class Committer:
         Symlinks are removed, never followed; directories are left alone.
         """
         named = set(self.committed["files"])
-        readers_out = self._exclude_readers()
-        try:
-            self._sweep(named, (*STEP_DIRS, TMP_DIR) if readers_out else (TMP_DIR,))
-        finally:
-            if readers_out and self.readers_fd is not None:
-                fcntl.flock(self.readers_fd, fcntl.LOCK_UN)
-
-    def _sweep(self, named: set[str], subdirs: tuple[str, ...]) -> None:
-        for sub in subdirs:
-            for entry in _entries(self.root / sub):
-                stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR
-                         else entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
-                if stray and not entry.name.startswith(".") and not entry.is_dir(
-                        follow_symlinks=False):
-                    os.unlink(entry.path)
+        with self._readers_excluded() as free:  # else a loading reader may need them
+            for sub in (*STEP_DIRS, TMP_DIR) if free else (TMP_DIR,):
+                for entry in _entries(self.root / sub):
+                    stray = (entry.name.endswith(TMP_SUFFIX) if sub == TMP_DIR else
+                             entry.name.endswith(".npy") and f"{sub}/{entry.name}" not in named)
+                    if stray and not entry.name.startswith(".") and not entry.is_dir(
+                            follow_symlinks=False):
+                        os.unlink(entry.path)
 
 
 def rng_from_state(state: dict[str, Any]) -> np.random.Generator:
@@ -280,7 +278,7 @@ def rng_from_state(state: dict[str, Any]) -> np.random.Generator:
 
 def take_lock(root: Path) -> int:
     """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
-    fd = _open_regular(root / LOCK, writer=True)
+    fd = _open_lock_file(root / LOCK, writer=True)
     assert fd is not None  # a writer's open raises instead
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -298,7 +296,7 @@ def readers_shared(root: Path) -> Iterator[None]:
     the lock cannot be had within READERS_WAIT_S, the caller loads without it
     and relies on its retry.
     """
-    fd = _open_regular(root / READERS, writer=False)
+    fd = _open_lock_file(root / READERS, writer=False)
     if fd is None:
         yield
         return
@@ -317,7 +315,7 @@ def readers_shared(root: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _open_regular(path: Path, *, writer: bool) -> int | None:
+def _open_lock_file(path: Path, *, writer: bool) -> int | None:
     """An fd on a regular file; a writer creates it, a reader gets None if it is absent.
 
     Never follows a symlink or blocks on a FIFO; anything but a regular file raises
