@@ -40,7 +40,7 @@ from numcodecs import blosc
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import InvalidStoreError
-from .safe_io import TMP_DIR, fsync_dir, read_regular, write_atomic
+from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from .spec import StoreSpec
 
 FRAMES = "frames"
@@ -170,7 +170,7 @@ class ChunkWriter:
     system calls and fights the caller for it, while an inline write of an 8-frame
     chunk into the page cache costs ~40 µs (~5 µs per step).
 
-    A failed write keeps its chunk in ``pending`` (readers are served from RAM), raises
+    A failed write keeps its chunk in ``failed`` (readers are served from RAM), raises
     to the caller, and is retried by the next `drain`, which raises the first error it
     meets again; so no commit ever names a chunk that is not on disk.
     """
@@ -178,33 +178,27 @@ class ChunkWriter:
     def __init__(self, codec: ChunkCodec, tmp_dir: Path) -> None:
         self._codec = codec
         self._tmp_dir = tmp_dir
-        self._failed: dict[tuple[int, int], tuple[Path, np.ndarray]] = {}
-        self.pending: dict[tuple[int, int], np.ndarray] = {}  # submitted, not on disk
+        self.failed: dict[tuple[int, int], tuple[Path, np.ndarray]] = {}  # not on disk
         self.written: list[Path] = []
 
     def submit(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
-        """Write a chunk; on failure it stays pending for `drain` and the error is raised."""
-        self.pending[key] = frames
-        self._failed.pop(key, None)  # a newer lap replaces an older failed write
-        self._write(key, path, frames)
+        """Write a chunk (a newer lap replaces an older failed write of it); on failure it
+        stays in ``failed`` for `drain` and the error is raised."""
+        self.failed[key] = (path, frames)
+        self._write(key)
 
-    def _write(self, key: tuple[int, int], path: Path, frames: np.ndarray) -> None:
-        try:
-            write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
-        except BaseException:
-            self._failed[key] = (path, frames)
-            raise
+    def _write(self, key: tuple[int, int]) -> None:
+        path, frames = self.failed[key]
+        write_atomic(path, self._codec.encode(frames), self._tmp_dir, durable=False)
+        del self.failed[key]
         self.written.append(path)
-        if self.pending.get(key) is frames:
-            del self.pending[key]
 
     def drain(self) -> None:
         """Retry every failed write, in order; raise the first error if any failed again."""
         error: BaseException | None = None
-        for key, (path, frames) in list(self._failed.items()):
-            del self._failed[key]
+        for key in list(self.failed):
             try:
-                self._write(key, path, frames)
+                self._write(key)
             except BaseException as exc:  # keep retrying the others; report the first
                 error = error or exc
         if error is not None:
@@ -371,17 +365,18 @@ class FrameStore:
         as_bytes = table.reshape(table.shape[0], -1).view(np.uint8)
         for i, env, chunk in todo:
             path = self._chunk_file(env, chunk)
-            data = read_regular(path, f"frame chunk {path}", self._max_bytes)
+            data = read_small(path, f"frame chunk {path}", self._max_bytes)
             self._codec.decode_into(data, as_bytes[i], path)
         if self._cache.budget >= self._codec.nbytes:
             for i, env, chunk in todo:
                 self._cache.put((env, chunk), table[i].copy())
 
     def _in_ram(self, env: int, chunk: int) -> np.ndarray | None:
-        """A chunk held in RAM: cached, finished but not yet on disk, or being written."""
+        """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
         found = self._cache.get((env, chunk))
         if found is None:
             found = self._held.get((env, chunk))
         if found is None and self._writer is not None:
-            found = self._writer.pending.get((env, chunk))
+            failed = self._writer.failed.get((env, chunk))
+            found = None if failed is None else failed[1]
         return found

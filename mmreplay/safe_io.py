@@ -10,7 +10,6 @@ Writes go through a temp file and a rename. This module knows bytes and files on
 
 from __future__ import annotations
 
-import errno
 import io
 import itertools
 import json
@@ -71,28 +70,22 @@ def check_dir(root: Path, name: str, *, required: bool) -> None:
         raise InvalidStoreError(f"{name} is {_kind(info.st_mode)}; expected a real directory")
 
 
-def read_small(path: Path, where: str, limit: int) -> bytearray:
-    """All bytes of a regular file of at most `limit` bytes."""
-    with _open_regular(path, where) as (f, size):
-        if size > limit:
-            raise InvalidStoreError(f"{where} is {size} bytes, more than the {limit} allowed")
-        return _read_exact(f, size, where)
+def read_small(path: str | os.PathLike[str], where: str, limit: int) -> bytes:
+    """All bytes of a regular file of at most `limit` bytes, in four system calls.
 
-
-def read_regular(path: str, where: str, limit: int) -> bytes:
-    """`read_small` in four system calls, for the hot path (frame chunks).
-
-    Same guarantees: a symlink fails the ``O_NOFOLLOW`` open, a FIFO or device
-    the ``fstat``, a file over `limit` is refused before it is read.
+    A symlink fails the ``O_NOFOLLOW`` open, a FIFO (opened without blocking) or a
+    device fails the ``fstat``, and a file over `limit` is refused before it is read.
     """
     try:
         fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         raise InvalidStoreError(f"{where} is missing") from None
-    except OSError as exc:
-        kind = "a symlink; stores hold regular files" if exc.errno == errno.ELOOP else (
-            f"not readable: {_line(exc)}")
-        raise InvalidStoreError(f"{where} is {kind}") from None
+    except (OSError, ValueError) as exc:
+        info = _lstat(Path(path), where)  # say what it is: a symlink, a socket, ...
+        if info is not None and not stat.S_ISREG(info.st_mode):
+            raise InvalidStoreError(
+                f"{where} is {_kind(info.st_mode)}; stores hold regular files") from None
+        raise InvalidStoreError(f"{where} cannot be opened: {_line(exc)}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

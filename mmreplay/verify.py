@@ -213,7 +213,7 @@ def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str 
     if not os.path.lexists(path):
         return f"frame chunk {where} is missing (it holds kept frames)"
     try:
-        data = bytes(read_small(path, f"frame chunk {where}", max_chunk_bytes(frames.spec)))
+        data = read_small(path, f"frame chunk {where}", max_chunk_bytes(frames.spec))
         frames._codec.decode(data, where)
     except InvalidStoreError as exc:
         return str(exc)

@@ -139,6 +139,6 @@ def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
     fail[0] = False
     store.drain()  # retried
     assert store.chunk_path(0, 0).exists() and store.chunk_path(0, 1).exists()
-    assert not store._writer.pending
+    assert not store._writer.failed
     fresh = FrameStore(tmp_path, spec, writable=False)
     assert fresh.read(np.arange(8))[:, 0, 0].tolist() == list(range(8))
