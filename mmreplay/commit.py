@@ -29,7 +29,6 @@ import numpy as np
 from .errors import InvalidStoreError, StoreLockedError
 from .manifest import (
     FORMAT,
-    FORMAT_VERSION,
     MAX_COUNTER,
     STEP_DIRS,
     check_rng,
@@ -159,7 +158,7 @@ class Committer:
     def _manifest(self, gen: int, ring: StepRing, rng_state: Mapping[str, Any],
                   blocks: list[str | None], tail: str, files: dict[str, int]) -> dict[str, Any]:
         return {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "generation": gen,
+            "format": FORMAT, "format_version": self.spec.format_version, "generation": gen,
             "spec": self.spec.to_dict(),
             "written": ring.written.tolist(), "kept_from": ring.oldest.tolist(),
             "running": ring.running.tolist(), "next_id": ring.next_id,

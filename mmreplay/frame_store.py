@@ -41,6 +41,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from .errors import InvalidStoreError
 from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
+from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes
 from .spec import StoreSpec
 
 FRAMES = "frames"
@@ -51,10 +52,12 @@ BLOSC_HEADER = 16
 def create_frames_array(root: Path, spec: StoreSpec) -> None:
     """Create the zarr group at `root` and its empty `frames` array."""
     group = zarr.open_group(str(root), mode="w-", zarr_format=3)
+    sharded = spec.shard_chunks > 1
     group.create_array(
         FRAMES,
         shape=(spec.num_envs, spec.slots_per_env, *spec.obs_shape),
         chunks=(1, spec.chunk_frames, *spec.obs_shape),
+        shards=(1, spec.chunk_frames * spec.shard_chunks, *spec.obs_shape) if sharded else None,
         dtype=spec.obs_dtype,
         compressors=[compressor(spec), Crc32cCodec()],
         chunk_key_encoding={"name": "default", "separator": "."},
@@ -74,6 +77,13 @@ def max_chunk_bytes(spec: StoreSpec) -> int:
     the crc32c."""
     raw = spec.chunk_frames * math.prod(spec.obs_shape) * np.dtype(spec.obs_dtype).itemsize
     return raw + (raw >> 8) + max(0, (128 << 10) - raw) // 2048 + 4 + 512
+
+
+def max_file_bytes(spec: StoreSpec) -> int:
+    """Largest valid file in ``frames/`` besides ``zarr.json``: a chunk or a shard."""
+    if spec.shard_chunks == 1:
+        return max_chunk_bytes(spec)
+    return max_shard_bytes(spec.shard_chunks, max_chunk_bytes(spec))
 
 
 class ChunkCodec:
@@ -232,10 +242,30 @@ class FrameStore:
         self.next_slot = np.zeros(spec.num_envs, np.int64)
         self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable else None
         self._held: dict[tuple[int, int], np.ndarray] = {}  # finished, not yet submitted
+        self._shards: ShardFiles | None = None  # shard files (format 2), else a file per chunk
+        self._shard_writer: ShardWriter | None = None
+        if spec.shard_chunks > 1:
+            self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
+                                      self._max_bytes, max_open=max_open_files())
+            if writable:
+                self._writer = None
+                self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
+                                                 self.num_chunks, before_chunk_write)
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
+        """The file of a chunk in the file-per-chunk layout (format 1)."""
         return Path(self._chunk_file(env, chunk))
+
+    def file_path(self, env: int, chunk: int) -> Path:
+        """The file holding `chunk`: its shard file, or its own file (format 1)."""
+        if self._shards is not None:
+            return Path(self._shards.path(env, chunk // self.spec.shard_chunks))
+        return self.chunk_path(env, chunk)
+
+    def decode(self, data: bytes, where: str) -> np.ndarray:
+        """One chunk's frames from its bytes (`InvalidStoreError` if they are damaged)."""
+        return self._codec.decode(data, where)
 
     def _chunk_file(self, env: int, chunk: int) -> str:
         return f"{self._dir_str}/c.{env}.{chunk}{self._key_suffix}"
@@ -264,6 +294,9 @@ class FrameStore:
         frames[self.tail_fill[env]:] = 0
         self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
+        if self._shard_writer is not None:
+            self._shard_writer.add(env, chunk, self._codec.encode(frames))
+            return
         self._held[(env, chunk)] = frames
         self._submit_held()
 
@@ -283,6 +316,8 @@ class FrameStore:
 
     def drain(self) -> None:
         """Wait until every finished chunk is on disk (raises a failed write's error)."""
+        if self._shard_writer is not None:
+            self._shard_writer.drain()
         if self._writer is not None:
             self._submit_held()
             self._writer.drain()
@@ -290,9 +325,10 @@ class FrameStore:
     def sync(self) -> None:
         """Drain, then fsync every chunk written since the last sync and the directory."""
         self.drain()
-        if self._writer is None:
+        writer = self._writer or self._shard_writer
+        if writer is None:
             return
-        written, self._writer.written = self._writer.written, []
+        written, writer.written = writer.written, []
         for path in written:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -302,7 +338,9 @@ class FrameStore:
     def close(self) -> None:
         """Stop writing. Writes are synchronous, so only chunks whose write failed (an
         error their caller already got, and `drain`/`flush` raise again) are dropped."""
-        self._writer = None
+        self._writer = self._shard_writer = None
+        if self._shards is not None:
+            self._shards.close()
 
     # -- the RAM tail ---------------------------------------------------------
     def tail_frames(self) -> np.ndarray:
@@ -364,16 +402,27 @@ class FrameStore:
         """Read and decode chunks ``(i, env, chunk)`` into ``table[i]`` (and the cache)."""
         as_bytes = table.reshape(table.shape[0], -1).view(np.uint8)
         for i, env, chunk in todo:
-            path = self._chunk_file(env, chunk)
-            data = read_small(path, f"frame chunk {path}", self._max_bytes)
-            self._codec.decode_into(data, as_bytes[i], path)
+            data, where = self.chunk_bytes(env, chunk)
+            self._codec.decode_into(data, as_bytes[i], where)
         if self._cache.budget >= self._codec.nbytes:
             for i, env, chunk in todo:
                 self._cache.put((env, chunk), table[i].copy())
 
+    def chunk_bytes(self, env: int, chunk: int) -> tuple[bytes, str]:
+        """A chunk's bytes on disk and where they are (for messages); `InvalidStoreError`
+        if its file, or its entry in its shard file, is missing or damaged."""
+        if self._shards is not None:
+            shard, j = divmod(chunk, self.spec.shard_chunks)
+            return self._shards.chunk(env, chunk), f"chunk {j} of {self._shards.path(env, shard)}"
+        path = self._chunk_file(env, chunk)
+        return read_small(path, f"frame chunk {path}", self._max_bytes), path
+
     def _in_ram(self, env: int, chunk: int) -> np.ndarray | None:
         """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
         found = self._cache.get((env, chunk))
+        if found is None and self._shard_writer is not None:
+            data = self._shard_writer.get(env, chunk)
+            found = None if data is None else self._codec.decode(data, "a finished chunk in RAM")
         if found is None:
             found = self._held.get((env, chunk))
         if found is None and self._writer is not None:

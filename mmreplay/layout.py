@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidStoreError
-from .frame_store import FRAMES, max_chunk_bytes
+from .frame_store import FRAMES, max_file_bytes
 from .manifest import STEP_DIRS, named_layout
 from .safe_io import (
     TMP_DIR,
@@ -61,14 +61,23 @@ def frames_meta(spec: StoreSpec) -> dict[str, Any]:
     """The fields of ``frames/zarr.json`` exactly as ``create_frames_array`` writes them."""
     dtype = np.dtype(spec.obs_dtype)
     endian = {} if dtype.itemsize == 1 else {"configuration": {"endian": "little"}}
+    chunk = [1, spec.chunk_frames, *spec.obs_shape]
+    codecs: list[dict[str, Any]] = [{"name": "bytes", **endian}, compressor_meta(spec),
+                                    {"name": "crc32c"}]
+    if spec.shard_chunks > 1:
+        codecs = [{"name": "sharding_indexed", "configuration": {
+            "chunk_shape": chunk, "codecs": codecs,
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                             {"name": "crc32c"}],
+            "index_location": "end"}}]
+        chunk = [1, spec.chunk_frames * spec.shard_chunks, *spec.obs_shape]
     return {
         "zarr_format": 3, "node_type": "array",
         "shape": [spec.num_envs, spec.slots_per_env, *spec.obs_shape],
         "data_type": spec.obs_dtype,
-        "chunk_grid": {"name": "regular",
-                       "configuration": {"chunk_shape": [1, spec.chunk_frames, *spec.obs_shape]}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "codecs": [{"name": "bytes", **endian}, compressor_meta(spec), {"name": "crc32c"}],
+        "codecs": codecs,
         "storage_transformers": [],
     }
 
@@ -92,8 +101,9 @@ def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_
         raise InvalidStoreError(f"{where} has fields zarr metadata of a store never has: "
                                 f"{unknown[:5]!r:.100}")
     meta = {"storage_transformers": [], **meta}
-    if want["codecs"][0] == {"name": "bytes"} and _strict_equal(meta.get("codecs"), [
-            {"name": "bytes", "configuration": {"endian": "little"}}, *want["codecs"][1:]]):
+    if spec.shard_chunks == 1 and want["codecs"][0] == {"name": "bytes"} and _strict_equal(
+            meta.get("codecs"), [{"name": "bytes", "configuration": {"endian": "little"}},
+                                 *want["codecs"][1:]]):
         want["codecs"][0] = {"name": "bytes", "configuration": {"endian": "little"}}
     for key, value in want.items():
         if not _strict_equal(meta.get(key), value):
@@ -129,8 +139,9 @@ def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> 
 
 
 def check_frames_dir(root: Path, spec: StoreSpec) -> None:
-    """Every entry of ``frames/`` is a regular file no larger than a chunk can be."""
-    limit = max_chunk_bytes(spec)
+    """Every entry of ``frames/`` is a regular file no larger than a chunk (or a shard of
+    them) can be."""
+    limit = max_file_bytes(spec)
     try:
         with os.scandir(root / FRAMES) as entries:
             for entry in entries:
@@ -139,8 +150,9 @@ def check_frames_dir(root: Path, spec: StoreSpec) -> None:
                     raise InvalidStoreError(f"{FRAMES}/{entry.name!r:.60} is "
                                             f"{_kind(info.st_mode)}; stores hold regular files")
                 if info.st_size > limit and entry.name != ZARR_JSON:
-                    raise InvalidStoreError(f"frame chunk {FRAMES}/{entry.name!r:.60} is "
-                                            f"{info.st_size} bytes; a chunk holds at most {limit}")
+                    raise InvalidStoreError(f"frame file {FRAMES}/{entry.name!r:.60} is "
+                                            f"{info.st_size} bytes; a frame file holds at most "
+                                            f"{limit}")
     except OSError as exc:
         raise InvalidStoreError(f"{FRAMES}/ cannot be listed: {_line(exc)}") from None
 

@@ -53,7 +53,7 @@ from .spec import ALLOWED_DTYPES, StoreSpec
 
 MANIFEST = "manifest.json"
 FORMAT = "mmreplay"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this version reads (and writes for sharded stores)
 CHECKSUM = "checksum"
 MAX_MANIFEST_BYTES = 16 << 20  # ~200k step blocks; parsing it costs at most ~250 MB
 MAX_MANIFEST_CONTAINERS = 64  # a manifest has 13 JSON arrays and objects
@@ -241,7 +241,7 @@ def _check_optional(manifest: dict[str, Any], where: str | Path) -> None:
 def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     """The manifest's spec, which must be complete and in the form `to_dict` writes."""
     data = manifest["spec"]
-    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data))
+    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data) - {"shard_chunks"})
     if missing:
         raise InvalidStoreError(f"invalid spec in manifest: fields {missing[:4]} are missing")
     for key in ("obs_dtype", "action_dtype"):
@@ -257,9 +257,14 @@ def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     canonical = spec.to_dict()
     bad = [k for k in canonical if not _strict_equal(canonical[k], data.get(k))
            and not (k in ("gamma", "alpha", "priority_eps") and canonical[k] == data.get(k))]
-    if bad:
+    if bad or set(data) != set(canonical):
+        bad = bad or sorted(set(data) ^ set(canonical))
         raise InvalidStoreError(f"invalid spec in manifest: fields {bad[:4]} are not as "
                                 f"this spec writes them")
+    if manifest["format_version"] != spec.format_version:
+        raise InvalidStoreError(
+            f"manifest says format version {manifest['format_version']}, but its spec is of "
+            f"format {spec.format_version} (shard_chunks={spec.shard_chunks})")
     return spec
 
 

@@ -71,7 +71,16 @@ def check_dir(root: Path, name: str, *, required: bool) -> None:
 
 
 def read_small(path: str | os.PathLike[str], where: str, limit: int) -> bytes:
-    """All bytes of a regular file of at most `limit` bytes, in four system calls.
+    """All bytes of a regular file of at most `limit` bytes, in four system calls."""
+    fd, size = open_bounded(path, where, limit)
+    try:
+        return read_at(fd, size, 0, where)
+    finally:
+        os.close(fd)
+
+
+def open_bounded(path: str | os.PathLike[str], where: str, limit: int) -> tuple[int, int]:
+    """A read-only descriptor of a regular file of at most `limit` bytes, and its size.
 
     A symlink fails the ``O_NOFOLLOW`` open, a FIFO (opened without blocking) or a
     device fails the ``fstat``, and a file over `limit` is refused before it is read.
@@ -93,17 +102,24 @@ def read_small(path: str | os.PathLike[str], where: str, limit: int) -> bytes:
         if info.st_size > limit:
             raise InvalidStoreError(f"{where} is {info.st_size} bytes, more than the {limit} "
                                     "allowed")
-        data = os.read(fd, info.st_size)
-        while len(data) < info.st_size:  # short reads: rare, but legal
-            more = os.read(fd, info.st_size - len(data))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info.st_size
+
+
+def read_at(fd: int, size: int, offset: int, where: str) -> bytes:
+    """Exactly `size` bytes at `offset` of an open file (short reads are retried)."""
+    try:
+        data = os.pread(fd, size, offset)
+        while len(data) < size:  # short reads: rare, but legal
+            more = os.pread(fd, size - len(data), offset + len(data))
             if not more:
                 raise InvalidStoreError(f"{where} shrank while it was read")
             data += more
         return data
     except OSError as exc:
         raise InvalidStoreError(f"{where} cannot be read: {_line(exc)}") from None
-    finally:
-        os.close(fd)
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

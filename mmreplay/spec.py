@@ -27,6 +27,7 @@ ALLOWED_DTYPES = (
 )
 MAX_CAPACITY = 1 << 40
 TARGET_CHUNK_BYTES = 64 * 1024
+TARGET_SHARD_FRAMES = 4096  # frames per shard file when chunks are small (512 chunks of 8)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class StoreSpec:
     action_shape: tuple[int, ...] = ()
     action_dtype: str = "int64"
     chunk_frames: int = 0  # 0 = chosen from the frame size at create time
+    shard_chunks: int = 0  # chunks per frame file; 0 = chosen at create; 1 = a file per chunk
     codec: str = "lz4"
     codec_level: int = 9
     block_slots: int = 4096
@@ -57,6 +59,16 @@ class StoreSpec:
         return self.capacity // self.num_envs
 
     @property
+    def num_chunks(self) -> int:
+        """Chunks per env: ``ceil(slots_per_env / chunk_frames)``; the last may be short."""
+        return -(-self.slots_per_env // self.chunk_frames)
+
+    @property
+    def num_shards(self) -> int:
+        """Frame files per env: ``ceil(num_chunks / shard_chunks)``."""
+        return -(-self.num_chunks // self.shard_chunks)
+
+    @property
     def frame_bytes(self) -> int:
         return int(np.prod(self.obs_shape, dtype=np.int64)) * np.dtype(self.obs_dtype).itemsize
 
@@ -64,7 +76,14 @@ class StoreSpec:
         out = asdict(self)
         out["obs_shape"] = list(self.obs_shape)
         out["action_shape"] = list(self.action_shape)
+        if self.shard_chunks == 1:
+            del out["shard_chunks"]  # the format-1 layout, readable by format-1 readers
         return out
+
+    @property
+    def format_version(self) -> int:
+        """1: a file per chunk; 2: shard files (zarr ``sharding_indexed``)."""
+        return 1 if self.shard_chunks == 1 else 2
 
     @classmethod
     def from_dict(cls, data: Any) -> StoreSpec:
@@ -75,7 +94,7 @@ class StoreSpec:
         if unknown:
             raise InvalidStoreError(f"spec has unknown fields {sorted(unknown)}")
         try:
-            return make_spec(**data)
+            return make_spec(**{"shard_chunks": 1, **data})  # format 1: a file per chunk
         except (InvalidInputError, TypeError) as exc:
             raise InvalidStoreError(f"invalid spec in manifest: {exc}") from None
 
@@ -95,6 +114,7 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         action_shape=parse_shape("action_shape", kwargs.pop("action_shape", ()), allow_empty=True),
         action_dtype=parse_dtype("action_dtype", kwargs.pop("action_dtype", "int64")),
         chunk_frames=parse_int("chunk_frames", kwargs.pop("chunk_frames", 0), low=0, high=1 << 16),
+        shard_chunks=parse_int("shard_chunks", kwargs.pop("shard_chunks", 0), low=0, high=1 << 16),
         codec=(codec := parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)),
         codec_level=parse_codec_level(codec, kwargs.pop("codec_level", None)),
         block_slots=parse_int("block_slots", kwargs.pop("block_slots", 4096), low=1, high=1 << 24),
@@ -115,7 +135,9 @@ def _complete(spec: StoreSpec) -> StoreSpec:
             f"{spec.capacity} // {spec.num_envs} = {spec.slots_per_env}")
     chunk = spec.chunk_frames or default_chunk_frames(spec.frame_bytes)
     chunk = min(chunk, spec.slots_per_env)
-    return replace(spec, chunk_frames=chunk)
+    shard = spec.shard_chunks or max(1, TARGET_SHARD_FRAMES // chunk)
+    shard = min(shard, -(-spec.slots_per_env // chunk))  # a shard never outgrows the ring
+    return replace(spec, chunk_frames=chunk, shard_chunks=shard)
 
 
 def default_chunk_frames(frame_bytes: int) -> int:

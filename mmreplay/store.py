@@ -460,9 +460,15 @@ class ReplayStore:
 
     # -- persistence helpers --------------------------------------------------------
     def _before_chunk_write(self, env: int, chunk: int) -> None:
-        """The frame store is about to overwrite a chunk: see `Committer.give_up`."""
-        self._commits.give_up(env, int(self._ring.written[env]) - 1,
-                              self._frames.chunk_slots(chunk))
+        """The frame store is about to overwrite a chunk of this lap: see `Committer.give_up`.
+
+        The chunk's last frame is the newest frame recorded in its last slot (a shard file
+        is written when its last chunk is finished, or at a flush, after some of its chunks).
+        """
+        last_slot = chunk * self.spec.chunk_frames + self._frames.chunk_slots(chunk) - 1
+        newest = int(self._ring.written[env]) - 1
+        last_new = newest - (newest - last_slot) % self.spec.slots_per_env
+        self._commits.give_up(env, last_new, self._frames.chunk_slots(chunk))
 
     def _load(self, manifest: dict[str, Any]) -> None:
         """Fill the RAM parts from a manifest that passed `check_manifest`."""

@@ -18,12 +18,12 @@ import numpy as np
 
 from .commit import LOCK, READERS
 from .errors import InvalidStoreError, MmreplayError
-from .frame_store import FRAMES, FrameStore, max_chunk_bytes
+from .frame_store import FRAMES, FrameStore
 from .inspect import ZARR_JSON, Progress, _files, kept_frames
 from .layout import check_zarr
 from .manifest import MANIFEST, check_root, committed_generation, read_manifest
 from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy, read_small
+from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy
 from .spec import StoreSpec
 from .store import ReplayStore
 
@@ -200,21 +200,23 @@ def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
     work = [(e, c) for e in range(spec.num_envs)
             for c in disk_chunks(int(oldest[e]), int(on_disk_end[e]), S, C)]
     store = FrameStore(root, spec, writable=False, cache_bytes=0)
-    for env, chunk in (progress(work, len(work)) if progress else work):
-        problem = _chunk_problem(store, root, env, chunk)
-        if problem:
-            problems.append(problem)
+    try:
+        for env, chunk in (progress(work, len(work)) if progress else work):
+            problem = _chunk_problem(store, root, env, chunk)
+            if problem:
+                problems.append(problem)
+    finally:
+        store.close()  # shard files it keeps open
     return len(work), int(np.maximum(on_disk_end - oldest, 0).sum())
 
 
 def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str | None:
-    path = frames.chunk_path(env, chunk)
-    where = path.relative_to(root).as_posix()
+    path = frames.file_path(env, chunk)
     if not os.path.lexists(path):
-        return f"frame chunk {where} is missing (it holds kept frames)"
+        where = path.relative_to(root).as_posix()
+        return f"frame file {where} is missing (it holds kept frames of chunk {chunk})"
     try:
-        data = read_small(path, f"frame chunk {where}", max_chunk_bytes(frames.spec))
-        frames._codec.decode(data, where)
+        frames.decode(*frames.chunk_bytes(env, chunk))
     except InvalidStoreError as exc:
         return str(exc)
     return None
@@ -302,11 +304,10 @@ def _allowed(parts: list[str], spec: StoreSpec) -> bool:
         return True
     if len(parts) != 2 or parts[0] != FRAMES:
         return False
-    key = parts[1].split(".")  # c.<env>.<chunk>.0.0 (zarr default key, "." separator)
+    key = parts[1].split(".")  # c.<env>.<chunk or shard>.0.0 (zarr default key, "." separator)
     zeros = ["0"] * len(spec.obs_shape)
     if len(key) != 3 + len(zeros) or key[0] != "c" or key[3:] != zeros:
         return False
     if not (key[1].isdigit() and key[2].isdigit()):
         return False
-    chunks = -(-spec.slots_per_env // spec.chunk_frames)
-    return int(key[1]) < spec.num_envs and int(key[2]) < chunks
+    return int(key[1]) < spec.num_envs and int(key[2]) < spec.num_shards

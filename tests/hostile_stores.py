@@ -41,7 +41,8 @@ BAD_JSON = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [None], {"a": 1}, 2*
 
 # -- valid stores -----------------------------------------------------------------------
 def build_store(path: Path, kind: str) -> None:
-    """A small valid store: ``uniform`` (2 envs, wrapped) or ``prio`` (prioritized, uint16)."""
+    """A small valid store: ``uniform`` (2 envs, wrapped, shard files) or ``prio``
+    (prioritized, uint16, a file per chunk)."""
     rng = np.random.default_rng(11)
     if kind == "uniform":
         store = ReplayStore.create(path, capacity=24, obs_shape=(4, 3), num_envs=2,
@@ -51,7 +52,7 @@ def build_store(path: Path, kind: str) -> None:
     else:
         store = ReplayStore.create(path, capacity=20, obs_shape=(3,), obs_dtype=np.uint16,
                                    frame_stack=3, n_step=3, chunk_frames=3, block_slots=4,
-                                   sampler="prioritized", seed=5)
+                                   sampler="prioritized", seed=5, shard_chunks=1)  # format 1
         shape, dtype, envs, steps = (3,), np.uint16, 1, 40
     store.reset(rng.integers(0, 255, shape).astype(dtype))
     done = np.zeros(envs, bool)
@@ -389,7 +390,8 @@ def rng_cases() -> Iterator[Case]:
 
 
 def version_cases() -> Iterator[Case]:
-    for i, value in enumerate([2, 99, 0, -1, 1.0, "1", True, None, 2**70]):
+    # the base store is sharded (format 2): 1 contradicts its spec, 3 is from the future
+    for i, value in enumerate([3, 99, 0, -1, 1.0, "1", True, None, 2**70, 1]):
         yield Case(f"version-{i}", set_path(("format_version",), value))
         yield Case(f"version-unsealed-{i}", set_path(("format_version",), value, seal=False))
     yield Case("version-format-name", set_path(("format",), "mmreplay2"))

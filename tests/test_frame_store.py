@@ -14,9 +14,9 @@ from mmreplay.frame_store import ChunkCache, FrameStore, create_frames_array
 from mmreplay.spec import make_spec
 
 
-def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None, codec="lz4"):
+def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None, codec="lz4", shard=1):
     spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3, 2), chunk_frames=chunk,
-                     codec=codec)
+                     codec=codec, shard_chunks=shard)
     create_frames_array(tmp_path, spec)
     (tmp_path / "tmp").mkdir()
     return spec, FrameStore(tmp_path, spec, writable=True, before_chunk_write=hook)

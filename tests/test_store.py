@@ -421,12 +421,13 @@ def test_tail_survives_reopen(tmp_path):
         assert_same_batches(before, again.get(ids))
 
 
-def test_wrap_without_flush_gives_up_old_frames_in_the_manifest(tmp_path):
-    store = make(tmp_path, capacity=16, chunk_frames=4)
+@pytest.mark.parametrize("shard_chunks", [1, 0])  # a file per chunk; one shard file
+def test_wrap_without_flush_gives_up_old_frames_in_the_manifest(tmp_path, shard_chunks):
+    store = make(tmp_path, capacity=16, chunk_frames=4, shard_chunks=shard_chunks)
     run_episode(store, 0, 10, terminated=False)
     store.flush()
     committed = json.loads((tmp_path / "store" / "manifest.json").read_text())
-    for i in range(11, 30):  # wraps: chunks holding committed frames get overwritten
+    for i in range(11, 34):  # wraps: files holding committed frames get overwritten
         store.add(0, 0.0, frame(i), False, False)
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["written"] == committed["written"]  # nothing new committed...
@@ -501,15 +502,16 @@ def test_single_env_accepts_a_leading_env_dimension(tmp_path):
         store.add(1, 0.5, np.stack([frame(2)] * 2), False, False)
 
 
-def test_reader_never_returns_frames_a_writer_overwrote(tmp_path):
-    writer = make(tmp_path, capacity=32, chunk_frames=4)
+@pytest.mark.parametrize("shard_chunks", [1, 0])  # a file per chunk; one shard file
+def test_reader_never_returns_frames_a_writer_overwrote(tmp_path, shard_chunks):
+    writer = make(tmp_path, capacity=32, chunk_frames=4, shard_chunks=shard_chunks)
     writer.reset(frame(0))
     for i in range(1, 30):
         writer.add(0, 0.0, frame(i), False, False)
     writer.flush()
     reader = ReplayStore.open(tmp_path / "store", mode="r", cache_bytes=0)
     assert len(reader) == 29
-    for i in range(30, 50):  # wraps: committed frames are given up, then overwritten
+    for i in range(30, 70):  # wraps: committed frames are given up, then overwritten
         writer.add(0, 0.0, frame(i), False, False)
         if len(reader):
             batch = reader.sample(8)
@@ -521,10 +523,13 @@ def test_reader_never_returns_frames_a_writer_overwrote(tmp_path):
         reader.get([0])
 
 
+@pytest.mark.parametrize("shard_chunks", [1, 0])
 def test_close_after_a_failed_chunk_write_raises_and_still_releases_the_lock(tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch,
+                                                                           shard_chunks):
     import mmreplay.frame_store as fs
-    store = make(tmp_path, chunk_frames=2)
+    import mmreplay.shards as shards
+    store = make(tmp_path, chunk_frames=2, shard_chunks=shard_chunks)
     run_episode(store, 0, 3)
     store.flush()
     committed = store.counts.transitions
@@ -533,9 +538,13 @@ def test_close_after_a_failed_chunk_write_raises_and_still_releases_the_lock(tmp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fs, "write_atomic", full)
+    monkeypatch.setattr(shards, "write_atomic", full)
     store.reset(frame(50))
-    with pytest.raises(OSError, match="No space"):  # o_0 and the first step fill a chunk
-        store.add(0, 0.0, frame(51), False, False)
+    if shard_chunks == 1:
+        with pytest.raises(OSError, match="No space"):  # o_0 and the first step fill a chunk
+            store.add(0, 0.0, frame(51), False, False)
+    else:
+        store.add(0, 0.0, frame(51), False, False)  # the chunk waits in RAM for its shard
     with pytest.raises(OSError, match="No space"):
         store.close()
     monkeypatch.undo()
