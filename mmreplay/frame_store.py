@@ -45,7 +45,7 @@ from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes
 from .spec import StoreSpec
 
 FRAMES = "frames"
-ChunkHook = Callable[[int, int], None]
+ChunkHook = Callable[[int, int, int], None]  # (env, first chunk, last chunk) to be replaced
 BLOSC_HEADER = 16
 
 
@@ -250,7 +250,8 @@ class FrameStore:
             if writable:
                 self._writer = None
                 self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
-                                                 self.num_chunks, before_chunk_write)
+                                                 self.num_chunks, before_chunk_write,
+                                                 durable=durable)
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
@@ -310,7 +311,7 @@ class FrameStore:
         while self._held:
             key, frames = next(iter(self._held.items()))
             if self._hook is not None:
-                self._hook(*key)
+                self._hook(key[0], key[1], key[1])
             del self._held[key]
             self._writer.submit(key, self.chunk_path(*key), frames)
 

@@ -178,26 +178,26 @@ class ShardWriter:
     A shard is written when its last chunk is finished, and by `drain` (every flush) while
     it is being filled; such a partial write keeps the chunks the current file holds for
     the positions not yet rewritten (the older lap's frames, or chunks an earlier flush
-    wrote). Before a write, ``before_write(env, chunk)`` runs for every new chunk, so the
-    owner can give up (in a committed manifest) the old frames that chunk replaces.
+    wrote). Before a write, ``before_write(env, first, last)`` runs once for the new chunks
+    (positions ``first..last`` of the ring), so the owner can give up (in a committed
+    manifest) the old frames they replace.
 
     A failed write keeps its chunks (readers are served from RAM), raises to the caller,
     and is retried by `drain`, which raises the first error it meets again.
     """
 
     def __init__(self, files: ShardFiles, tmp_dir: str, num_chunks: int,
-                 before_write: Callable[[int, int], None] | None) -> None:
+                 before_write: Callable[[int, int, int], None] | None, *, durable: bool) -> None:
         self._files, self._tmp_dir = files, tmp_dir
         self._num_chunks, self._hook = num_chunks, before_write
-        self.pending: dict[tuple[int, int], dict[int, bytes]] = {}  # not in a complete file
-        self.dirty: set[tuple[int, int]] = set()  # the file lacks some pending chunks
+        self._durable = durable
+        self.pending: dict[tuple[int, int], dict[int, bytes]] = {}  # not in the file yet
         self.written: list[str] = []
 
     def add(self, env: int, chunk: int, data: bytes) -> None:
         shard, j = divmod(chunk, self._files.shard_chunks)
         key = (env, shard)
         self.pending.setdefault(key, {})[j] = data
-        self.dirty.add(key)
         if j == self._real_chunks(shard) - 1:
             self._write(key)
 
@@ -209,7 +209,7 @@ class ShardWriter:
     def drain(self) -> None:
         """Write every shard whose file lacks pending chunks; raise the first error."""
         error: BaseException | None = None
-        for key in sorted(self.dirty):
+        for key in sorted(self.pending):
             try:
                 self._write(key)
             except BaseException as exc:  # keep writing the others; report the first
@@ -224,18 +224,18 @@ class ShardWriter:
         env, shard = key
         chunks = self.pending[key]
         if self._hook is not None:
-            for j in sorted(chunks):
-                self._hook(env, shard * self._files.shard_chunks + j)
+            first = shard * self._files.shard_chunks
+            self._hook(env, first + min(chunks), first + max(chunks))
         path = self._files.path(env, shard)
         complete = len(chunks) == self._real_chunks(shard)
         if not complete:
             old = read_shard(path, f"frame file {path}", self._files.shard_chunks,
                              self._files.max_chunk)
             chunks = {**old, **chunks}
+        # durable: a partial write carries frames the committed manifest still claims, so
+        # its bytes must be on disk before its name replaces the file that held them
         write_atomic(Path(path), encode_shard(chunks, self._files.shard_chunks),
-                     Path(self._tmp_dir), durable=False)
+                     Path(self._tmp_dir), durable=self._durable)
         self._files.forget(env, shard)
         self.written.append(path)
-        self.dirty.discard(key)
-        if complete:
-            del self.pending[key]
+        del self.pending[key]  # all in the file now; a later write merges them from it

@@ -459,16 +459,18 @@ class ReplayStore:
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
 
     # -- persistence helpers --------------------------------------------------------
-    def _before_chunk_write(self, env: int, chunk: int) -> None:
-        """The frame store is about to overwrite a chunk of this lap: see `Committer.give_up`.
+    def _before_chunk_write(self, env: int, first: int, last: int) -> None:
+        """The frame store is about to overwrite chunks ``first..last`` of this lap with
+        new frames: see `Committer.give_up`.
 
-        The chunk's last frame is the newest frame recorded in its last slot (a shard file
-        is written when its last chunk is finished, or at a flush, after some of its chunks).
+        Their last frame is the newest frame recorded in their last slot (a shard file is
+        written when its last chunk is finished, or at a flush, after some of its chunks).
         """
-        last_slot = chunk * self.spec.chunk_frames + self._frames.chunk_slots(chunk) - 1
+        C = self.spec.chunk_frames
+        last_slot = last * C + self._frames.chunk_slots(last) - 1
         newest = int(self._ring.written[env]) - 1
         last_new = newest - (newest - last_slot) % self.spec.slots_per_env
-        self._commits.give_up(env, last_new, self._frames.chunk_slots(chunk))
+        self._commits.give_up(env, last_new, last_slot + 1 - first * C)
 
     def _load(self, manifest: dict[str, Any]) -> None:
         """Fill the RAM parts from a manifest that passed `check_manifest`."""

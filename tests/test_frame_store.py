@@ -60,10 +60,10 @@ def test_tail_comes_from_ram_and_minus_one_is_zeros(tmp_path):
 
 def test_hook_runs_before_each_chunk_write(tmp_path):
     calls = []
-    _, store = make(tmp_path, hook=lambda env, chunk: calls.append((env, chunk)))
+    _, store = make(tmp_path, hook=lambda env, first, last: calls.append((env, first, last)))
     fill(store, 0, range(7))
     fill(store, 1, range(4))
-    assert calls == [(0, 0), (0, 1), (1, 0)]
+    assert calls == [(0, 0, 0), (0, 1, 1), (1, 0, 0)]
 
 
 def test_corrupted_or_missing_chunk_is_detected(tmp_path):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmreplay import ReplayStore, commit, frame_store, manifest, safe_io
+from mmreplay import ReplayStore, commit, frame_store, manifest, safe_io, shards
 from mmreplay.manifest import MANIFEST
 
 DIRS = ("", "frames", "steps", "tail")  # every directory a commit writes into
@@ -176,7 +176,7 @@ REAL = {"write_atomic": safe_io.write_atomic, "unlink": os.unlink}
 
 
 def install(monkeypatch: pytest.MonkeyPatch, model: DiskModel) -> None:
-    for module in (safe_io, frame_store, manifest, commit):
+    for module in (safe_io, frame_store, shards, manifest, commit):
         for name, wrapper in (("write_atomic", model.write_atomic),
                               ("fsync_dir", model.fsync_dir)):
             if hasattr(module, name):
