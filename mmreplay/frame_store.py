@@ -414,7 +414,7 @@ class FrameStore:
         if its file, or its entry in its shard file, is missing or damaged."""
         if self._shards is not None:
             shard, j = divmod(chunk, self.spec.shard_chunks)
-            return self._shards.chunk(env, chunk), f"chunk {j} of {self._shards.path(env, shard)}"
+            return self._shards.chunk(env, chunk), f"{self._shards.path(env, shard)} (chunk {j})"
         path = self._chunk_file(env, chunk)
         return read_small(path, f"frame chunk {path}", self._max_bytes), path
 

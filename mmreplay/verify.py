@@ -218,7 +218,7 @@ def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str 
     try:
         frames.decode(*frames.chunk_bytes(env, chunk))
     except InvalidStoreError as exc:
-        return str(exc)
+        return str(exc).replace(f"{root}/", "")  # paths relative to the store, as elsewhere
     return None
 
 

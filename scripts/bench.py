@@ -109,7 +109,7 @@ class Args:
     cold_reps: int = 200
     """cold: timed sample calls with cache_bytes=1, page cache warm"""
     page_cold_reps: int = 50
-    """cold: timed sample calls after the chunk files left the page cache"""
+    """cold: timed sample calls after the frame files left the page cache"""
     naive_reps: int = 100
     """cold: timed naive-zarr calls on the scale store (slow)"""
     flush_steps: int = 10_000

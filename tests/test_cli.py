@@ -43,7 +43,11 @@ def frame(n: int) -> np.ndarray:
 
 
 def record(path: Path, **kw: object) -> Recorded:
-    """Five episodes, 45 frames into 40 slots: episode 0 is partly evicted."""
+    """Five episodes, 45 frames into 40 slots: episode 0 is partly evicted.
+
+    A file per chunk unless `shard_chunks` says otherwise, so tests can damage a chunk by name.
+    """
+    kw.setdefault("shard_chunks", 1)
     store = ReplayStore.create(path, capacity=CAPACITY, obs_shape=OBS, frame_stack=K, n_step=N,
                                seed=0, chunk_frames=CHUNK, block_slots=8, **kw)
     n, tid, firsts, ids = 0, 0, [], []
@@ -391,3 +395,22 @@ def test_python_dash_m_entry_point(rec: Recorded) -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "frames written  45" in done.stdout and done.stderr == ""
+
+
+def test_verify_names_the_damaged_chunk_of_a_shard_file(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = record(tmp_path / "sharded", shard_chunks=0).path
+    shard = path / "frames" / "c.0.0.0.0"  # the ring's one shard file
+    data = bytearray(shard.read_bytes())
+    data[8] ^= 0xFF  # inside chunk 0, which holds kept frames
+    shard.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1 and out.splitlines() == [
+        "frame chunk frames/c.0.0.0.0 (chunk 0) fails its crc32c checksum"]
+    data[-6] ^= 0xFF  # the index
+    shard.write_bytes(bytes(data))
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1 and "frames/c.0.0.0.0: its index fails its crc32c checksum" in out
+    shard.unlink()
+    code, out, _ = run(capsys, "verify", path)
+    assert code == 1 and "frame file frames/c.0.0.0.0 is missing" in out
