@@ -105,7 +105,7 @@ def _info_sections(info: ins.StoreInfo) -> list[tuple[str, list[tuple[str, str]]
                     ("transitions", str(c.transitions)), ("sampleable", str(c.sampleable)),
                     ("episodes", f"{c.episodes} ({info.episodes_running} running)")]),
         ("disk", [("total", _size(d.total_bytes)),
-                  ("frames", f"{_size(d.frames_bytes)} in {_plural(d.chunk_files, 'chunk file')}"),
+                  ("frames", f"{_size(d.frames_bytes)} in {_plural(d.chunk_files, 'frame file')}"),
                   ("compression", ratio)]),
         ("ram (estimated)", [("step columns", _size(r.steps_bytes)),
                              ("masks", _size(r.masks_bytes)), ("sampler", _size(r.sampler_bytes)),

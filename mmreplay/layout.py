@@ -2,7 +2,7 @@
 
 An open compares ``zarr.json`` of the group and of the frames array field by
 field with what the spec implies (zarr itself parses nothing), and checks that
-``frames/`` holds only regular chunk files no larger than one chunk can encode to.
+``frames/`` holds only regular frame files no larger than one chunk (or shard) can encode to.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _check_frames_extras(meta: dict[str, Any], spec: StoreSpec, where: str) -> N
 # -- the directory as a whole -------------------------------------------------------------
 def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> None:
     """Everything an open reads, checked before it allocates: directories, zarr metadata,
-    frame chunk files, and the header and size of every named ``.npy`` file."""
+    frame files, and the header and size of every named ``.npy`` file."""
     check_dir(root, FRAMES, required=True)
     for name in (*STEP_DIRS, TMP_DIR):
         check_dir(root, name, required=False)

@@ -157,7 +157,7 @@ def cache_budget(spec: StoreSpec, value: int | None) -> int:
     A cache hit saves one small file read and an lz4 decode but costs a copy, and a
     miss costs a copy in, so it only pays when most reads hit: by default decoded
     chunks are cached when all of them fit in 256 MiB (small observations), and
-    otherwise not at all (the OS page cache then holds the compressed chunk files).
+    otherwise not at all (the OS page cache then holds the compressed frame files).
     """
     if value is not None:
         return value

@@ -19,7 +19,7 @@ Sections (`--sections`), each made of functions that return dicts of figures:
            Each fill also gives that buffer's add rate and a warm sample(batch) latency.
     disk   bytes on disk / raw frame bytes, `--disk-frames` real frames of each `--disk-games`
     cold   sample(batch) of the scale store reopened with `cache_bytes=1` (no decoded chunk
-           is reused): page cache warm, then the chunk files evicted; naive zarr beside it
+           is reused): page cache warm, then the frame files evicted; naive zarr beside it
     open   open + first batch of the scale store, its files evicted from the page cache
     flush  flush after `--flush-steps` new steps: scale store vs a `--flush-small` store
 
@@ -929,7 +929,7 @@ def print_ram(rows: list[dict[str, Any]], args: Args) -> None:
     print(f"\nRAM: RSS growth of a fresh process holding N frames (after the fill and "
           f"{args.warmup + args.reps} sample({args.batch_size}) calls);")
     print(f"     frames cycled from {args.distinct_frames:,} distinct real {args.game} frames; "
-          f"mmreplay with its default cache_bytes=0 (the OS page cache holds the chunk files)")
+          f"mmreplay with its default cache_bytes=0 (the OS page cache holds the frame files)")
     print(f"  {'system':<10}{'frames':>11}{'RSS MiB':>10}{'anon':>9}{'file':>9}{'peak':>9}"
           f"{'B/frame':>9}{'add steps/s':>13}{'sample ms':>11}")
     for row in rows:
@@ -959,7 +959,7 @@ def print_cold(result: dict[str, Any], args: Args) -> None:
     cold, n, b = result["cold"], args.scale_frames, args.batch_size
     resident = cold["evicted"]["resident_fraction"]
     how = "unchecked (no fincore)" if resident is None else f"{100 * resident:.1f}% resident"
-    print(f"\nsample({b}) at {n:,} frames ({cold['chunk_files']:,} chunk files), median ms:")
+    print(f"\nsample({b}) at {n:,} frames ({cold['chunk_files']:,} frame files), median ms:")
     rows = [("mmreplay, cache_bytes=1, page cache warm (decode-cold)", cold["warm"]),
             (f"mmreplay, cache_bytes=1, page cache evicted ({how})", cold["page_cold"]),
             ("naive zarr, page cache warm", cold["naive_warm"]),
