@@ -124,6 +124,12 @@ class ShardFiles:
         offset, nbytes = index[j].tolist()
         if offset < 0:
             raise InvalidStoreError(f"frame chunk {j} of {self._where(env, shard)} is absent")
+        try:
+            data = os.pread(fd, nbytes, offset)
+        except OSError:
+            data = b""
+        if len(data) == nbytes:
+            return data
         return read_at(fd, nbytes, offset, f"frame chunk {j} of {self._where(env, shard)}")
 
     def _where(self, env: int, shard: int) -> str:
@@ -158,6 +164,12 @@ class ShardFiles:
     def close(self) -> None:
         while self._open:
             os.close(self._open.popitem()[1][0])
+
+    def __del__(self) -> None:  # a store dropped without close() leaks no descriptor
+        try:
+            self.close()
+        except (OSError, AttributeError):  # at interpreter exit, or a half-built object
+            pass
 
 
 def max_open_files() -> int:
