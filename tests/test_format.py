@@ -1,4 +1,8 @@
-"""Golden on-disk fixture: the format-1 store written by an earlier build must read the same."""
+"""Golden on-disk fixtures: stores written by earlier builds must read the same.
+
+Format 1 (a file per chunk; zstd, then blosc-lz4 chunks) and format 2 (shard files), all
+holding the same steps.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,10 @@ from mmreplay import ReplayStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "store_v1"  # zstd chunks, the first codec
-GOLDEN_LZ4 = FIXTURES / "store_v1_lz4"  # the same steps with blosc-lz4 chunks (the default)
+GOLDEN_LZ4 = FIXTURES / "store_v1_lz4"  # the same steps with blosc-lz4 chunks
+GOLDEN_V2 = FIXTURES / "store_v2"  # the same steps in shard files (format 2, the default)
+ALL = pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4, GOLDEN_V2],
+                              ids=["zstd", "lz4", "v2"])
 EXPECTED = json.loads((FIXTURES / "store_v1.expected.json").read_text())
 
 
@@ -23,7 +30,7 @@ def fields(batch) -> dict:
         "ids", "obs", "next_obs", "action", "reward", "discount", "terminated", "truncated")}
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
+@ALL
 def test_golden_store_reads_back_identically(golden):
     with ReplayStore.open(golden, mode="r") as store:
         got = fields(store.get(store.valid_ids()))
@@ -49,7 +56,7 @@ def test_golden_manifest_and_zarr_layout(golden, codec):
         assert frames[0, slots].tolist() == store._frames.read(slots).tolist()
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
+@ALL
 def test_golden_store_can_be_resumed(tmp_path, golden):
     path = tmp_path / "copy"
     shutil.copytree(golden, path)
@@ -63,7 +70,25 @@ def test_golden_store_can_be_resumed(tmp_path, golden):
         assert store.get([before.transitions]).next_obs[0, -1].sum().item() == 12
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_LZ4], ids=["zstd", "lz4"])
+@ALL
 @pytest.mark.parametrize("name", ["manifest.json", "frames/zarr.json"])
 def test_fixture_is_committed(golden, name):
     assert (golden / name).is_file()
+
+
+def test_golden_v2_manifest_and_sharded_zarr_layout():
+    manifest = json.loads((GOLDEN_V2 / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and manifest["spec"]["shard_chunks"] == 3
+    frames = zarr.open_group(str(GOLDEN_V2), mode="r")["frames"]
+    assert frames.shape == (2, 12, 4, 3) and frames.shards == (1, 12, 4, 3)
+    assert frames.chunks == (1, 4, 4, 3)
+    meta = json.loads((GOLDEN_V2 / "frames" / "zarr.json").read_text())
+    (shard,) = meta["codecs"]
+    assert shard["name"] == "sharding_indexed"
+    assert [c["name"] for c in shard["configuration"]["codecs"]] == ["bytes", "blosc", "crc32c"]
+    assert sorted(p.name for p in (GOLDEN_V2 / "frames").iterdir()) == [
+        "c.0.0.0.0", "c.1.0.0.0", "zarr.json"]
+    with ReplayStore.open(GOLDEN_V2, mode="r") as store:  # plain zarr reads the same frames
+        tail_chunk = int(store._frames.next_slot[0]) // 4
+        slots = np.array([s for s in range(12) if s // 4 != tail_chunk])
+        assert frames[0, slots].tolist() == store._frames.read(slots).tolist()
