@@ -173,15 +173,15 @@ class ShardFiles:
 
 
 def max_open_files() -> int:
-    """Descriptors one store may keep open: a quarter of the soft limit, 16..1024."""
+    """Descriptors one store may keep open: a quarter of the soft limit, 16..4096."""
     try:
         import resource
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
         return 64
     if soft == resource.RLIM_INFINITY:
-        return 1024
-    return max(16, min(1024, soft // 4))
+        return 4096
+    return max(16, min(4096, soft // 4))
 
 
 class ShardWriter:

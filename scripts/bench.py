@@ -401,6 +401,18 @@ def bench_add(rec: AleFrames, n_frames: int, root: Path, seed: int) -> dict[str,
             "disk_mib": dir_bytes(root / "add_store")[0] / 2**20}
 
 
+def bench_add_wrapped(rec: AleFrames, root: Path, seed: int) -> dict[str, Any]:
+    """`add` once the ring has wrapped (what a long run sees): a store of a quarter of the
+    recorded frames is filled once, then timed over the other three quarters."""
+    capacity = len(rec) // 4
+    store = new_store(root / "wrapped_store", capacity, seed)
+    feed_timed(store, rec, 0, capacity, desc="first lap")
+    adds, seconds = feed_timed(store, rec, capacity, len(rec), desc="laps 2-4")
+    store.close()
+    return {"capacity": capacity, "adds": adds, "seconds": seconds,
+            "steps_per_s": adds / seconds}
+
+
 def bench_sample(store: ReplayStore, args: Args) -> dict[str, Any]:
     """`sample(batch_size)` latency of `store`."""
     batch = store.sample(args.batch_size)
@@ -451,6 +463,7 @@ def bench_core(args: Args, root: Path) -> dict[str, Any]:
     rec, record = bench_record(args, args.frames)
     result: dict[str, Any] = {"record": record}
     result["add"] = bench_add(rec, args.add_steps, root, args.seed)
+    result["add_wrapped"] = bench_add_wrapped(rec, root, args.seed)
     path = root / "sample_store"
     with new_store(path, len(rec), args.seed) as store:
         feed(store, rec, len(rec), desc="build")
@@ -910,6 +923,9 @@ def print_core(result: dict[str, Any]) -> None:
           f"{rec['episodes']} episodes ({how})")
     print(f"add      {add['steps_per_s']:.0f} steps/s over {add['adds']} steps "
           f"(flush {add['flush_s'] * 1e3:.0f} ms, {add['disk_mib']:.1f} MiB on disk)")
+    wrapped = result["add_wrapped"]
+    print(f"add      {wrapped['steps_per_s']:.0f} steps/s once the ring wrapped "
+          f"({wrapped['capacity']:,}-frame store fed three more laps)")
     disk = result["disk"]
     print(f"disk     {disk['raw_mib']:.0f} MiB raw -> {disk['file_mib']:.1f} MiB in files "
           f"({disk['ratio_files']:.0f}x), {disk['allocated_mib']:.1f} MiB allocated incl. folders "
