@@ -147,7 +147,7 @@ def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
 def test_direct_blosc_decoding_matches_numcodecs(tmp_path, monkeypatch):
     """The ctypes path into numcodecs' c-blosc and numcodecs' own decompress agree, and
     both refuse a stream that lies about nothing but its compressed bytes."""
-    import mmreplay.frame_store as fs
+    import mmreplay.codec as fs
     spec, store = make(tmp_path, slots=8, chunk=4, envs=1)
     frames = np.random.default_rng(0).integers(0, 4, (4, 3, 2)).astype(np.uint8)
     data = store._codec.encode(frames)
