@@ -35,7 +35,6 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from .codec import ChunkCodec, compressor, max_chunk_bytes
-from .errors import InvalidStoreError
 from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes
 from .spec import StoreSpec
@@ -324,14 +323,13 @@ class FrameStore:
 
     def _fetch(self, todo: list[tuple[int, int, int]], table: np.ndarray) -> None:
         """Read and decode chunks ``(i, env, chunk)`` into ``table[i]`` (and the cache)."""
-        as_bytes = table.reshape(table.shape[0], -1).view(np.uint8)
         read = self._shards.chunk if self._shards is not None else self._chunk_file_bytes
-        for i, env, chunk in todo:
-            data = read(env, chunk)
-            try:
-                self._codec.decode_into(data, as_bytes[i], "")
-            except InvalidStoreError:  # again, naming the chunk (messages are built on error)
-                self._codec.decode_into(data, as_bytes[i], self._chunk_where(env, chunk))
+        items = [(i, read(env, chunk)) for i, env, chunk in todo]
+
+        def where(row: int) -> str:  # only for an error message
+            return next(self._chunk_where(e, c) for i, e, c in todo if i == row)
+
+        self._codec.decode_rows(items, table.reshape(table.shape[0], -1).view(np.uint8), where)
         if self._cache.budget >= self._codec.nbytes:
             for i, env, chunk in todo:
                 self._cache.put((env, chunk), table[i].copy())
