@@ -145,8 +145,6 @@ class ShardFiles:
         fd, size = open_bounded(self.path(env, shard), where,
                                 max_shard_bytes(self.shard_chunks, self.max_chunk))
         try:
-            if hasattr(os, "posix_fadvise"):  # chunks are read at random: no readahead
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             n = index_size(self.shard_chunks)
             tail = read_at(fd, n, size - n, where) if size >= n else b""
             index = parse_index(tail, size, self.shard_chunks, self.max_chunk, where)
