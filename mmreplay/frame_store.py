@@ -36,7 +36,7 @@ from zarr.codecs import Crc32cCodec
 
 from .codec import ChunkCodec, compressor, max_chunk_bytes
 from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
-from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes
+from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes, write_each
 from .spec import StoreSpec
 
 FRAMES = "frames"
@@ -127,14 +127,7 @@ class ChunkWriter:
 
     def drain(self) -> None:
         """Retry every failed write, in order; raise the first error if any failed again."""
-        error: BaseException | None = None
-        for key in list(self.failed):
-            try:
-                self._write(key)
-            except BaseException as exc:  # keep retrying the others; report the first
-                error = error or exc
-        if error is not None:
-            raise error
+        write_each(list(self.failed), self._write)
 
 
 class FrameStore:

@@ -30,6 +30,7 @@ from .errors import InvalidStoreError
 from .safe_io import open_bounded, read_at, read_small, write_atomic
 
 ABSENT = (1 << 64) - 1
+Key = tuple[int, int]  # (env, shard) or (env, chunk)
 ENTRY = 16  # offset and nbytes, uint64 each
 
 
@@ -184,6 +185,18 @@ def max_open_files() -> int:
     return max(16, min(4096, soft // 4))
 
 
+def write_each(keys: list[Key], write: Callable[[Key], None]) -> None:
+    """`write` every key, even after one fails; then raise the first error, if any."""
+    error: BaseException | None = None
+    for key in keys:
+        try:
+            write(key)
+        except BaseException as exc:  # keep writing the others; report the first
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 class ShardWriter:
     """Collects finished chunks per shard and writes each shard file whole.
 
@@ -220,14 +233,7 @@ class ShardWriter:
 
     def drain(self) -> None:
         """Write every shard whose file lacks pending chunks; raise the first error."""
-        error: BaseException | None = None
-        for key in sorted(self.pending):
-            try:
-                self._write(key)
-            except BaseException as exc:  # keep writing the others; report the first
-                error = error or exc
-        if error is not None:
-            raise error
+        write_each(sorted(self.pending), self._write)
 
     def _real_chunks(self, shard: int) -> int:
         return min(self._files.shard_chunks, self._num_chunks - shard * self._files.shard_chunks)
