@@ -460,17 +460,11 @@ class ReplayStore:
 
     # -- persistence helpers --------------------------------------------------------
     def _before_chunk_write(self, env: int, first: int, last: int) -> None:
-        """The frame store is about to overwrite chunks ``first..last`` of this lap with
-        new frames: see `Committer.give_up`.
-
-        Their last frame is the newest frame recorded in their last slot (a shard file is
-        written when its last chunk is finished, or at a flush, after some of its chunks).
-        """
-        C = self.spec.chunk_frames
-        last_slot = last * C + self._frames.chunk_slots(last) - 1
-        newest = int(self._ring.written[env]) - 1
-        last_new = newest - (newest - last_slot) % self.spec.slots_per_env
-        self._commits.give_up(env, last_new, last_slot + 1 - first * C)
+        """The frame store is about to write chunks ``first..last`` of `env` with the frames
+        they hold now over older ones: see `Committer.give_up`."""
+        end = last * self.spec.chunk_frames + self._frames.chunk_slots(last)  # past the last slot
+        last_new = self._ring.frame_at(np.array([env * self.spec.slots_per_env + end - 1]))[0]
+        self._commits.give_up(env, int(last_new), end - first * self.spec.chunk_frames)
 
     def _load(self, manifest: dict[str, Any]) -> None:
         """Fill the RAM parts from a manifest that passed `check_manifest`."""
