@@ -155,15 +155,18 @@ class FrameStore:
         self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
-        self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable else None
+        sharded = spec.shard_chunks > 1  # format 2; else a file per chunk
+        self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable and not sharded \
+            else None
         self._held: dict[tuple[int, int], np.ndarray] = {}  # finished, not yet submitted
-        self._shards: ShardFiles | None = None  # shard files (format 2), else a file per chunk
+        self._shards: ShardFiles | None = None
         self._shard_writer: ShardWriter | None = None
-        if spec.shard_chunks > 1:
+        self._read_chunk = self._chunk_file_bytes
+        if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
                                       self._max_bytes, max_open=max_open_files())
+            self._read_chunk = self._shards.chunk
             if writable:
-                self._writer = None
                 self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
                                                  self.num_chunks, before_chunk_write,
                                                  durable=durable)
@@ -316,8 +319,7 @@ class FrameStore:
 
     def _fetch(self, todo: list[tuple[int, int, int]], table: np.ndarray) -> None:
         """Read and decode chunks ``(i, env, chunk)`` into ``table[i]`` (and the cache)."""
-        read = self._shards.chunk if self._shards is not None else self._chunk_file_bytes
-        items = [(i, read(env, chunk)) for i, env, chunk in todo]
+        items = [(i, self._read_chunk(env, chunk)) for i, env, chunk in todo]
 
         def where(row: int) -> str:  # only for an error message
             return next(self._chunk_where(e, c) for i, e, c in todo if i == row)
@@ -330,9 +332,7 @@ class FrameStore:
     def chunk_bytes(self, env: int, chunk: int) -> tuple[bytes, str]:
         """A chunk's bytes on disk and where they are (for messages); `InvalidStoreError`
         if its file, or its entry in its shard file, is missing or damaged."""
-        if self._shards is not None:
-            return self._shards.chunk(env, chunk), self._chunk_where(env, chunk)
-        return self._chunk_file_bytes(env, chunk), self._chunk_where(env, chunk)
+        return self._read_chunk(env, chunk), self._chunk_where(env, chunk)
 
     def _chunk_file_bytes(self, env: int, chunk: int) -> bytes:
         path = self._chunk_file(env, chunk)
