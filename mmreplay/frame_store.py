@@ -151,7 +151,7 @@ class FrameStore:
         self._cache = ChunkCache(cache_bytes)
         self._hook = before_chunk_write
         self._chunk_len = spec.chunk_frames
-        self.num_chunks = -(-spec.slots_per_env // spec.chunk_frames)
+        self.num_chunks = spec.num_chunks
         self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self.next_slot = np.zeros(spec.num_envs, np.int64)

@@ -113,7 +113,7 @@ class ShardFiles:
         self._dir, self._suffix = frames_dir, key_suffix
         self.shard_chunks, self.max_chunk = shard_chunks, max_chunk
         self._max_open = max_open
-        self._open: OrderedDict[tuple[int, int], tuple[int, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[Key, tuple[int, np.ndarray]] = OrderedDict()
 
     def path(self, env: int, shard: int) -> str:
         return f"{self._dir}/c.{env}.{shard}{self._suffix}"
@@ -216,7 +216,7 @@ class ShardWriter:
         self._files, self._tmp_dir = files, tmp_dir
         self._num_chunks, self._hook = num_chunks, before_write
         self._durable = durable
-        self.pending: dict[tuple[int, int], dict[int, bytes]] = {}  # not in the file yet
+        self.pending: dict[Key, dict[int, bytes]] = {}  # not in the file yet
         self.written: list[str] = []
 
     def add(self, env: int, chunk: int, data: bytes) -> None:
@@ -238,7 +238,7 @@ class ShardWriter:
     def _real_chunks(self, shard: int) -> int:
         return min(self._files.shard_chunks, self._num_chunks - shard * self._files.shard_chunks)
 
-    def _write(self, key: tuple[int, int]) -> None:
+    def _write(self, key: Key) -> None:
         env, shard = key
         chunks = self.pending[key]
         if self._hook is not None:
