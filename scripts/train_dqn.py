@@ -360,7 +360,9 @@ def main() -> None:
     ep_return = np.zeros(args.num_envs)
     ep_length = np.zeros(args.num_envs, dtype=np.int64)
     solved_at = None
-    start_step, start_time, shown_at = global_step, time.time(), 0.0
+    start_step, start_time = global_step, time.time()
+    shown = (start_time, global_step)  # (time, step) the postfix was last shown at
+    disk_at, disk_mib = 0.0, 0.0
     progress = tqdm(total=args.total_timesteps, initial=global_step, unit="step",
                     dynamic_ncols=True)
 
@@ -415,12 +417,15 @@ def main() -> None:
         if crossed(before, global_step, args.checkpoint_every):
             checkpoint()
         progress.update(global_step - before)
-        if time.time() - shown_at > 10.0:  # scanning a big store's files takes a while
-            shown_at = time.time()
+        now = time.time()
+        if now - shown[0] >= 1.0:  # truthful from step 0: episodes and rate every second
+            if now - disk_at >= 10.0:  # scanning a big store's files takes a while
+                disk_at, disk_mib = now, dir_bytes(store_dir) / 2**20
             progress.set_postfix(
                 episodes=len(episodes["return"]), ret=f"{recent:.1f}", eps=f"{epsilon:.2f}",
-                sps=int((global_step - start_step) / (shown_at - start_time + 1e-9)),
-                disk=f"{dir_bytes(store_dir) / 2**20:.1f}MiB", refresh=False)
+                sps=int((global_step - shown[1]) / (now - shown[0])),
+                disk=f"{disk_mib:.1f}MiB", refresh=False)
+            shown = (now, global_step)
         if solved_at is not None:
             break
 

@@ -176,10 +176,31 @@ def test_bench_quick_measures_ram_disk_cold_open_flush(
     assert len(flush["big"]["flush_s"]) == config["flush_rounds"] and flush["ratio"] > 0
 
     figures = " ".join(row["figure"] for row in result["targets"])
-    for word in ("RAM", "add", "sample", "disk: Pong", "open", "flush"):
+    for word in ("add: mmreplay steps/s", "sample: naive zarr", "disk: Pong", "open", "flush"):
         assert word in figures
     assert {row["verdict"] for row in result["targets"]} <= {"PASS", "SHORT"}
     assert "targets" in stdout and "malloc" in stdout
+
+
+def test_bench_quick_compares_with_cpprb_when_installed(
+        bench_quick: tuple[str, dict[str, Any]]) -> None:
+    """cpprb comes with the `bench` extra (the README's test command installs it); without it
+    the bench says why it skipped the baseline and prints no ratio against it."""
+    _, result = bench_quick
+    scale = result["config"]["scale_frames"]
+    cpprb_row = next(row for row in result["ram"]
+                     if (row["system"], row["frames"]) == ("cpprb", scale))
+    figures = [row["figure"] for row in result["targets"]]
+    ratio_rows = [f for f in figures if "cpprb" in f]
+    try:
+        import cpprb  # noqa: F401
+    except ImportError:
+        assert "pip install" in cpprb_row["skipped"] and ratio_rows == []
+        pytest.skip("cpprb not installed (bench extra): ratio rows checked absent only")
+    assert "skipped" not in cpprb_row and cpprb_row["steps_per_s"] > 0
+    for word in ("RAM: RSS growth mmreplay / cpprb", "add: mmreplay / cpprb",
+                 "sample: mmreplay cold / cpprb"):
+        assert any(word in f for f in ratio_rows), (word, ratio_rows)
 
 
 def test_bench_scale_smoke(tmp_path: Path) -> None:

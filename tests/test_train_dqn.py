@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -216,3 +217,14 @@ def test_checkpoint_crash_windows(tmp_path: Path, train_dqn: ModuleType) -> None
     with pytest.raises(SystemExit, match="holds 10 transitions"):
         train_dqn.load_checkpoint(tmp_path, 10)
     store.close()
+
+
+def test_progress_postfix_is_truthful_before_learning_starts(tmp_path: Path) -> None:
+    """The bar's episodes and rate move from step 0, not only once learning starts."""
+    proc = run(*CARTPOLE, "--seed", "0", "--total-timesteps", "8000", "--learning-starts", "8000",
+               "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = [int(m) for m in re.findall(r"episodes=(\d+)", proc.stderr)]
+    rates = [int(m) for m in re.findall(r"sps=(\d+)", proc.stderr)]
+    assert shown and max(shown) > 0, proc.stderr[-2000:]
+    assert len(set(shown)) > 1 and max(rates) > 0  # updated while no gradient step ran
