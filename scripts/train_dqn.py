@@ -118,6 +118,8 @@ class Args:
     """stop early once the mean return of the last `return_window` episodes reaches this"""
     return_window: int = 20
     """episodes in the mean return shown and compared with `stop_at_return`"""
+    progress_every: float = 1.0
+    """seconds between updates of the progress bar's episodes, return and rate"""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -418,12 +420,12 @@ def main() -> None:
             checkpoint()
         progress.update(global_step - before)
         now = time.time()
-        if now - shown[0] >= 1.0:  # truthful from step 0: episodes and rate every second
+        if now - shown[0] >= args.progress_every:  # truthful from step 0
             if now - disk_at >= 10.0:  # scanning a big store's files takes a while
                 disk_at, disk_mib = now, dir_bytes(store_dir) / 2**20
             progress.set_postfix(
                 episodes=len(episodes["return"]), ret=f"{recent:.1f}", eps=f"{epsilon:.2f}",
-                sps=int((global_step - shown[1]) / (now - shown[0])),
+                sps=int((global_step - shown[1]) / max(now - shown[0], 1e-9)),
                 disk=f"{disk_mib:.1f}MiB", refresh=False)
             shown = (now, global_step)
         if solved_at is not None:
