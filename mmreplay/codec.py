@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import google_crc32c
@@ -81,29 +80,6 @@ class ChunkCodec:
         out = np.empty(self._shape, self._dtype)
         self.decode_into(data, out.reshape(-1).view(np.uint8), where)
         return out
-
-    def decode_rows(self, items: list[tuple[int, bytes]], rows: np.ndarray,
-                    where: Callable[[int], str]) -> None:
-        """Decode each ``(row, chunk bytes)`` into ``rows[row]`` (C-contiguous uint8 rows of
-        `nbytes`); a damaged chunk raises `decode_into`'s error, naming ``where(row)``.
-
-        The lz4 loop calls c-blosc directly with the checks of `decode_into` inlined: its
-        per-chunk Python (~3 µs: a view, its address, three calls) was half the decoding.
-        """
-        if not self._lz4 or _DECOMPRESS is None:
-            for i, data in items:
-                self.decode_into(data, rows[i], where(i))
-            return
-        assert rows.flags.c_contiguous and rows.shape[1] == self.nbytes
-        base, n = rows.ctypes.data, self.nbytes
-        crc, unpack = google_crc32c.value, struct.unpack_from
-        for i, data in items:
-            size = len(data) - 4
-            if (size < BLOSC_HEADER or crc(data[:-4]) != unpack("<I", data, size)[0]
-                    or unpack("<I", data, 4)[0] != n or unpack("<I", data, 12)[0] != size
-                    or _DECOMPRESS(data, base + i * n, n, 1) != n):
-                self.decode_into(data, rows[i], where(i))  # raises, saying what is wrong
-                raise InvalidStoreError(f"frame chunk {where(i)} does not decode")
 
     def decode_into(self, data: bytes, out: np.ndarray, where: str) -> None:
         """Decode a chunk file's bytes into `out`, a C-contiguous uint8 array of nbytes."""

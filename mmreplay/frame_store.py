@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +35,16 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from .codec import ChunkCodec, compressor, max_chunk_bytes
+from .errors import InvalidStoreError
+from .lazy import kernels
 from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
-from .shards import ShardFiles, ShardWriter, max_open_files, max_shard_bytes, write_each
+from .shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
 from .spec import StoreSpec
 
 FRAMES = "frames"
+# With more decoded chunks cached than this, every chunk of a read is looked up in the cache
+# (small observations: the whole store is cached); else only the cached keys are.
+MAX_HELD_LOOKUPS = 64
 ChunkHook = Callable[[int, int, int], None]  # (env, first chunk, last chunk) to be replaced
 
 
@@ -87,6 +92,12 @@ class ChunkCache:
         while self.nbytes > self.budget and len(self._items) > 1:
             _, old = self._items.popitem(last=False)
             self.nbytes -= old.nbytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._items)
 
     def drop(self, key: tuple[int, int]) -> None:
         old = self._items.pop(key, None)
@@ -164,7 +175,8 @@ class FrameStore:
         self._read_chunk = self._chunk_file_bytes
         if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
-                                      self._max_bytes, max_open=max_open_files())
+                                      self._max_bytes, num_envs=spec.num_envs,
+                                      num_chunks=self.num_chunks, max_open=MAX_MAPPED)
             self._read_chunk = self._shards.chunk
             if writable:
                 self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
@@ -280,54 +292,86 @@ class FrameStore:
         """A fresh array of the frames at `flat_slots` (any shape); -1 gives zeros.
 
         Every distinct chunk the slots touch (the zero frame and each env's RAM tail
-        count as chunks too) is fetched once, from the cache, RAM or disk, into one
-        table; one fancy index of that table is the result, so each frame is copied
-        once.
+        count as chunks too) is fetched once into one table: from RAM, or decoded by the
+        compiled kernel straight from the mapped file; one compiled gather of that table
+        is the result, so each frame is copied once.
         """
         flat = np.asarray(flat_slots, dtype=np.int64)
         shape = (*flat.shape, *self.spec.obs_shape)
         flat = flat.reshape(-1)
-        pad = flat < 0
-        env, slot = np.divmod(np.where(pad, 0, flat), self.spec.slots_per_env)
-        chunk, offset = np.divmod(slot, self._chunk_len)
-        in_tail = (chunk == self.next_slot[env] // self._chunk_len) & (
-            offset < self.tail_fill[env])
-        # Table keys: disk chunks by env * num_chunks + chunk, then one per env's tail,
-        # then the zero chunk.
+        if flat.size == 0:
+            return np.zeros(shape, self.spec.obs_dtype)
+        keys = np.empty(flat.size, np.int64)
+        rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
+        count = kernels().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
+                                     self.num_chunks, self.next_slot, self.tail_fill, keys,
+                                     rows_of)
+        unique = keys[:count]
+        table = np.empty((count, self._chunk_len, *self.spec.obs_shape), self.spec.obs_dtype)
+        rows = table.reshape(count, -1).view(np.uint8)
+        on_disk = self._fill_from_ram(unique, table)
+        if on_disk.size:
+            self._decode(unique[on_disk], on_disk, rows)
+        frame_bytes = self._codec.nbytes // self._chunk_len
+        out = np.empty((flat.size, frame_bytes), np.uint8)
+        kernels().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, out)
+        return out.view(self.spec.obs_dtype).reshape(shape)
+
+    def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
+        the rows left to decode from disk."""
         tails = self.spec.num_envs * self.num_chunks
-        key = np.where(in_tail, tails + env, env * self.num_chunks + chunk)
-        key[pad] = tails + self.spec.num_envs
-        offset[pad] = 0
-        unique, inverse = np.unique(key, return_inverse=True)
-        table = np.empty((unique.size, self._chunk_len, *self.spec.obs_shape),
-                         self.spec.obs_dtype)
-        from_disk = []
-        for i, k in enumerate(unique.tolist()):
-            if k >= tails:
-                table[i] = self.tail[k - tails] if k - tails < self.spec.num_envs else 0
-                continue
-            env_i, chunk_i = divmod(k, self.num_chunks)
-            held = self._in_ram(env_i, chunk_i)
-            if held is None:
-                from_disk.append((i, env_i, chunk_i))
-            else:
-                table[i] = held
-        if from_disk:
-            self._fetch(from_disk, table)
-        frames = table.reshape(-1, *self.spec.obs_shape)
-        return frames[inverse.reshape(-1) * self._chunk_len + offset].reshape(shape)
+        for i in np.flatnonzero(unique >= tails).tolist():
+            k = int(unique[i]) - tails
+            table[i] = self.tail[k] if k < self.spec.num_envs else 0
+        disk = np.flatnonzero(unique < tails)
+        held = self._held_keys()
+        maybe = disk if held is None else disk[np.isin(unique[disk], held)]
+        found = []
+        for i in maybe.tolist():
+            chunk = self._in_ram(*divmod(int(unique[i]), self.num_chunks))
+            if chunk is not None:
+                table[i] = chunk
+                found.append(i)
+        return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
-    def _fetch(self, todo: list[tuple[int, int, int]], table: np.ndarray) -> None:
-        """Read and decode chunks ``(i, env, chunk)`` into ``table[i]`` (and the cache)."""
-        items = [(i, self._read_chunk(env, chunk)) for i, env, chunk in todo]
+    def _held_keys(self) -> np.ndarray | None:
+        """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
+        whose write failed); None when the cache holds chunks (any key may be cached)."""
+        if len(self._cache) > MAX_HELD_LOOKUPS:
+            return None
+        keys: list[tuple[int, int]] = [*self._held, *self._cache]
+        if self._writer is not None:
+            keys += list(self._writer.failed)
+        if self._shard_writer is not None:
+            keys += self._shard_writer.pending_chunks()
+        return np.array([e * self.num_chunks + c for e, c in keys], np.int64)
 
-        def where(row: int) -> str:  # only for an error message
-            return next(self._chunk_where(e, c) for i, e, c in todo if i == row)
-
-        self._codec.decode_rows(items, table.reshape(table.shape[0], -1).view(np.uint8), where)
+    def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
+        """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
+        put them in the cache when it takes them)."""
+        keep: list[bytes] = []  # format 1: the files' bytes stay alive during the call
+        if self._shards is not None:
+            src, size = self._shards.addresses(keys)
+        else:
+            keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
+            src = np.array([_address(b) for b in keep], np.int64)
+            size = np.array([len(b) for b in keep], np.int64)
+        status = kernels().decode_chunks(src, size, rows, dest, self.spec.codec == "zstd")
+        if status.any():
+            self._raise_damaged(int(keys[np.argmax(status != 0)]))
         if self._cache.budget >= self._codec.nbytes:
-            for i, env, chunk in todo:
-                self._cache.put((env, chunk), table[i].copy())
+            for k, i in zip(keys.tolist(), dest.tolist(), strict=True):
+                self._cache.put(divmod(k, self.num_chunks),
+                                rows[i].view(self.spec.obs_dtype).reshape(
+                                    self._chunk_len, *self.spec.obs_shape).copy())
+
+    def _raise_damaged(self, key: int) -> None:
+        """Raise the `InvalidStoreError` that says what is wrong with a chunk on disk."""
+        env, chunk = divmod(key, self.num_chunks)
+        data, where = self.chunk_bytes(env, chunk)
+        self._codec.decode(data, where)  # raises, saying what is wrong
+        raise InvalidStoreError(f"frame chunk {where} does not decode")
 
     def chunk_bytes(self, env: int, chunk: int) -> tuple[bytes, str]:
         """A chunk's bytes on disk and where they are (for messages); `InvalidStoreError`
@@ -356,3 +400,8 @@ class FrameStore:
             failed = self._writer.failed.get((env, chunk))
             found = None if failed is None else failed[1]
         return found
+
+
+def _address(data: bytes) -> int:
+    """The address of a bytes object's buffer (the caller keeps `data` alive)."""
+    return int(np.frombuffer(data, np.uint8).ctypes.data)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .lazy import kernels
 from .spec import StoreSpec
 
 
@@ -83,6 +84,7 @@ class StepRing:
         blank = np.zeros(1, self.steps.dtype)
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
         self._blank = blank[0]  # the record of a fresh slot: no step, no id
+        self._gamma_pow = np.array([spec.gamma ** j for j in range(spec.n_step + 1)])
 
     # -- frame numbers ----------------------------------------------------------
     @property
@@ -231,42 +233,20 @@ class StepRing:
 
     # -- lookups ----------------------------------------------------------------
     def lookup(self, flat: np.ndarray) -> Lookup:
-        """Everything a batch needs for valid flat slots, computed by index."""
-        env, t = flat // self.S, self.frame_at(flat)
-        cols = self.steps[env, t % self.S]
-        ret, m, term, trunc = self._n_step(env, t)
-        gamma = self.spec.gamma
-        discount = np.where(term, 0.0, gamma ** m.astype(np.float64))
-        start = t - cols["pos"]
-        return Lookup(
-            obs_slots=self._stack_slots(env, t, start),
-            next_obs_slots=self._stack_slots(env, t + m, start),
-            action=cols["action"], reward=ret, terminated=term, truncated=trunc,
-            discount=discount, ids=cols["id"])
-
-    def _n_step(self, env: np.ndarray, t: np.ndarray):
-        gamma, size = self.spec.gamma, t.size
-        ret, m = np.zeros(size), np.zeros(size, np.int64)
-        term, trunc, alive = np.zeros(size, bool), np.zeros(size, bool), np.ones(size, bool)
-        for j in range(self.spec.n_step):
-            uc = self.steps[env, (t + j) % self.S]
-            ret += np.where(alive, gamma**j * uc["reward"].astype(np.float64), 0.0)
-            m += alive
-            term |= alive & uc["terminated"]
-            trunc |= alive & uc["truncated"]
-            alive &= ~(uc["terminated"] | uc["truncated"])
-        return ret, m, term, trunc
-
-    def _stack_slots(self, env: np.ndarray, last: np.ndarray, start: np.ndarray) -> np.ndarray:
-        k = self.spec.frame_stack
-        frames = last[:, None] - np.arange(k - 1, -1, -1)[None, :]
-        before = frames < start[:, None]
-        if self.spec.stack_padding == "first":
-            frames = np.maximum(frames, start[:, None])
-        flat = env[:, None] * self.S + frames % self.S
-        if self.spec.stack_padding == "zero":
-            flat = np.where(before, -1, flat)
-        return flat
+        """Everything a batch needs for valid flat slots, computed by index (compiled)."""
+        spec, size = self.spec, flat.size
+        cols = self.steps.reshape(-1)
+        obs = np.empty((size, spec.frame_stack), np.int64)
+        next_obs = np.empty((size, spec.frame_stack), np.int64)
+        ret, discount = np.empty(size), np.empty(size)
+        term, trunc = np.empty(size, bool), np.empty(size, bool)
+        kernels().lookup(flat, self.written, self.S, spec.frame_stack, spec.n_step,
+                         spec.stack_padding == "first", self._gamma_pow, cols["pos"],
+                         cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
+                         ret, term, trunc, discount)
+        return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
+                      reward=ret, terminated=term, truncated=trunc, discount=discount,
+                      ids=cols["id"][flat])
 
     # -- invariants ---------------------------------------------------------------
     def check_valid(self) -> None:

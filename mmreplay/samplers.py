@@ -190,13 +190,10 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     ``P(i) = m_i / total``, so ``(N P(i))^-beta / max_j (N P(j))^-beta == (m_i / m_min)^-beta``:
     N and the total cancel, and the largest weight (1.0) belongs to the smallest positive mass.
     """
-    total = tree.total()
-    if total <= 0.0:
+    if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    targets = (np.arange(batch_size) + rng.random(batch_size)) * total / batch_size
-    slots = tree.find(targets)
-    weights = (tree.get(slots) / tree.min_nonzero()) ** -beta
-    return Draw(slots=slots, weights=weights.astype(np.float32))
+    slots, weights = tree.stratified(rng.random(batch_size), beta)
+    return Draw(slots=slots, weights=weights)
 
 
 def _tree_probabilities(tree: SumTree) -> FloatArray:

@@ -17,9 +17,10 @@ This module knows shard bytes and open files; it knows nothing of slots or codec
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -100,48 +101,74 @@ def read_shard(path: str, where: str, shard_chunks: int, max_chunk: int) -> dict
 
 
 class ShardFiles:
-    """Open shard files with their checked index: an LRU of at most `max_open` descriptors.
+    """Shard files mapped read-only, with their checked index; at most `max_open` mapped.
 
-    An open file is read until it is evicted or `forget` drops it (the writer does after
-    it replaces a file). A reader beside a writer may thus keep reading a file the writer
+    ``src`` and ``size`` give, for every chunk of the ring (``env * num_chunks + chunk``),
+    the address of its bytes in a mapped file and their length (0: not mapped, or absent),
+    so a batch finds the bytes of all its chunks with one fancy index and hands the
+    addresses to the compiled decode. A file is checked (regular, bounded size, its index
+    inside the file: `parse_index`) before it is mapped. Shard files are only ever replaced
+    whole (temp file + rename), never written in place, so a mapping never sees its file
+    change or shrink; the writer calls `forget` after it replaces one, and the next read
+    maps the new file.
+
+    A mapping lives until `forget`, `close`, or eviction of the least recently used one
+    beyond `max_open`. A reader beside a writer may thus keep reading a file the writer
     replaced: it holds the frames of the generation that reader loaded, which is what it
     samples; frames the writer gave up since are dropped by the reader's manifest checks.
     """
 
     def __init__(self, frames_dir: str, key_suffix: str, shard_chunks: int, max_chunk: int,
-                 *, max_open: int) -> None:
+                 *, num_envs: int, num_chunks: int, max_open: int) -> None:
         self._dir, self._suffix = frames_dir, key_suffix
         self.shard_chunks, self.max_chunk = shard_chunks, max_chunk
-        self._max_open = max_open
-        self._open: OrderedDict[Key, tuple[int, np.ndarray]] = OrderedDict()
+        self._num_chunks, self._max_open = num_chunks, max_open
+        self._num_shards = -(-num_chunks // shard_chunks)
+        self.src = np.zeros(num_envs * num_chunks, np.int64)
+        self.size = np.zeros(num_envs * num_chunks, np.int64)
+        self._maps: dict[Key, tuple[int, int]] = {}  # (address, length)
+        self._used = np.zeros(num_envs * self._num_shards, np.int64)  # tick of last use
+        self._tick = 0
 
     def path(self, env: int, shard: int) -> str:
         return f"{self._dir}/c.{env}.{shard}{self._suffix}"
 
+    @property
+    def mapped(self) -> int:
+        """How many files are mapped now."""
+        return len(self._maps)
+
+    def addresses(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(address, length) of the bytes of chunks ``keys`` (``env * num_chunks + chunk``),
+        mapping their files as needed; `InvalidStoreError` if a file or entry is missing."""
+        shards = (keys // self._num_chunks) * self._num_shards + (
+            keys % self._num_chunks) // self.shard_chunks
+        self._tick += 1
+        self._used[shards] = self._tick
+        src = self.src[keys]
+        if not src.all():
+            for flat in np.unique(shards[src == 0]).tolist():
+                self._map(*divmod(flat, self._num_shards))
+            src = self.src[keys]
+            if not src.all():
+                key = int(keys[np.argmin(src != 0)])
+                env, (shard, j) = key // self._num_chunks, divmod(
+                    key % self._num_chunks, self.shard_chunks)
+                raise InvalidStoreError(
+                    f"frame chunk {j} of {self._where(env, shard)} is absent")
+        return src, self.size[keys]
+
     def chunk(self, env: int, chunk: int) -> bytes:
-        """The bytes of one chunk; an `InvalidStoreError` if its file or entry is missing."""
-        shard, j = divmod(chunk, self.shard_chunks)
-        fd, index = self._get(env, shard)
-        offset, nbytes = index[j].tolist()
-        if offset < 0:
-            raise InvalidStoreError(f"frame chunk {j} of {self._where(env, shard)} is absent")
-        try:
-            data = os.pread(fd, nbytes, offset)
-        except OSError:
-            data = b""
-        if len(data) == nbytes:
-            return data
-        return read_at(fd, nbytes, offset, f"frame chunk {j} of {self._where(env, shard)}")
+        """The bytes of one chunk (a copy); an `InvalidStoreError` if its file or entry is
+        missing."""
+        key = env * self._num_chunks + chunk
+        self.addresses(np.array([key], np.int64))
+        return ctypes.string_at(int(self.src[key]), int(self.size[key]))
 
     def _where(self, env: int, shard: int) -> str:
         return f"frame file {self.path(env, shard)}"
 
-    def _get(self, env: int, shard: int) -> tuple[int, np.ndarray]:
-        key = (env, shard)
-        found = self._open.get(key)
-        if found is not None:
-            self._open.move_to_end(key)
-            return found
+    def _map(self, env: int, shard: int) -> None:
         where = self._where(env, shard)
         fd, size = open_bounded(self.path(env, shard), where,
                                 max_shard_bytes(self.shard_chunks, self.max_chunk))
@@ -149,40 +176,75 @@ class ShardFiles:
             n = index_size(self.shard_chunks)
             tail = read_at(fd, n, size - n, where) if size >= n else b""
             index = parse_index(tail, size, self.shard_chunks, self.max_chunk, where)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._open[key] = (fd, index)
-        while len(self._open) > self._max_open:
-            os.close(self._open.popitem(last=False)[1][0])
-        return fd, index
+            address = _map_file(fd, size, where)
+        finally:
+            os.close(fd)  # the mapping holds no descriptor
+        self._evict()
+        self._maps[(env, shard)] = (address, size)
+        chunk, real = self._span(shard)
+        first = env * self._num_chunks + chunk
+        present = index[:real, 0] >= 0
+        self.src[first:first + real] = np.where(present, address + index[:real, 0], 0)
+        self.size[first:first + real] = np.where(present, index[:real, 1], 0)
+
+    def _evict(self) -> None:
+        """Unmap the least recently used files until one more fits under `max_open`."""
+        excess = len(self._maps) + 1 - self._max_open
+        if excess <= 0:
+            return
+        keys = list(self._maps)
+        used = self._used[[e * self._num_shards + s for e, s in keys]]
+        order = np.argsort(used, kind="stable")[:excess]
+        for i in order[used[order] < self._tick].tolist():  # never one this read needs
+            self.forget(*keys[i])
 
     def forget(self, env: int, shard: int) -> None:
-        found = self._open.pop((env, shard), None)
-        if found is not None:
-            os.close(found[0])
+        """Unmap a file (the writer replaced it, or it is evicted)."""
+        mapping = self._maps.pop((env, shard), None)
+        if mapping is None:
+            return
+        first, real = self._span(shard)
+        self.src[env * self._num_chunks + first:env * self._num_chunks + first + real] = 0
+        _LIBC.munmap(*mapping)
+
+    def _span(self, shard: int) -> tuple[int, int]:
+        """First chunk of a shard and how many chunks it has (the last may be short)."""
+        first = shard * self.shard_chunks
+        return first, min(self.shard_chunks, self._num_chunks - first)
 
     def close(self) -> None:
-        while self._open:
-            os.close(self._open.popitem()[1][0])
+        for env, shard in list(self._maps):
+            self.forget(env, shard)
 
-    def __del__(self) -> None:  # a store dropped without close() leaks no descriptor
+    def __del__(self) -> None:  # a store dropped without close() leaks no mapping
         try:
             self.close()
         except (OSError, AttributeError):  # at interpreter exit, or a half-built object
             pass
 
 
-def max_open_files() -> int:
-    """Descriptors one store may keep open: a quarter of the soft limit, 16..4096."""
-    try:
-        import resource
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 64
-    if soft == resource.RLIM_INFINITY:
-        return 4096
-    return max(16, min(4096, soft // 4))
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_LIBC.munmap.restype = ctypes.c_int
+_LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_file(fd: int, size: int, where: str) -> int:
+    """Map a whole file read-only and shared; its address. (Python's `mmap` would keep a
+    duplicate descriptor per mapping; thousands of shard files must not cost descriptors.)"""
+    address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise InvalidStoreError(f"{where} cannot be mapped: {os.strerror(err)}")
+    return int(address)
+
+
+# Mapped shard files one store keeps (a mapping holds no descriptor; Linux allows ~65k
+# mappings a process): 4,096 shards of 4,096 frames map every file of a 16M-frame ring.
+MAX_MAPPED = 4096
 
 
 def write_each(keys: list[Key], write: Callable[[Key], None]) -> None:
@@ -230,6 +292,12 @@ class ShardWriter:
         shard, j = divmod(chunk, self._files.shard_chunks)
         found = self.pending.get((env, shard))
         return None if found is None else found.get(j)
+
+    def pending_chunks(self) -> list[Key]:
+        """(env, chunk) of every finished chunk not yet in its file."""
+        k = self._files.shard_chunks
+        return [(env, shard * k + j) for (env, shard), chunks in self.pending.items()
+                for j in chunks]
 
     def drain(self) -> None:
         """Write every shard whose file lacks pending chunks; raise the first error."""

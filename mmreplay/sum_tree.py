@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from .lazy import kernels
+
 __all__ = ["SumTree"]
 
 FloatArray = npt.NDArray[np.float64]
@@ -123,21 +125,33 @@ class SumTree:
         self._min: FloatArray = np.full(2 * self._leaf0, np.inf, dtype=np.float64)
         self._leaf_sums = self._sum[self._leaf0 :]
         self._leaf_mins = self._min[self._leaf0 :]
+        # (rows, fanout) per level; every level's prefix rows live in one array, which the
+        # compiled walks take whole with these columns
+        shape, top = [], 0
+        for b in _level_bits(depth):
+            shape.append((1 << top, 1 << b))
+            top += b
+        sizes = [rows * (fanout + 1) for rows, fanout in shape]
+        self._prefix: FloatArray = np.zeros(sum(sizes), dtype=np.float64)
         self._levels = self._make_levels(depth)
+        self._walk = (np.cumsum([0, *sizes], dtype=np.int64)[:-1],  # prefix offsets
+                      np.array([lv.fanout for lv in self._levels], dtype=np.int64),
+                      np.array([lv.first for lv in self._levels], dtype=np.int64),
+                      np.array([lv.shift for lv in self._levels], dtype=np.int64))
 
     def _make_levels(self, depth: int) -> list[_Level]:
-        levels, top = [], 0
-        for bits in _level_bits(depth):
-            rows, fanout = 1 << top, 1 << bits
+        levels, top, at = [], 0, 0
+        for b in _level_bits(depth):
+            rows, fanout = 1 << top, 1 << b
             kids = slice(rows * fanout, 2 * rows * fanout)  # ids of the next stored depth
             levels.append(_Level(
                 first=rows, shift=depth - top, fanout=fanout,
                 sums=self._sum[rows : 2 * rows], mins=self._min[rows : 2 * rows],
                 kid_sums=self._sum[kids].reshape(rows, fanout),
                 kid_mins=self._min[kids].reshape(rows, fanout),
-                prefix=np.zeros((rows, fanout + 1), dtype=np.float64),
+                prefix=self._prefix[at : at + rows * (fanout + 1)].reshape(rows, fanout + 1),
             ))
-            top += bits
+            top, at = top + b, at + rows * (fanout + 1)
         return levels
 
     # ----------------------------------------------------------------------------- queries
@@ -164,21 +178,26 @@ class SumTree:
         exceeds it is one where the (non-decreasing) row steps up, i.e. a child of positive mass.
         """
         t = self._check_targets(targets)
-        if not self._levels:
-            return np.zeros(t.shape, dtype=np.int64)
-        root = self._levels[0].prefix[0]
-        rem = np.minimum(t.ravel(), np.nextafter(root[-1], 0.0))
-        row = np.searchsorted(root[1:], rem, side="right")  # one row for all targets: bisect
-        rem -= root[row]
-        batch = np.arange(rem.size)
-        for level in self._levels[1:]:  # one vectorized step per level for the whole batch
-            table = level.prefix.take(row, axis=0)
-            rem = np.minimum(rem, np.nextafter(table[:, -1], 0.0))  # >= node mass by rounding only
-            child = (table[:, 1:] > rem[:, None]).argmax(axis=1)
-            rem -= table[batch, child]  # stays >= 0: that entry is <= rem
-            row *= level.fanout
-            row += child
-        return row.reshape(t.shape)
+        out = np.zeros(t.shape, dtype=np.int64)
+        if self._levels:
+            offsets, fanouts, _, _ = self._walk
+            kernels().tree_find(self._prefix, offsets, fanouts, t.reshape(-1), out.reshape(-1))
+        return out
+
+    def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
+        """One leaf per equal slice of the mass (``t_b = (b + u_b) * total / B``, ``u`` in
+        [0, 1)) and its importance weight ``(mass / min_nonzero) ** -beta`` as float32."""
+        if self.total() <= 0.0:
+            raise ValueError("cannot draw from a sum tree whose total mass is 0")
+        slots = np.zeros(u.size, dtype=np.int64)
+        weights = np.ones(u.size, dtype=np.float32)
+        if self._levels:
+            offsets, fanouts, _, _ = self._walk
+            kernels().tree_stratified(self._prefix, offsets, fanouts, self._leaf_sums,
+                                      self.total(), self.min_nonzero(),
+                                      np.asarray(u, dtype=np.float64), float(beta), slots,
+                                      weights)
+        return slots, weights
 
     # ----------------------------------------------------------------------------- updates
 
@@ -191,12 +210,13 @@ class SumTree:
         vals = self._check_values(values, shape=np.shape(indices)).ravel()
         if idx.size == 0:
             return
-        self._write_leaves(idx, vals)
-        for level in reversed(self._levels):  # bottom-up, one vectorized step per level
-            if level.sums.size <= idx.size:  # a small level: rebuilding it whole is fewer calls
+        if idx.size >= self.capacity:  # every leaf (a store loading): one O(N) numpy rebuild
+            self._write_leaves(idx, vals)
+            for level in reversed(self._levels):
                 self._rebuild(level)
-            else:  # each ancestor row at least once; a repeated row is recomputed identically
-                self._rebuild(level, idx >> level.shift)
+            return
+        kernels().tree_set(self._sum, self._min, self._prefix, *self._walk, self._leaf0,
+                           idx, np.ascontiguousarray(vals, dtype=np.float64))
 
     def set_all(self, values: npt.ArrayLike) -> None:
         """Replace every leaf (``len(values) == capacity``) and rebuild bottom-up in O(N)."""
@@ -246,16 +266,10 @@ class SumTree:
             got = self._leaf_sums[idx]
         self._leaf_mins[idx] = np.where(got > 0.0, got, np.inf)
 
-    def _rebuild(self, level: _Level, rows: IntArray | None = None) -> None:
+    def _rebuild(self, level: _Level) -> None:
         # Internal nodes are always rebuilt from their children, never patched with deltas.
-        if rows is None:
-            level.sums[:] = _prefix_rows(level.kid_sums, out=level.prefix)[:, -1]
-            level.mins[:] = _row_min(level.kid_mins)
-            return
-        prefix = _prefix_rows(level.kid_sums.take(rows, axis=0))
-        level.prefix[rows] = prefix
-        level.sums[rows] = prefix[:, -1]
-        level.mins[rows] = _row_min(level.kid_mins.take(rows, axis=0))
+        level.sums[:] = _prefix_rows(level.kid_sums, out=level.prefix)[:, -1]
+        level.mins[:] = _row_min(level.kid_mins)
 
     def _check_indices(self, indices: npt.ArrayLike) -> IntArray:
         idx = np.asarray(indices)

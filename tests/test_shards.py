@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import google_crc32c
 import numpy as np
@@ -158,13 +159,23 @@ def test_open_shard_files_are_bounded(tmp_path):
     _, store = make(tmp_path, slots=48)
     put(store, 0, range(1, 49))  # six shard files
     store.close()
-    files = ShardFiles(str(tmp_path / "frames"), ".0", 4, 200, max_open=2)
+    files = ShardFiles(str(tmp_path / "frames"), ".0", 4, 200, num_envs=1, num_chunks=24,
+                       max_open=2)
     before = len(os.listdir("/proc/self/fd"))
-    for chunk in range(0, 24, 2):
-        files.chunk(0, chunk)
-    assert len(os.listdir("/proc/self/fd")) - before == 2
+
+    def mapped_frame_files() -> int:
+        maps = Path("/proc/self/maps").read_text()
+        return len({line.split()[-1] for line in maps.splitlines()
+                    if str(tmp_path / "frames") in line})
+
+    for chunk in range(0, 24, 4):  # six shard files of four 2-frame chunks each
+        data = files.chunk(0, chunk)
+        assert data[:4] != b"" and files.mapped <= 2 and mapped_frame_files() <= 2
+        assert len(os.listdir("/proc/self/fd")) == before  # a mapping holds no descriptor
+    src, size = files.addresses(np.array([20, 23], np.int64))  # the newest shard: mapped
+    assert (src > 0).all() and (size > 0).all() and files.mapped == 2
     files.close()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert files.mapped == 0 and mapped_frame_files() == 0 and not files.src.any()
 
 
 def test_read_shard_of_a_missing_file_is_empty_and_a_damaged_one_is_refused(tmp_path):

@@ -1,0 +1,82 @@
+"""The compiled kernels against plain numpy twins, and every way a chunk can fail to decode."""
+
+from __future__ import annotations
+
+import struct
+
+import google_crc32c
+import numcodecs
+import numpy as np
+import pytest
+
+from mmreplay import ReplayStore, kernels
+
+N = 2 * 84 * 84  # one decoded chunk: 2 frames of 84x84 uint8
+
+
+def chunk_bytes(frames: np.ndarray, codec: str = "lz4") -> bytes:
+    """One chunk as the store writes it: codec stream, then the crc32c of that stream."""
+    inner = (numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.NOSHUFFLE,
+                             blocksize=0) if codec == "lz4" else numcodecs.Zstd(level=3))
+    payload = bytes(inner.encode(frames.tobytes()))
+    return payload + struct.pack("<I", google_crc32c.value(payload))
+
+
+def decode(chunks: list[bytes], zstd: bool = False,
+           dest: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    bufs = [np.frombuffer(c, np.uint8) for c in chunks]  # alive for the call
+    src = np.array([b.ctypes.data for b in bufs], np.int64)
+    size = np.array([b.size for b in bufs], np.int64)
+    rows = np.zeros((len(chunks) + 1, N), np.uint8)
+    where = np.arange(len(chunks), dtype=np.int64) if dest is None else np.array(dest)
+    return kernels.decode_chunks(src, size, rows, where, zstd), rows
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_decode_chunks_into_chosen_rows(codec: str) -> None:
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 4, N, dtype=np.uint8) for _ in range(3)]
+    status, rows = decode([chunk_bytes(f, codec) for f in frames], codec == "zstd", [2, 0, 3])
+    assert status.tolist() == [0, 0, 0]
+    for row, f in zip([2, 0, 3], frames, strict=True):
+        np.testing.assert_array_equal(rows[row], f)
+    assert not rows[1].any()  # untouched
+
+
+def test_each_damage_has_its_status_and_writes_nothing_else() -> None:
+    good = chunk_bytes(np.arange(N, dtype=np.uint8) // 97)  # compressible: blosc compresses
+    payload = bytearray(good[:-4])
+    flipped = bytes(payload[:20]) + bytes([payload[20] ^ 1]) + bytes(payload[21:])
+    lying = bytearray(payload)
+    lying[4:8] = struct.pack("<I", N + 1)  # the header claims a bigger chunk
+    broken = bytearray(payload)
+    broken[16:] = b"\xff" * (len(broken) - 16)  # a stream that does not decode
+    reseal = [bytes(b) + struct.pack("<I", google_crc32c.value(bytes(b))) for b in
+              (lying, broken)]
+    status, _ = decode([good, good[:10], flipped + good[-4:], *reseal])
+    assert status.tolist() == [kernels.OK, kernels.TOO_SHORT, kernels.BAD_CRC,
+                               kernels.BAD_HEADER, kernels.NO_DECODE]
+
+
+def test_gather_rows_equals_numpy_fancy_index() -> None:
+    rng = np.random.default_rng(1)
+    table = rng.integers(0, 256, (40, 84 * 84), dtype=np.uint8)
+    idx = rng.integers(0, 40, 300)
+    out = np.empty((300, 84 * 84), np.uint8)
+    kernels.gather_rows(table, idx, out)
+    np.testing.assert_array_equal(out, table[idx])
+
+
+def test_a_read_after_the_writer_replaced_a_shard_sees_the_new_file(tmp_path) -> None:
+    """A writer's shard write unmaps the old file; the next read maps the new one."""
+    store = ReplayStore.create(tmp_path / "s", capacity=64, obs_shape=(3,), frame_stack=1,
+                               chunk_frames=2, shard_chunks=4, seed=0)
+    store.reset(np.zeros(3, np.uint8))
+    for i in range(1, 200):  # three laps of the ring: every shard rewritten
+        store.add(0, 0.0, np.full(3, i % 251, np.uint8), False, False)
+        if i % 17 == 0:
+            ids = store.valid_ids()
+            got = store.get(ids)
+            want = ids % 251  # transition t starts at frame t, which holds t (one episode)
+            np.testing.assert_array_equal(got.obs[:, 0, 0].numpy(), want)
+    store.close()
