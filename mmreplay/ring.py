@@ -77,7 +77,11 @@ class StepRing:
         self.next_id = 0
         self.next_episode = 0
         self.valid = np.zeros(self.E * self.S, bool)
+        # id -> flat slot: `_id_loc[id % E*S]`, plus `_id_spill` for live ids whose entry a
+        # newer id took (envs that advance independently keep old ids for long).
         self._id_loc = np.full(self.E * self.S, -1, np.int64)
+        self._id_spill: dict[int, int] = {}
+        self._spill_prune_at = 1024
         self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
         self._refreshed_oldest = np.zeros(self.E, np.int64)
         self.dirty_blocks: set[int] = set()
@@ -139,13 +143,33 @@ class StepRing:
         prev["has_step"], prev["id"] = True, self.next_id
         prev["terminated"], prev["truncated"] = terminated, truncated
         prev["reward"], prev["action"] = reward, action
-        self._id_loc[self.next_id % self._id_loc.size] = env * self.S + t % self.S
+        self._map_id(self.next_id, env * self.S + t % self.S)
         self.next_id += 1
         self._touch(env, t)
         rec, slot = self._new_frame(env)
         rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
         self.running[env] = not (terminated or truncated)
         return slot
+
+    def _map_id(self, new_id: int, flat: int) -> None:
+        """Point `new_id` at `flat`; an id still held whose entry it takes spills over."""
+        key = new_id % self._id_loc.size
+        old = int(self._id_loc[key])
+        if old >= 0:
+            held = int(self.steps["id"][divmod(old, self.S)])
+            if held >= 0 and held % self._id_loc.size == key and held != new_id:
+                self._id_spill[held] = old
+                if len(self._id_spill) >= self._spill_prune_at:
+                    self._prune_spill()
+        self._id_loc[key] = flat
+
+    def _prune_spill(self) -> None:
+        """Forget spilled ids whose slot now holds another id (amortized O(1) per id)."""
+        ids = np.fromiter(self._id_spill.keys(), np.int64, len(self._id_spill))
+        flat = np.fromiter(self._id_spill.values(), np.int64, len(self._id_spill))
+        keep = self.steps["id"].reshape(-1)[flat] == ids
+        self._id_spill = dict(zip(ids[keep].tolist(), flat[keep].tolist(), strict=True))
+        self._spill_prune_at = max(1024, 2 * len(self._id_spill))
 
     def _new_frame(self, env: int) -> tuple[np.void, int]:
         """Claim the env's next slot for a new frame; returns its (blank) record and slot."""
@@ -197,7 +221,13 @@ class StepRing:
         ids = self.steps["id"].reshape(-1)
         live = kept & (ids >= 0)
         self._id_loc[:] = -1
-        self._id_loc[ids[live] % self._id_loc.size] = flat[live]
+        order = np.argsort(ids[live], kind="stable")  # the newest id takes a shared entry
+        live_ids, live_flat = ids[live][order], flat[live][order]
+        self._id_loc[live_ids % self._id_loc.size] = live_flat
+        spilled = self._id_loc[live_ids % self._id_loc.size] != live_flat
+        self._id_spill = dict(zip(live_ids[spilled].tolist(), live_flat[spilled].tolist(),
+                                  strict=True))
+        self._spill_prune_at = max(1024, 2 * len(self._id_spill))
         self._dirty_lo[:] = self.written
         self._refreshed_oldest = self.oldest
 
@@ -220,11 +250,15 @@ class StepRing:
     # -- ids --------------------------------------------------------------------
     def flat_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(flat slots, found mask) for transition ids; found = id is sampleable now."""
-        in_window = (ids >= 0) & (ids < self.next_id) & (ids >= self.next_id - self._id_loc.size)
-        flat = np.where(in_window, self._id_loc[ids % self._id_loc.size], -1)
-        found = in_window & (flat >= 0)
+        known = (ids >= 0) & (ids < self.next_id)
+        flat = np.where(known, self._id_loc[ids % self._id_loc.size], -1)
+        slot_ids = self.steps["id"].reshape(-1)
+        missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
+        if missed.size and self._id_spill:
+            flat[missed] = [self._id_spill.get(i, -1) for i in ids[missed].tolist()]
+        found = known & (flat >= 0)
         flat = np.where(found, flat, 0)
-        found &= self.steps["id"].reshape(-1)[flat] == ids
+        found &= slot_ids[flat] == ids
         found &= self.valid[flat]
         return flat, found
 

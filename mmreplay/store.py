@@ -231,34 +231,39 @@ class ReplayStore:
 
     @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
-            autoreset: Any = None) -> None:
-        """Record one step of every env (see README for the autoreset rule)."""
+            autoreset: Any = None, env_ids: Any = None) -> None:
+        """Record one step of every env, or of the listed `env_ids` (each at most once;
+        every argument then has a leading ``len(env_ids)`` dimension and the other envs
+        do not advance). See README for the autoreset rule."""
         self._check_writable("add")
-        if self._scalar_step is not None and autoreset is None and self._ring.running[0]:
+        if self._scalar_step is not None and autoreset is None and env_ids is None \
+                and self._ring.running[0]:
             step = self._scalar_step(action, reward, next_obs, terminated, truncated)
             if step is not None:  # else: not plain scalars; the general path checks them
                 self._frames.append_one(0, self._ring.record_step(0, *step), next_obs)
                 return
         spec = self.spec
-        frames = validate.observations(spec, next_obs, spec.num_envs, "next_obs")
-        auto = validate.flags(spec, "autoreset", autoreset)
-        term = validate.flags(spec, "terminated", terminated)
-        trunc = validate.flags(spec, "truncated", truncated)
-        act, rew = validate.actions(spec, action), validate.rewards(spec, reward)
-        idle = np.flatnonzero(~auto & ~self._ring.running)
+        envs = self._envs if env_ids is None else validate.env_ids(spec, env_ids)
+        count = envs.size
+        frames = validate.observations(spec, next_obs, count, "next_obs")
+        auto = validate.flags(spec, "autoreset", autoreset, count)
+        term = validate.flags(spec, "terminated", terminated, count)
+        trunc = validate.flags(spec, "truncated", truncated, count)
+        act, rew = validate.actions(spec, action, count), validate.rewards(spec, reward, count)
+        idle = envs[~auto & ~self._ring.running[envs]]
         if idle.size:
             raise InvalidInputError(
                 f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
                 f"(or pass autoreset=True for it) first")
-        if not auto.any():  # the common case: every env steps
-            self._frames.append(self._envs, self._ring.record_steps(
-                self._envs, act, rew, term, trunc), frames)
+        if not auto.any():  # the common case: every listed env steps
+            self._frames.append(envs, self._ring.record_steps(envs, act, rew, term, trunc),
+                                frames)
             return
-        steppers, resetters = np.flatnonzero(~auto), np.flatnonzero(auto)
-        slots = self._ring.record_steps(steppers, act[steppers], rew[steppers], term[steppers],
-                                        trunc[steppers])
-        self._frames.append(steppers, slots, frames[steppers])
-        self._frames.append(resetters, self._ring.begin_episodes(resetters), frames[resetters])
+        step, again = np.flatnonzero(~auto), np.flatnonzero(auto)
+        slots = self._ring.record_steps(envs[step], act[step], rew[step], term[step],
+                                        trunc[step])
+        self._frames.append(envs[step], slots, frames[step])
+        self._frames.append(envs[again], self._ring.begin_episodes(envs[again]), frames[again])
 
     # -- reading ------------------------------------------------------------------
     @_locked

@@ -18,7 +18,7 @@ from .spec import StoreSpec
 
 
 def env_ids(spec: StoreSpec, ids: Any) -> np.ndarray:
-    """The envs a ``reset`` applies to: all of them, or the listed ones."""
+    """The envs a ``reset`` or ``add`` applies to: all of them, or the listed ones (unique)."""
     if ids is None:
         return np.arange(spec.num_envs, dtype=np.int64)
     arr = np.atleast_1d(np.asarray(ids))
@@ -54,20 +54,26 @@ def observations(spec: StoreSpec, obs: Any, count: int, name: str = "obs") -> np
     return arr
 
 
-def per_env(spec: StoreSpec, name: str, value: Any, tail: tuple[int, ...] = ()) -> np.ndarray:
-    """A per-env argument: scalar-shaped for one env, leading dim num_envs otherwise."""
+def per_env(spec: StoreSpec, name: str, value: Any, tail: tuple[int, ...] = (),
+            count: int | None = None) -> np.ndarray:
+    """A per-env argument with a leading dimension of `count` envs (default: all of them).
+
+    With one env (`count` 1 of a 1-env store) the argument may also come unbatched.
+    """
     arr = np.asarray(value)
-    want = (spec.num_envs, *tail)
-    if spec.num_envs == 1 and arr.shape == tail:
+    count = spec.num_envs if count is None else count
+    want = (count, *tail)
+    if spec.num_envs == 1 and count == 1 and arr.shape == tail:
         return arr[None]
     if arr.shape != want:
-        single = f" or {tail}" if spec.num_envs == 1 else ""
-        raise InvalidInputError(f"{name} shape {arr.shape} != expected {want}{single}")
+        single = f" or {tail}" if spec.num_envs == 1 and count == 1 else ""
+        raise InvalidInputError(f"{name} shape {arr.shape} != expected {want}{single} "
+                                f"(leading dimension = number of envs)")
     return arr
 
 
-def actions(spec: StoreSpec, action: Any) -> np.ndarray:
-    arr = per_env(spec, "action", action, spec.action_shape)
+def actions(spec: StoreSpec, action: Any, count: int | None = None) -> np.ndarray:
+    arr = per_env(spec, "action", action, spec.action_shape, count)
     want = np.dtype(spec.action_dtype)
     if not np.can_cast(arr.dtype, want, casting="same_kind") or (
             arr.dtype.kind == "f" and want.kind in "iu"):
@@ -83,8 +89,8 @@ def actions(spec: StoreSpec, action: Any) -> np.ndarray:
     return arr.astype(want)
 
 
-def rewards(spec: StoreSpec, reward: Any) -> np.ndarray:
-    arr = per_env(spec, "reward", reward)
+def rewards(spec: StoreSpec, reward: Any, count: int | None = None) -> np.ndarray:
+    arr = per_env(spec, "reward", reward, count=count)
     if arr.dtype.kind not in "iuf" or arr.dtype == np.bool_:
         raise InvalidInputError(f"reward must be numeric, got dtype {arr.dtype}")
     arr = arr.astype(np.float64)
@@ -93,10 +99,10 @@ def rewards(spec: StoreSpec, reward: Any) -> np.ndarray:
     return arr.astype(np.float32)
 
 
-def flags(spec: StoreSpec, name: str, value: Any) -> np.ndarray:
+def flags(spec: StoreSpec, name: str, value: Any, count: int | None = None) -> np.ndarray:
     if value is None and name == "autoreset":
-        return np.zeros(spec.num_envs, bool)
-    arr = per_env(spec, name, value)
+        return np.zeros(spec.num_envs if count is None else count, bool)
+    arr = per_env(spec, name, value, count=count)
     if arr.dtype != np.bool_:
         raise InvalidInputError(f"{name} must be bool, got dtype {arr.dtype}")
     return arr

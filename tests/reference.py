@@ -85,26 +85,30 @@ class ReferenceReplay:
         terminated: Any,
         truncated: Any,
         autoreset: Any = None,
+        env_ids: Any = None,
     ) -> None:
-        """One step of every env; where autoreset is True the env starts a new episode instead."""
-        if self.num_envs == 1:
-            action, reward, next_obs = [action], [reward], [next_obs]
-            terminated, truncated = [terminated], [truncated]
-            if autoreset is not None:
-                autoreset = [autoreset]
+        """One step of every env (or of the listed envs, row i for env_ids[i], in that order);
+        where autoreset is True the env starts a new episode instead."""
+        if env_ids is None:
+            env_ids = list(range(self.num_envs))
+            if self.num_envs == 1:
+                action, reward, next_obs = [action], [reward], [next_obs]
+                terminated, truncated = [terminated], [truncated]
+                if autoreset is not None:
+                    autoreset = [autoreset]
         if autoreset is None:
-            autoreset = [False for _ in range(self.num_envs)]
-        for env in range(self.num_envs):
-            if bool(autoreset[env]):
-                self._start_episode(env, next_obs[env])
+            autoreset = [False for _ in env_ids]
+        for i, env in enumerate(int(e) for e in env_ids):
+            if bool(autoreset[i]):
+                self._start_episode(env, next_obs[i])
             else:
                 self._step(
                     env,
-                    action[env],
-                    reward[env],
-                    next_obs[env],
-                    bool(terminated[env]),
-                    bool(truncated[env]),
+                    action[i],
+                    reward[i],
+                    next_obs[i],
+                    bool(terminated[i]),
+                    bool(truncated[i]),
                 )
 
     def _start_episode(self, env: int, frame: Any) -> None:

@@ -139,6 +139,7 @@ class Case:
     p_restart_by_reset: float = 0.3  # an ended episode restarts by reset rather than autoreset
     check_every: int = 5
     seed: int = 0
+    p_subset_add: float = 0.0  # an add steps only a random subset of envs (env_ids)
 
 
 class Driver:
@@ -185,10 +186,13 @@ class Driver:
         self.running[env] = True
         return self.frame(env)
 
-    def add(self) -> None:
-        case, rng, n = self.case, self.rng, self.case.num_envs
+    def add(self, env_ids: list[int] | None = None) -> None:
+        """One step of every env, or of `env_ids` (rows in that order) when given."""
+        case, rng = self.case, self.rng
+        envs = list(range(case.num_envs)) if env_ids is None else env_ids
+        n = len(envs)
         autoreset = np.array(
-            [not self.running[e] or rng.random() < case.p_cut_autoreset for e in range(n)]
+            [not self.running[e] or rng.random() < case.p_cut_autoreset for e in envs]
         )
         # Autoreset envs get garbage action/reward/flags too: the store must ignore them.
         action = rng.integers(0, 6, size=n).astype(np.int64)
@@ -198,11 +202,17 @@ class Driver:
             reward = rng.integers(-4, 5, size=n) * 0.25
         terminated = rng.random(n) < case.p_terminate
         truncated = rng.random(n) < case.p_truncate  # sometimes both, as gymnasium allows
-        frames = [self._next_frame(e, bool(autoreset[e])) for e in range(n)]
-        for e in range(n):
-            if not autoreset[e] and (terminated[e] or truncated[e]):
+        frames = [self._next_frame(e, bool(autoreset[i])) for i, e in enumerate(envs)]
+        for i, e in enumerate(envs):
+            if not autoreset[i] and (terminated[i] or truncated[i]):
                 self.running[e] = False
-        args = self._call_args(action, reward, np.stack(frames), terminated, truncated, autoreset)
+        if env_ids is None:
+            args = self._call_args(action, reward, np.stack(frames), terminated, truncated,
+                                   autoreset)
+        else:
+            flags = autoreset if autoreset.any() or rng.random() < 0.5 else None
+            args = ((action, reward, np.stack(frames), terminated, truncated),
+                    {"autoreset": flags, "env_ids": np.array(env_ids, dtype=np.int64)})
         self.store.add(*args[0], **args[1])
         self.reference.add(*args[0], **args[1])
 
@@ -249,6 +259,10 @@ class Driver:
         ended = [e for e in range(n) if not self.running[e]]
         if ended and rng.random() < case.p_restart_by_reset:
             self.reset(None if n == 1 else ended)
+            return
+        if case.p_subset_add and rng.random() < case.p_subset_add:
+            size = int(rng.integers(1, n + 1))
+            self.add([int(e) for e in rng.permutation(n)[:size]])
             return
         self.add()
 
@@ -337,6 +351,15 @@ CASES = {
         seed=11,
     ),
     "float32_k1_n1_gamma099": Case(capacity=17, obs="float32", gamma=0.99, seed=12),
+    "subsets_envs4_k4_n3_cap30": Case(
+        capacity=30, num_envs=4, frame_stack=4, n_step=3, p_subset_add=0.7, p_reset=0.05,
+        p_cut_autoreset=0.05, seed=13,
+    ),
+    "subsets_envs3_k2_n2_cap61_first": Case(
+        capacity=61, num_envs=3, frame_stack=2, n_step=2, stack_padding="first",
+        p_subset_add=1.0, p_terminate=0.1, seed=14,
+    ),
+    "subsets_one_env": Case(capacity=11, frame_stack=4, n_step=3, p_subset_add=0.5, seed=15),
 }
 
 
@@ -376,6 +399,7 @@ def random_case(seed: int) -> Case:
         p_cut_autoreset=float(rng.uniform(0.0, 0.1)),
         check_every=3,
         seed=seed,
+        p_subset_add=float(rng.choice([0.0, 0.5])),
     )
 
 
@@ -384,7 +408,10 @@ def test_random_config_matches_reference(seed: int, tmp_path: Path) -> None:
     test_random_stream_matches_reference(random_case(seed), tmp_path)
 
 
-REOPEN_CASES = ["envs3_k4_n3_cap50_first", "shorter_than_stack_first", "k4_n3_cap7_zero"]
+REOPEN_CASES = [
+    "envs3_k4_n3_cap50_first", "shorter_than_stack_first", "k4_n3_cap7_zero",
+    "subsets_envs4_k4_n3_cap30",
+]
 
 
 @pytest.mark.parametrize("name", REOPEN_CASES)

@@ -1,6 +1,7 @@
 """Hypothesis state machine: ReplayStore against the naive reference through flush, reopen, crash.
 
-Rules record (`reset` of some envs, `add` of one step or of a seeded burst), read (`sample`) and
+Rules record (`reset` of some envs, `add` of one step of every env or of a subset
+(``env_ids``), or a seeded burst of either), read (`sample`) and
 persist (`flush`, `reopen` r+, `reopen_readonly`, `peek_readonly` beside the live writer, and
 `crash`). After every step the store must equal `ReferenceReplay` (tests/reference.py):
 ``valid_ids()``, every field of ``get(valid_ids())``, and ``counts``.
@@ -119,32 +120,53 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def add(self, data: st.DataObject) -> None:
+        self.add_rows(data, None)
+
+    @rule(data=st.data())
+    def add_some(self, data: st.DataObject) -> None:
+        """One step of a subset of the envs (``env_ids``, in a drawn order)."""
+        env_ids = data.draw(st.lists(st.integers(0, self.envs - 1), min_size=1,
+                                     max_size=self.envs, unique=True), label="env_ids")
+        self.add_rows(data, env_ids)
+
+    def add_rows(self, data: st.DataObject, env_ids: list[int] | None) -> None:
         step = st.tuples(st.integers(0, 5), st.sampled_from([-1.0, -0.25, 0.0, 0.5, 2.0]),
                          ONE_IN_8, ONE_IN_8, ONE_IN_8)
-        rows = data.draw(st.lists(step, min_size=self.envs, max_size=self.envs))
+        count = self.envs if env_ids is None else len(env_ids)
+        rows = data.draw(st.lists(step, min_size=count, max_size=count))
         action, reward, terminated, truncated, cut = (np.array(c) for c in zip(*rows, strict=True))
-        self.record_step(action, reward, terminated, truncated, cut | ~np.array(self.running()))
+        idle = ~np.array(self.running())[env_ids if env_ids is not None else slice(None)]
+        self.record_step(action, reward, terminated, truncated, cut | idle, env_ids)
 
-    @rule(count=st.integers(1, 30), seed=st.integers(0, 2**32 - 1))
-    def add_many(self, count: int, seed: int) -> None:
-        """A burst of steps (fast enough to wrap the ring within a few rules)."""
-        rng, n = np.random.default_rng(seed), self.envs
+    @rule(count=st.integers(1, 30), seed=st.integers(0, 2**32 - 1), subsets=st.booleans())
+    def add_many(self, count: int, seed: int, subsets: bool) -> None:
+        """A burst of steps (fast enough to wrap the ring within a few rules); with `subsets`
+        each step goes to a random subset of the envs, so they advance independently."""
+        rng = np.random.default_rng(seed)
         for _ in range(count):
-            autoreset = (rng.random(n) < 0.02) | ~np.array(self.running())
+            envs = list(range(self.envs))
+            if subsets:
+                envs = rng.permutation(self.envs)[:rng.integers(1, self.envs + 1)].tolist()
+            n = len(envs)
+            autoreset = (rng.random(n) < 0.02) | ~np.array(self.running())[envs]
             self.record_step(rng.integers(0, 6, n), rng.integers(-4, 5, n) * 0.25,
-                             rng.random(n) < 0.08, rng.random(n) < 0.03, autoreset)
+                             rng.random(n) < 0.08, rng.random(n) < 0.03, autoreset,
+                             envs if subsets else None)
 
     def record_step(self, action: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
-                    truncated: np.ndarray, autoreset: np.ndarray) -> None:
-        frames = np.stack([self.frame(e) for e in range(self.envs)])
-        if self.envs == 1:
+                    truncated: np.ndarray, autoreset: np.ndarray,
+                    env_ids: list[int] | None = None) -> None:
+        envs = range(self.envs) if env_ids is None else env_ids
+        frames = np.stack([self.frame(e) for e in envs])
+        if self.envs == 1 and env_ids is None:
             args: tuple[Any, ...] = (int(action[0]), float(reward[0]), frames[0],
                                      bool(terminated[0]), bool(truncated[0]), bool(autoreset[0]))
         else:
             args = (action.astype(np.int64), reward, frames, terminated.astype(bool),
                     truncated.astype(bool), autoreset.astype(bool))
-        self.store.add(*args)
-        self.model.add(*args)
+        kwargs = {} if env_ids is None else {"env_ids": np.array(env_ids, np.int64)}
+        self.store.add(*args, **kwargs)
+        self.model.add(*args, **kwargs)
 
     # -- reading ----------------------------------------------------------------------
     @rule(size=st.integers(1, 8))

@@ -183,6 +183,105 @@ def test_reset_subset_of_envs(tmp_path):
     assert store.get([0]).truncated.item() is False  # env 0 keeps running
 
 
+def _steps(n: int, value: int) -> tuple:
+    """Arguments of an ``add`` of n rows: action 1, reward 1, frames `value`, no flags."""
+    return (np.ones(n, np.int64), np.ones(n), np.full((n, *OBS), value % 256, np.uint8),
+            np.zeros(n, bool), np.zeros(n, bool))
+
+
+def test_add_with_env_ids_advances_only_those_envs(tmp_path):
+    store = make(tmp_path, num_envs=3, capacity=60, frame_stack=2, n_step=2, gamma=0.5)
+    store.reset(np.stack([frame(0), frame(100), frame(200)]))
+    store.add(*_steps(2, 1), env_ids=[2, 0])         # rows in env_ids order: ids 0 (env 2), 1
+    store.add(*_steps(1, 2), env_ids=[0])
+    store.add(*_steps(1, 3), env_ids=[0])
+    assert store.counts.frames_written == 3 + 4 and store.counts.transitions == 4
+    assert store.valid_ids().tolist() == [1, 2]       # env 0's complete 2-step windows
+    batch = store.get([1, 2])
+    assert batch.obs[:, :, 0, 0].tolist() == [[0, 0], [0, 1]]
+    assert batch.next_obs[:, :, 0, 0].tolist() == [[1, 2], [2, 3]]
+    assert batch.reward.tolist() == [1.5, 1.5]
+    store.add(*_steps(3, 4))                          # all envs again: env 1's first step
+    store.add(*_steps(1, 5), env_ids=[1])
+    assert store.get([5]).obs[0, :, 0, 0].tolist() == [0, 100]
+    assert store.get([5]).next_obs[0, :, 0, 0].tolist() == [4, 5]
+
+
+def test_add_with_env_ids_autoreset_and_eviction_per_env(tmp_path):
+    store = make(tmp_path, num_envs=2, capacity=8)   # 4 frames per env
+    store.reset(np.stack([frame(0), frame(100)]))
+    for v in range(1, 7):
+        store.add(*_steps(1, v), env_ids=[0])
+    assert store.counts.frames_kept == 4 + 1  # env 0 evicted its oldest, env 1 kept its o_0
+    action, reward, obs, term, trunc = _steps(2, 50)
+    store.add(action, reward, obs, term | [False, True], trunc, env_ids=[1, 0])
+    store.add(*_steps(1, 60), autoreset=np.array([True]), env_ids=[0])  # o_0 of a new episode
+    store.add(*_steps(1, 61), env_ids=[0])
+    batch = store.get(store.valid_ids())
+    assert batch.obs[-1, 0, 0, 0] == 60 and batch.terminated[-2]
+    assert store.counts.episodes == 3
+
+
+def test_old_ids_of_a_lagging_env_stay_reachable(tmp_path):
+    """Env 0 keeps its one transition while env 1 writes many times the store's capacity:
+    get and update_priorities still find it, also after a reopen."""
+    store = make(tmp_path, num_envs=2, capacity=16, sampler="prioritized")
+    store.reset(np.stack([frame(0), frame(100)]))
+    action, reward, obs, term, trunc = _steps(1, 1)
+    store.add(action, reward, obs, term | True, trunc, env_ids=[0])  # id 0, env 0 ends
+    for v in range(200):
+        store.add(*_steps(1, v), env_ids=[1])
+    assert 0 in store.valid_ids().tolist() and store.get([0]).obs[0, 0, 0, 0] == 0
+    assert store.update_priorities([0, 199], [5.0, 1.0]) == 2
+    store.close()
+    with ReplayStore.open(tmp_path / "store") as again:
+        assert again.get([0]).next_obs[0, 0, 0, 0] == 1
+        assert again.update_priorities([0], [2.0]) == 1
+
+
+BAD_ENV_ID_ADDS = [
+    (dict(env_ids=[1, 1]), "duplicates"),
+    (dict(env_ids=[3]), "unknown env id 3"),
+    (dict(env_ids=[[0, 1]]), "1-d"),
+    (dict(env_ids=[0.5]), "ints"),
+    (dict(env_ids=[0, 1, 2], rows=2), "leading dimension"),
+    (dict(env_ids=[0], rows=2), "leading dimension"),
+    (dict(env_ids=[2, 0], autoreset=np.zeros(3, bool)), "autoreset shape"),
+    (dict(env_ids=[2, 0], terminated=np.zeros(2, np.int8)), "bool"),
+    (dict(env_ids=[1, 0]), "reset"),  # env 1 ended: needs reset or autoreset
+]
+
+
+@pytest.mark.parametrize(("override", "message"), BAD_ENV_ID_ADDS)
+def test_bad_add_with_env_ids_is_rejected_and_changes_nothing(tmp_path, override, message):
+    store = make(tmp_path, num_envs=3, capacity=30, frame_stack=2)
+    store.reset(np.stack([frame(0), frame(100), frame(200)]))
+    action, reward, obs, term, trunc = _steps(3, 1)
+    store.add(action, reward, obs, term | [False, True, False], trunc)  # env 1 ends
+    before_ids, before = snapshot(store)
+    counts = store.counts
+    rows = override.pop("rows", len(np.atleast_1d(np.asarray(override["env_ids"]).ravel())))
+    args = dict(zip(("action", "reward", "next_obs", "terminated", "truncated"),
+                    _steps(rows, 9), strict=True))
+    args.update(override)
+    with pytest.raises(InvalidInputError, match=message):
+        store.add(**args)
+    after_ids, after = snapshot(store)
+    assert np.array_equal(before_ids, after_ids) and store.counts == counts
+    assert_same_batches(before, after)
+    store.add(*_steps(2, 2), env_ids=[2, 0])  # and the store still works
+    assert store.counts.transitions == 5
+
+
+def test_single_env_add_with_env_ids(tmp_path):
+    store = make(tmp_path)
+    store.reset(frame(0))
+    store.add(1, 1.0, frame(1), False, False, env_ids=[0])          # unbatched rows
+    store.add(*_steps(1, 2), env_ids=np.array([0]))                 # batched rows
+    store.add(*_steps(0, 0), env_ids=np.zeros(0, np.int64))         # no env: nothing
+    assert store.counts.transitions == 2 and store.counts.frames_written == 3
+
+
 def test_non_image_float_observations(tmp_path):
     store = ReplayStore.create(tmp_path / "s", capacity=100, obs_shape=(4,),
                                obs_dtype=np.float32, frame_stack=2, seed=1)
