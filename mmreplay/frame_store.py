@@ -359,19 +359,15 @@ class FrameStore:
             size = np.array([len(b) for b in keep], np.int64)
         status = kernels().decode_chunks(src, size, rows, dest, self.spec.codec == "zstd")
         if status.any():
-            self._raise_damaged(int(keys[np.argmax(status != 0)]))
+            bad = int(np.argmax(status != 0))
+            env, chunk = divmod(int(keys[bad]), self.num_chunks)
+            data, where = self.chunk_bytes(env, chunk)
+            raise InvalidStoreError(self._codec.damage(data, int(status[bad]), where))
         if self._cache.budget >= self._codec.nbytes:
             for k, i in zip(keys.tolist(), dest.tolist(), strict=True):
                 self._cache.put(divmod(k, self.num_chunks),
                                 rows[i].view(self.spec.obs_dtype).reshape(
                                     self._chunk_len, *self.spec.obs_shape).copy())
-
-    def _raise_damaged(self, key: int) -> None:
-        """Raise the `InvalidStoreError` that says what is wrong with a chunk on disk."""
-        env, chunk = divmod(key, self.num_chunks)
-        data, where = self.chunk_bytes(env, chunk)
-        self._codec.decode(data, where)  # raises, saying what is wrong
-        raise InvalidStoreError(f"frame chunk {where} does not decode")
 
     def chunk_bytes(self, env: int, chunk: int) -> tuple[bytes, str]:
         """A chunk's bytes on disk and where they are (for messages); `InvalidStoreError`
