@@ -167,8 +167,9 @@ def cache_budget(spec: StoreSpec, value: int | None) -> int:
     """
     if value is not None:
         return value
-    frames = spec.num_envs * spec.slots_per_env * spec.frame_bytes
-    return frames if frames <= AUTO_CACHE_BYTES else 0
+    # every chunk whole: the ring's last chunk may be short on disk but decodes padded
+    chunks = spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
+    return chunks if chunks <= AUTO_CACHE_BYTES else 0
 
 
 def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None] | None:

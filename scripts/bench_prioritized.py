@@ -44,6 +44,10 @@ class Args:
     """seed of the generator that draws priorities and batches"""
     store: bool = True
     """also time the pair through a whole `ReplayStore` (tiny (1,) observations, filled by add)"""
+    frames: int = 0
+    """if > 0: also time the pair with this many real Breakout frames (4-stacks + next stacks)
+    in a prioritized `ReplayStore` and in cpprb's `PrioritizedReplayBuffer` (next_of,
+    stack_compress), filled with the same stream"""
 
 
 def parse_args() -> Args:
@@ -125,6 +129,49 @@ def cpprb_step(args: Args, rng: np.random.Generator) -> Step | None:
     return step
 
 
+def frame_steps(args: Args, rng: np.random.Generator) -> dict[str, Step]:
+    """sample + update_priorities with real frames: mmreplay's store and, if it imports,
+    cpprb's PrioritizedReplayBuffer, both fed the same recorded stream."""
+    import tempfile
+
+    from ale_frames import record_frames
+    from bench import feed, stacked_steps
+
+    from mmreplay import ReplayStore
+
+    rec = record_frames("ALE/Breakout-v5", args.frames, seed=args.seed)
+    path = tempfile.mkdtemp(prefix="mmreplay-bench-") + "/store"
+    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed, sampler="prioritized", alpha=args.alpha)
+    feed(store, rec, args.frames, desc="fill mmreplay")
+
+    def ours_step(new: np.ndarray) -> None:
+        batch = store.sample(args.batch_size, beta=args.beta)
+        store.update_priorities(batch.ids, new)
+
+    steps = {f"mmreplay ReplayStore, {args.frames:,} frames": ours_step}
+    try:
+        from cpprb import PrioritizedReplayBuffer
+    except ImportError:
+        return steps
+    rb: Any = PrioritizedReplayBuffer(
+        args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
+                      "act": {"dtype": np.int64}, "rew": {}, "done": {}},
+        next_of="obs", stack_compress="obs", alpha=args.alpha)
+    for step in stacked_steps(rec, args.frames, channels_last=True, desc="fill cpprb"):
+        if step.new_episode and rb.get_stored_size():
+            rb.on_episode_end()
+        rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
+               done=float(step.terminated))
+
+    def cpprb_frames_step(new: np.ndarray) -> None:
+        batch = rb.sample(args.batch_size, beta=args.beta)
+        rb.update_priorities(batch["indexes"], new)
+
+    steps[f"cpprb PrioritizedReplayBuffer, {args.frames:,} frames"] = cpprb_frames_step
+    return steps
+
+
 def report(name: str, times: np.ndarray) -> float:
     median = float(np.median(times)) * 1e6
     print(f"{name:<34} median {median:9.1f} us   mean {times.mean() * 1e6:9.1f} us")
@@ -153,6 +200,12 @@ def main() -> None:
     theirs = report("cpprb PrioritizedReplayBuffer", time_steps(step, args, rng))
     for name, median in medians.items():
         print(f"{name} / cpprb median ratio: {median / theirs:.1f}x")
+    if args.frames > 0:
+        with_frames = {name: report(name, time_steps(fn, args, rng))
+                       for name, fn in frame_steps(args, rng).items()}
+        ours_ms, *rest = with_frames.values()
+        if rest:
+            print(f"with frames: mmreplay / cpprb median ratio: {ours_ms / rest[0]:.1f}x")
 
 
 if __name__ == "__main__":

@@ -166,3 +166,22 @@ def test_compiled_decoding_matches_numcodecs(tmp_path, codec):
         assert "decode" in str(exc) or "frame" in str(exc)
     else:  # lz4 cannot always tell; then the frames differ and nothing crashed
         assert not np.array_equal(got, frames)
+
+
+def test_default_cache_holds_every_chunk_of_a_ring_that_ends_in_a_short_chunk(tmp_path):
+    """Small observations are cached whole by default, also when the ring's last chunk is
+    short (it decodes padded): once every chunk was read, reads need no frame file."""
+    from mmreplay import ReplayStore
+
+    store = ReplayStore.create(tmp_path / "s", capacity=10_001, obs_shape=(1,), seed=0)
+    assert store.spec.slots_per_env % store.spec.chunk_frames  # a short last chunk
+    store.reset(np.zeros(1, np.uint8))
+    for i in range(10_000):
+        store.add(0, 0.0, np.full(1, i % 200, np.uint8), False, False)
+    store.get(store.valid_ids())  # every chunk once
+    for path in (tmp_path / "s" / "frames").glob("c.*"):
+        path.unlink()
+    batch = store.sample(4096)
+    ids = batch.ids.numpy()  # transition t starts at frame t, which holds (t - 1) % 200
+    np.testing.assert_array_equal(batch.obs[:, 0, 0].numpy(), np.where(ids, (ids - 1) % 200, 0))
+    store.close()
