@@ -365,7 +365,8 @@ class ReplayStore:
     def _refresh(self) -> None:
         self._follow_writer()
         slots, valid = self._ring.refresh()
-        self._sampler.update(slots, valid, self._ring.steps["id"].reshape(-1)[slots])
+        if slots.size:  # most samples of a learner that adds between them change nothing
+            self._sampler.update(slots, valid, self._ring.steps["id"].reshape(-1)[slots])
 
     def _follow_writer(self) -> bool:
         """Read-only: give up the frames a writer has given up since; True if any were.
