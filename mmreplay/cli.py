@@ -31,6 +31,7 @@ import numpy as np
 
 from . import __version__
 from . import inspect as ins
+from .cli_datasets import add_dataset_commands
 from .errors import MmreplayError
 from .verify import verify_store
 
@@ -67,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "written).")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample,
-                _add_import_dopamine):
+    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample):
         add(sub)
+    add_dataset_commands(sub, positive_int=_positive_int)
     return parser
 
 
@@ -371,48 +372,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
     rows = [[f.name, str(f.shape), f.dtype, f"{f.min:.6g}", f"{f.max:.6g}"] for f in fields]
     print(_table(("field", "shape", "dtype", "min", "max"), rows))
     return 0
-
-
-# -- import-dopamine --------------------------------------------------------------------
-def _add_import_dopamine(sub: Any) -> None:
-    text = "import Dopamine replay checkpoints (DQN Replay Dataset) into a new store"
-    cmd = sub.add_parser("import-dopamine", help=text, description=text)
-    cmd.add_argument("directory", metavar="DIR", help="directory of *_ckpt.N.gz files")
-    cmd.add_argument("store", metavar="STORE", help="new store directory (must not exist)")
-    cmd.add_argument("--checkpoints", default=None, metavar="LIST",
-                     help="e.g. 0-3, 7 or 1,3,5-6 (default: every checkpoint in DIR)")
-    cmd.add_argument("--frame-stack", type=_positive_int, default=4)
-    cmd.add_argument("--n-step", type=_positive_int, default=1)
-    cmd.add_argument("--gamma", type=float, default=0.99)
-    cmd.add_argument("--capacity", type=_positive_int, default=None,
-                     help="frames to keep (default: every frame imported)")
-    cmd.set_defaults(run=cmd_import_dopamine)
-
-
-def cmd_import_dopamine(args: argparse.Namespace) -> int:
-    from . import dopamine
-
-    numbers = None if args.checkpoints is None else dopamine.parse_checkpoints(args.checkpoints)
-    done = dopamine.import_dopamine(args.directory, args.store, checkpoints=numbers,
-                                    frame_stack=args.frame_stack, n_step=args.n_step,
-                                    gamma=args.gamma, capacity=args.capacity)
-    print(f"imported checkpoints {_ranges(done.checkpoints)} into {args.store}: "
-          f"{done.records} records -> {done.frames} frames, {done.transitions} transitions, "
-          f"{done.episodes} episodes ({done.terminated} terminated, {done.truncated} "
-          f"truncated); dropped {done.padding_records} padding and {done.dropped_records} "
-          f"records without a next frame")
-    return 0
-
-
-def _ranges(numbers: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    groups: list[list[int]] = []
-    for n in numbers:
-        if groups and groups[-1][1] == n - 1:
-            groups[-1][1] = n
-        else:
-            groups.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in groups)
 
 
 # -- argument types -----------------------------------------------------------------------
