@@ -32,6 +32,8 @@ def _store_options(cmd: argparse.ArgumentParser, positive_int: Callable[[str], i
     cmd.add_argument("--gamma", type=float, default=None, help="discount (default 0.99)")
     cmd.add_argument("--capacity", type=positive_int, default=None,
                      help="frames to keep (default: every frame imported)")
+    cmd.add_argument("--codec", choices=("lz4", "zstd"), default="lz4",
+                     help="frame chunk codec (zstd: about half the disk, slower sampling)")
 
 
 # -- import-dopamine ----------------------------------------------------------------------
@@ -53,7 +55,7 @@ def cmd_import_dopamine(args: argparse.Namespace) -> int:
     done = dopamine.import_dopamine(
         args.directory, args.store, checkpoints=numbers, frame_stack=args.frame_stack,
         n_step=args.n_step or 1, gamma=0.99 if args.gamma is None else args.gamma,
-        capacity=args.capacity)
+        capacity=args.capacity, codec=args.codec)
     print(f"imported checkpoints {_ranges(done.checkpoints)} into {args.store}: "
           f"{done.records} records -> {done.frames} frames, {done.transitions} transitions, "
           f"{done.episodes} episodes ({done.terminated} terminated, {done.truncated} "
@@ -118,7 +120,8 @@ def _add_import_minari(sub: Any, positive_int: Callable[[str], int]) -> None:
 def cmd_import_minari(args: argparse.Namespace) -> int:
     minari = _minari()
     done = minari.import_minari(args.dataset_id, args.store, frame_stack=args.frame_stack,
-                                n_step=args.n_step, gamma=args.gamma, capacity=args.capacity)
+                                n_step=args.n_step, gamma=args.gamma, capacity=args.capacity,
+                                codec=args.codec)
     print(f"imported {done.episodes} episodes ({done.steps} steps, {done.frames} frames) "
           f"from Minari dataset {done.dataset_id} into {args.store}")
     return 0
