@@ -51,7 +51,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 from numpy.lib import format as npy_format
@@ -62,7 +62,8 @@ from .staging import staged_store
 from .store import ReplayStore
 
 PREFIX = "$store$_"
-ELEMENTS = {"action": np.dtype("<i4"), "reward": np.dtype("<f4"), "terminal": np.dtype("u1")}
+ELEMENTS: dict[str, np.dtype] = {"action": np.dtype("<i4"), "reward": np.dtype("<f4"),
+                                 "terminal": np.dtype("u1")}
 MAX_HEADER = 4096
 MAX_FILE = 1 << 40
 MAX_SMALL_ROWS = 1 << 28  # action/reward/terminal arrays are read whole: at most 1 GiB each
@@ -137,7 +138,7 @@ def parse_checkpoints(text: str) -> list[int]:
     return numbers
 
 
-def open_npy_gz(path: Path) -> tuple[IO[bytes], tuple[int, ...], np.dtype]:
+def open_npy_gz(path: Path) -> tuple[gzip.GzipFile, tuple[int, ...], np.dtype]:
     """A gzip stream positioned at the array data, with the header's shape and dtype."""
     try:
         fd, _ = open_bounded(path, path.name, MAX_FILE)
@@ -152,14 +153,14 @@ def open_npy_gz(path: Path) -> tuple[IO[bytes], tuple[int, ...], np.dtype]:
     return stream, shape, dtype
 
 
-def close_stream(stream: IO[bytes]) -> None:
+def close_stream(stream: gzip.GzipFile) -> None:
     fileobj = getattr(stream, "fileobj", None)
     stream.close()
     if fileobj is not None:
         fileobj.close()
 
 
-def _read_header(stream: IO[bytes], name: str) -> tuple[tuple[int, ...], np.dtype]:
+def _read_header(stream: gzip.GzipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
     head = _read_exact(stream, 8, name)
     if head[:6] != b"\x93NUMPY" or head[6:8] not in (b"\x01\x00", b"\x02\x00"):
         raise DatasetFormatError(f"{name} does not hold a .npy array (version 1 or 2) in gzip")
@@ -182,7 +183,7 @@ def _read_header(stream: IO[bytes], name: str) -> tuple[tuple[int, ...], np.dtyp
     return tuple(int(n) for n in shape), dtype
 
 
-def _read_exact(stream: IO[bytes], size: int, name: str) -> bytes:
+def _read_exact(stream: gzip.GzipFile, size: int, name: str) -> bytes:
     try:
         data = stream.read(size)
     except (EOFError, OSError, zlib.error) as exc:
@@ -193,7 +194,7 @@ def _read_exact(stream: IO[bytes], size: int, name: str) -> bytes:
     return data
 
 
-def _expect_end(stream: IO[bytes], name: str) -> None:
+def _expect_end(stream: gzip.GzipFile, name: str) -> None:
     """The stream ends here, and its gzip checksum holds."""
     try:
         extra = stream.read(1)

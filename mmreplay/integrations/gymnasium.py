@@ -68,7 +68,7 @@ class RecordVectorToStore(VectorWrapper):
         self.store = store
         self._autoreset = np.zeros(env.num_envs, dtype=bool)
 
-    def reset(self, *, seed: int | list[int | None] | None = None,
+    def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         mask = None if options is None else options.get("reset_mask")
         mask = None if mask is None else np.array(mask, dtype=bool)  # the env pops it

@@ -196,10 +196,10 @@ def import_minari(dataset_id: str, target: str | Path, *, frame_stack: int | Non
             gamma=gamma if gamma is not None else float(saved.get("gamma", 0.99)),
             stack_padding=str(saved.get("stack_padding", "zero")), **options) as store:
         for ep in dataset.iterate_episodes():
-            arrays = [np.asarray(getattr(ep, k)) for k in
-                      ("observations", "actions", "rewards", "terminations", "truncations")]
-            check_episode(*arrays, where=f"{dataset_id} episode {ep.id}")
-            write_episode(store, *arrays)
+            obs, act, rew, term, trunc = (np.asarray(getattr(ep, k)) for k in (
+                "observations", "actions", "rewards", "terminations", "truncations"))
+            check_episode(obs, act, rew, term, trunc, f"{dataset_id} episode {ep.id}")
+            write_episode(store, obs, act, rew, term, trunc)
         counts = store.counts
     return MinariImport(dataset_id, counts.episodes, counts.transitions, counts.frames_written)
 
