@@ -66,7 +66,8 @@ ELEMENTS: dict[str, np.dtype] = {"action": np.dtype("<i4"), "reward": np.dtype("
                                  "terminal": np.dtype("u1")}
 MAX_HEADER = 4096
 MAX_FILE = 1 << 40
-MAX_SMALL_ROWS = 1 << 28  # action/reward/terminal arrays are read whole: at most 1 GiB each
+MAX_SMALL_ROWS = 1 << 26  # records per checkpoint (Dopamine's are 1M): small arrays read whole
+MAX_FRAME_BYTES = 1 << 24
 BLOCK_BYTES = 32 << 20
 _NAME = re.compile(r"\$store\$_observation_ckpt\.(\d+)\.gz")
 
@@ -227,9 +228,11 @@ def load_checkpoint(directory: Path, number: int) -> Checkpoint:
     stream, shape, dtype = open_npy_gz(probe.path(PREFIX + "observation"))
     close_stream(stream)
     name = probe.path(PREFIX + "observation").name
-    if dtype != np.uint8 or len(shape) < 2 or shape[0] < 1 or 0 in shape:
+    if dtype != np.uint8 or len(shape) < 2 or 0 in shape or shape[0] > MAX_SMALL_ROWS \
+            or math.prod(shape[1:]) > MAX_FRAME_BYTES:
         raise DatasetFormatError(f"{name} holds {dtype}{shape}, expected uint8 (C, *frame) "
-                                 f"with C >= 1 records")
+                                 f"with 1 <= C <= {MAX_SMALL_ROWS} records of at most "
+                                 f"{MAX_FRAME_BYTES} bytes")
     arrays = {key: read_array(probe.path(PREFIX + key), dt, 1, MAX_SMALL_ROWS)
               for key, dt in ELEMENTS.items()}
     for key, arr in arrays.items():

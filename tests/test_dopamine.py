@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from numpy.lib import format as npy_format
 
 pytest.importorskip("ale_py")
 pytest.importorskip("cv2")
@@ -264,6 +265,16 @@ def _replace(array: np.ndarray):
     return mutate
 
 
+def _huge_header(shape: tuple[int, ...]):
+    """A header that claims `shape` with (almost) no data behind it."""
+    def mutate(path: Path, _: Path) -> None:
+        with gzip.open(path, "wb") as f:
+            npy_format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
+                                                  "shape": shape})
+            f.write(b"\0" * 100)
+    return mutate
+
+
 def _extra_rows(path: Path, _: Path) -> None:
     with gzip.open(path, "rb") as f:
         data = f.read()
@@ -308,6 +319,9 @@ HOSTILE = {
     "negative add_count": ("add_count", _replace(np.array(-5)), "non-negative"),
     "float add_count": ("add_count", _replace(np.array(5.0)), "integer"),
     "invalid_range outside": ("invalid_range", _replace(np.array([0, C + 3])), "outside"),
+    "huge frames in the header": ("$store$_observation", _huge_header((C, 1 << 20, 1 << 20)),
+                                  "at most"),
+    "huge record count": ("$store$_observation", _huge_header((1 << 40, 84, 84)), "at most"),
     "extra observation rows": ("$store$_observation", _extra_rows, "more data"),
     "missing reward file": ("$store$_reward", lambda p, _: p.unlink(), "missing"),
     "FIFO observation": ("$store$_observation", _fifo, "FIFO"),
