@@ -1,6 +1,6 @@
 """Build a store beside its target and move it into place only when it is complete.
 
-Importers write into ``<parent>/.<name>.partial-XXXXXX`` (same filesystem, so the final
+Importers write into ``<parent>/.<name>.partial-<random hex>`` (same filesystem, so the final
 ``os.rename`` is atomic) and remove that directory on any failure, so an import that
 fails leaves neither a half-made store at the target nor anything outside its parent.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ def staged_store(target: str | os.PathLike[str], **create: Any) -> Iterator[Repl
     `target`; on an exception it is closed without a flush and its directory removed.
     """
     path = check_target(target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    staging = path.parent / f".{path.name}.partial-{secrets.token_hex(6)}"
+    staging.mkdir()  # the umask's permissions, as a plain ReplayStore.create would give
     try:
         store = ReplayStore.create(staging, **create)
     except BaseException:

@@ -210,6 +210,8 @@ def test_cli_import_dopamine(records: list, tmp_path: Path,
                  "--checkpoints", "1-2"])
     assert code == 0, capsys.readouterr().err
     assert "checkpoints 1-2" in capsys.readouterr().out
+    (tmp_path / "plain").mkdir()  # the store gets the permissions any new directory gets
+    assert (tmp_path / "store").stat().st_mode == (tmp_path / "plain").stat().st_mode
     with ReplayStore.open(tmp_path / "store", mode="r") as store:
         assert_import_matches(store, [fill(records, 5000, count=500),
                                       fill(records, 5000, count=700)], n_step=1)
