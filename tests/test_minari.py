@@ -229,6 +229,9 @@ HOSTILE = {
     "terminated mid-episode": ({"terminations": np.array([True, False, True])},
                                "before its last step"),
     "short actions": ({"actions": np.zeros(2, np.int64)}, "T\\+1 observations"),
+    "frames unlike the space": ({"observations": np.zeros((4, 84, 83), np.uint8)},
+                                "obs shape"),
+    "NaN reward": ({"rewards": np.array([0, np.nan, 0], np.float32)}, "finite"),
 }
 
 

@@ -198,8 +198,12 @@ def import_minari(dataset_id: str, target: str | Path, *, frame_stack: int | Non
         for ep in dataset.iterate_episodes():
             obs, act, rew, term, trunc = (np.asarray(getattr(ep, k)) for k in (
                 "observations", "actions", "rewards", "terminations", "truncations"))
-            check_episode(obs, act, rew, term, trunc, f"{dataset_id} episode {ep.id}")
-            write_episode(store, obs, act, rew, term, trunc)
+            where = f"{dataset_id} episode {ep.id}"
+            check_episode(obs, act, rew, term, trunc, where)
+            try:
+                write_episode(store, obs, act, rew, term, trunc)
+            except InvalidInputError as exc:  # data that disagrees with its own spaces
+                raise DatasetFormatError(f"{where}: {exc}") from None
         counts = store.counts
     return MinariImport(dataset_id, counts.episodes, counts.transitions, counts.frames_written)
 
