@@ -61,14 +61,17 @@ class Args:
     """gradient steps between evaluations (and one at the end)"""
     eval_episodes: int = 5
     """episodes per evaluation"""
-    eval_epsilon: float = 0.001
-    """epsilon of the evaluation policy"""
+    eval_epsilon: float = 0.05
+    """epsilon of the evaluation policy (Nature DQN's; a greedy Breakout policy that never
+    presses FIRE would play until `eval_max_steps`)"""
     eval_max_steps: int = 27_000
     """step limit of an evaluation episode"""
     seed: int = 0
     """seed of the network init, the sampler and the evaluation envs"""
     torch_threads: int = 1
     """torch intra-op threads (0: torch's default)"""
+    device: str = "auto"
+    """torch device for the networks: `auto` (cuda when available), `cpu`, `cuda`"""
     run_dir: str = "runs/offline"
     """where evals.csv and summary.json go"""
 
@@ -114,7 +117,7 @@ class QNetwork(nn.Module):
 
 
 def evaluate(q: QNetwork, args: Args, frame_stack: int, pad_with_first: bool,
-             rng: np.random.Generator, seed: int) -> list[float]:
+             rng: np.random.Generator, seed: int, device: torch.device) -> list[float]:
     """Returns of `eval_episodes` episodes of the epsilon-greedy policy."""
     env = make_env(args.env)
     returns = []
@@ -131,7 +134,8 @@ def evaluate(q: QNetwork, args: Args, frame_stack: int, pad_with_first: bool,
                 action = int(env.action_space.sample())
             else:
                 with torch.no_grad():
-                    action = int(q(torch.from_numpy(stack[None])).argmax(1).item())
+                    state = torch.from_numpy(stack[None]).to(device)
+                    action = int(q(state).argmax(1).item())
             obs, reward, terminated, truncated, _ = env.step(action)
             stack[:-1], stack[-1] = stack[1:].copy(), obs
             total += float(reward)
@@ -154,23 +158,27 @@ if __name__ == "__main__":
     spec = store.spec
     num_actions = int(make_env(args.env).action_space.n)
     state_shape = (spec.frame_stack, *spec.obs_shape)
-    q = QNetwork(state_shape, num_actions)
-    target = QNetwork(state_shape, num_actions)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    q = QNetwork(state_shape, num_actions).to(device)
+    target = QNetwork(state_shape, num_actions).to(device)
     target.load_state_dict(q.state_dict())
     optimizer = torch.optim.Adam(q.parameters(), lr=args.learning_rate, eps=0.01 / 32)
     print(f"{len(store)} sampleable transitions, states {state_shape}, {num_actions} actions, "
-          f"{args.algo}")
+          f"{args.algo} on {device}")
 
     evals: list[dict[str, float]] = []
     batches = store.batches(args.batch_size, prefetch=2)
     start = time.perf_counter()
     for step in range(1, args.total_steps + 1):
         batch = next(batches)
-        q_all = q(batch.obs)
-        q_taken = q_all.gather(1, batch.action.long()[:, None]).squeeze(1)
+        obs, next_obs = batch.obs.to(device), batch.next_obs.to(device)
+        action = batch.action.long().to(device)
+        q_all = q(obs)
+        q_taken = q_all.gather(1, action[:, None]).squeeze(1)
         with torch.no_grad():
-            bootstrap = target(batch.next_obs).max(1).values
-            td_target = batch.reward + batch.discount * bootstrap
+            bootstrap = target(next_obs).max(1).values
+            td_target = batch.reward.to(device) + batch.discount.to(device) * bootstrap
         loss = F.smooth_l1_loss(q_taken, td_target)
         conservative = (torch.logsumexp(q_all, 1) - q_taken).mean()
         if args.algo == "cql":
@@ -182,7 +190,7 @@ if __name__ == "__main__":
             target.load_state_dict(q.state_dict())
         if step % args.eval_every == 0 or step == args.total_steps:
             returns = evaluate(q, args, spec.frame_stack, spec.stack_padding == "first", rng,
-                               seed=args.seed + 1000 * step)
+                               seed=args.seed + 1000 * step, device=device)
             row = {"step": step, "mean_return": float(np.mean(returns)),
                    "min_return": float(np.min(returns)), "max_return": float(np.max(returns)),
                    "loss": float(loss.item()), "conservative_gap": float(conservative.item()),

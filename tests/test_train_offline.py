@@ -71,7 +71,7 @@ def test_offline_dqn_runs_on_an_imported_dopamine_checkpoint(tmp_path: Path) -> 
                "--total-steps", "20", "--eval-every", "10", "--eval-episodes", "1",
                "--eval-max-steps", "50", "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
-    assert "states (4, 84, 84), 4 actions, dqn" in proc.stdout
+    assert "states (4, 84, 84), 4 actions, dqn on" in proc.stdout
     evals = json.loads((tmp_path / "run" / "summary.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [10, 20]
     assert all(np.isfinite(e["loss"]) for e in evals)
