@@ -11,6 +11,7 @@ command itself never pays for them; a missing one is a one-line error naming the
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ def _add_import_dopamine(sub: Any, positive_int: Callable[[str], int]) -> None:
     cmd = sub.add_parser("import-dopamine", help=text, description=text)
     cmd.add_argument("directory", metavar="DIR", help="directory of *_ckpt.N.gz files")
     cmd.add_argument("store", metavar="STORE", help="new store directory (must not exist)")
-    cmd.add_argument("--checkpoints", default=None, metavar="LIST",
+    cmd.add_argument("--checkpoints", type=parse_checkpoints, default=None, metavar="LIST",
                      help="e.g. 0-3, 7 or 1,3,5-6 (default: every checkpoint in DIR)")
     _store_options(cmd, positive_int, default_stack=4)
     cmd.set_defaults(run=cmd_import_dopamine)
@@ -51,9 +52,8 @@ def _add_import_dopamine(sub: Any, positive_int: Callable[[str], int]) -> None:
 def cmd_import_dopamine(args: argparse.Namespace) -> int:
     from . import dopamine
 
-    numbers = None if args.checkpoints is None else dopamine.parse_checkpoints(args.checkpoints)
     done = dopamine.import_dopamine(
-        args.directory, args.store, checkpoints=numbers, frame_stack=args.frame_stack,
+        args.directory, args.store, checkpoints=args.checkpoints, frame_stack=args.frame_stack,
         n_step=args.n_step or 1, gamma=0.99 if args.gamma is None else args.gamma,
         capacity=args.capacity, codec=args.codec)
     print(f"imported checkpoints {_ranges(done.checkpoints)} into {args.store}: "
@@ -62,6 +62,21 @@ def cmd_import_dopamine(args: argparse.Namespace) -> int:
           f"truncated); dropped {done.padding_records} padding records and "
           f"{done.dropped_records} without a next frame")
     return 0
+
+
+def parse_checkpoints(text: str) -> list[int]:
+    """``"0-3"``, ``"7"`` or ``"1,3,5-6"`` as a list of checkpoint numbers (kept in order)."""
+    numbers: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise argparse.ArgumentTypeError(
+                f"checkpoints must look like 0-3, 7 or 1,3,5-6; got {text!r}")
+        first = int(m.group(1))
+        numbers += range(first, int(m.group(2) or first) + 1)
+    if len(set(numbers)) != len(numbers):
+        raise argparse.ArgumentTypeError(f"checkpoints {text!r} name a checkpoint twice")
+    return numbers
 
 
 def _ranges(numbers: Sequence[int]) -> str:

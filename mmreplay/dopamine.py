@@ -125,20 +125,6 @@ def find_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
     return found
 
 
-def parse_checkpoints(text: str) -> list[int]:
-    """``"0-3"``, ``"7"`` or ``"1,3,5-6"`` as a list of checkpoint numbers (kept in order)."""
-    numbers: list[int] = []
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-            raise DatasetFormatError(f"checkpoints must look like 0-3, 7 or 1,3,5-6; got {text!r}")
-        first = int(m.group(1))
-        numbers += range(first, int(m.group(2) or first) + 1)
-    if len(set(numbers)) != len(numbers):
-        raise DatasetFormatError(f"checkpoints {text!r} name a checkpoint twice")
-    return numbers
-
-
 def open_npy_gz(path: Path) -> tuple[gzip.GzipFile, tuple[int, ...], np.dtype]:
     """A gzip stream positioned at the array data, with the header's shape and dtype."""
     try:

@@ -9,6 +9,7 @@ next state.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import os
 import pickle
@@ -25,7 +26,8 @@ from dopamine_format import DopamineBuffer, episode_records, write_npy_gz  # noq
 
 from mmreplay import DatasetFormatError, InvalidInputError, ReplayStore  # noqa: E402
 from mmreplay.cli import main  # noqa: E402
-from mmreplay.dopamine import import_dopamine, parse_checkpoints  # noqa: E402
+from mmreplay.cli_datasets import parse_checkpoints  # noqa: E402
+from mmreplay.dopamine import import_dopamine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = 1500
@@ -217,13 +219,18 @@ def test_cli_import_dopamine(records: list, tmp_path: Path,
                                       fill(records, 5000, count=700)], n_step=1)
 
 
-def test_parse_checkpoints() -> None:
+def test_parse_checkpoints(tmp_path: Path) -> None:
     assert parse_checkpoints("0-3") == [0, 1, 2, 3]
     assert parse_checkpoints("7") == [7]
     assert parse_checkpoints("1,3,5-6") == [1, 3, 5, 6]
     for bad in ("3-1", "a", "1,,2", "1,1", "-2"):
-        with pytest.raises(DatasetFormatError):
+        with pytest.raises(argparse.ArgumentTypeError):
             parse_checkpoints(bad)
+        assert main(["import-dopamine", str(tmp_path), str(tmp_path / "s"),
+                     "--checkpoints", bad]) == 2
+    assert main(["import-dopamine", str(tmp_path), str(tmp_path / "s"), "--checkpoints",
+                 "4"]) == 2  # no such checkpoint: one error line, nothing made
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- hostile inputs ------------------------------------------------------------------------------
