@@ -1,5 +1,6 @@
-"""`scripts/train_offline.py`: learns CartPole from a recorded store; runs on an imported
-Dopamine checkpoint of real ALE frames (pixel path)."""
+"""The offline scripts with small arguments: `train_offline.py` learns CartPole from a
+recorded store and runs on an imported Dopamine checkpoint of real ALE frames (pixel path);
+`bench_datasets.py` writes its figures."""
 
 from __future__ import annotations
 
@@ -75,3 +76,20 @@ def test_offline_dqn_runs_on_an_imported_dopamine_checkpoint(tmp_path: Path) -> 
     evals = json.loads((tmp_path / "run" / "summary.json").read_text())["evals"]
     assert [e["step"] for e in evals] == [10, 20]
     assert all(np.isfinite(e["loss"]) for e in evals)
+
+
+def test_bench_datasets_runs_with_tiny_arguments(tmp_path: Path) -> None:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_datasets.py"), "--records", "3001",
+         "--distinct-frames", "1500", "--gzip-level", "1", "--workdir", str(tmp_path / "w"),
+         "--out", str(tmp_path / "figures.json")],
+        env={**os.environ, "PYTHONPATH": path, "MINARI_DATASETS_PATH": str(tmp_path / "m")},
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["raw_frame_bytes"] == 3001 * 84 * 84
+    for key in ("import_lz4", "import_zstd", "export_minari"):
+        assert figures[key]["peak_rss_mib"] > 0 and figures[key]["seconds"] > 0
+    assert 0 < figures["store_zstd_frame_bytes"] < figures["store_lz4_frame_bytes"]
+    assert figures["minari_bytes"] > figures["raw_frame_bytes"] * 0.9  # raw frames
