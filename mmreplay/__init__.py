@@ -5,6 +5,7 @@
 """
 
 from .errors import (
+    DatasetFormatError,
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
@@ -19,6 +20,7 @@ from .torch_batch import Batch
 
 __all__ = [
     "Batch",
+    "DatasetFormatError",
     "EmptyStoreError",
     "InvalidInputError",
     "InvalidStoreError",

@@ -1,4 +1,4 @@
-"""The ``mmreplay`` command: a thin terminal layer over `mmreplay.inspect`.
+"""The ``mmreplay`` command: a thin terminal layer over `mmreplay.inspect` and the importers.
 
     mmreplay info PATH [--json]              config, counts, disk, RAM, sampler
     mmreplay episodes PATH [--sort K] [--limit N] [--json]
@@ -7,10 +7,14 @@
     mmreplay plot PATH [--out F]             histograms (priorities, rewards, episodes)
     mmreplay verify PATH                     every checksum and invariant; exit 1 if damaged
     mmreplay sample PATH [--batch-size B] [--seed S]
+    mmreplay import-dopamine DIR STORE [--checkpoints 0-3]   Dopamine replay logs -> store
+    mmreplay export-minari STORE DATASET_ID                  store -> Minari dataset
+    mmreplay import-minari DATASET_ID STORE                  Minari dataset -> store
 
-Every command opens the store read-only (no lock, nothing written), so it is safe on
-a store another process is writing. Exit codes: 0 ok, 1 ``verify`` found problems,
-2 a user mistake (bad arguments, not a store, damaged store), 130 interrupted.
+The inspecting commands open the store read-only (no lock, nothing written), so they are
+safe on a store another process is writing; the import commands build a new store beside
+STORE and rename it into place only when it is complete. Exit codes: 0 ok, 1 ``verify``
+found problems, 2 a user mistake (bad arguments, not a store, damaged store), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 
 from . import __version__
 from . import inspect as ins
+from .cli_datasets import add_dataset_commands
 from .errors import MmreplayError
 from .verify import verify_store
 
@@ -65,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample):
         add(sub)
+    add_dataset_commands(sub, positive_int=_positive_int)
     return parser
 
 

@@ -24,6 +24,14 @@ class InvalidStoreError(MmreplayError, ValueError):
     """
 
 
+class DatasetFormatError(MmreplayError, ValueError):
+    """Files given to an importer are not the dataset format they claim to be.
+
+    Raised, with a one-line message naming the file, for wrong shapes or dtypes, arrays
+    whose lengths disagree, pickled or object payloads, truncated or corrupt compression.
+    """
+
+
 class StoreLockedError(MmreplayError, RuntimeError):
     """Another process holds the store open for writing."""
 
