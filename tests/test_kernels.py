@@ -80,3 +80,24 @@ def test_a_read_after_the_writer_replaced_a_shard_sees_the_new_file(tmp_path) ->
             want = ids % 251  # transition t starts at frame t, which holds t (one episode)
             np.testing.assert_array_equal(got.obs[:, 0, 0].numpy(), want)
     store.close()
+
+
+def test_import_and_info_never_load_the_compiled_kernels(tmp_path) -> None:
+    """numba (its import and its cache load) is paid on a store's first read, never by
+    ``import mmreplay`` or ``mmreplay info``."""
+    import subprocess
+    import sys
+
+    store = ReplayStore.create(tmp_path / "s", capacity=64, obs_shape=(84, 84),
+                               frame_stack=4, sampler="prioritized", seed=0)
+    store.reset(np.zeros((84, 84), np.uint8))
+    for i in range(40):
+        store.add(0, 0.0, np.full((84, 84), i, np.uint8), False, False)
+    store.close()
+    code = ("import sys; from mmreplay.cli import main; code = main(['info', sys.argv[1]]); "
+            "print('numba' in sys.modules, 'mmreplay.kernels' in sys.modules); "
+            "sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False False"
