@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import os
+from typing import Any
 
 import google_crc32c
 import llvmlite.binding as llvm
@@ -52,17 +53,17 @@ def _load_libraries() -> None:
 
 _load_libraries()
 
-_crc32c = types.ExternalFunction(
+_crc32c: Any = types.ExternalFunction(
     "crc32c_extend", types.uint32(types.uint32, types.int64, types.intp))
-_blosc_decompress = types.ExternalFunction(
+_blosc_decompress: Any = types.ExternalFunction(
     "blosc_decompress_ctx", types.int32(types.int64, types.int64, types.intp, types.int32))
-_zstd_content_size = types.ExternalFunction(
+_zstd_content_size: Any = types.ExternalFunction(
     "ZSTD_getFrameContentSize", types.uint64(types.int64, types.intp))
-_zstd_decompress = types.ExternalFunction(
+_zstd_decompress: Any = types.ExternalFunction(
     "ZSTD_decompress", types.uint64(types.int64, types.intp, types.int64, types.intp))
 
-@intrinsic
-def _u32_at(typingctx, addr):  # type: ignore[no-untyped-def]
+@intrinsic  # type: ignore[misc]
+def _u32_at_intrinsic(typingctx, addr):  # type: ignore[no-untyped-def]
     """The little-endian uint32 at byte address `addr` (any alignment)."""
     sig = types.uint32(types.int64)
 
@@ -71,6 +72,9 @@ def _u32_at(typingctx, addr):  # type: ignore[no-untyped-def]
         return builder.load(ptr, align=1)
 
     return sig, codegen
+
+
+_u32_at: Any = _u32_at_intrinsic  # called from compiled code only
 
 
 @numba.njit(nogil=True, cache=True)
