@@ -216,7 +216,8 @@ def test_killing_the_store_actor_loses_no_flushed_step_and_duplicates_none(
             writer.add(**stream.step())
     for writer in writers:
         writer.drain()
-    ledger.flushed[ray.get(actor.info.remote()).incarnation] = ray.get(actor.flush.remote())
+    last = ray.get(actor.flush.remote())
+    ledger.flushed[last.incarnation] = last.seq
     assert len(set(pids)) == kills and all(w.stats.resyncs >= 1 for w in writers)
     with ReplayStore.open(tmp_path / "s", mode="r") as store:
         batch = store.get(store.valid_ids())

@@ -115,6 +115,17 @@ class BlockAck:
     first_id: int = -1  # id of the block's first step (ids follow in row-major order)
 
 
+@dataclass(frozen=True)
+class FlushInfo:
+    """What one flush committed: blocks up to `seq` of this store process, `transitions`
+    transitions in all (``counts.transitions``), as manifest `generation`."""
+
+    incarnation: str
+    seq: int
+    transitions: int
+    generation: int
+
+
 @dataclass
 class FlushSchedule:
     """Flush after `every_steps` steps or `every_s` seconds, whichever comes first."""
@@ -168,12 +179,13 @@ class BlockTaker:
             self.flush()
         return BlockAck(True, self.incarnation, self.seq, self.flushed_seq, first_id)
 
-    def flush(self) -> int:
-        """Commit now; returns the seq of the last block committed."""
+    def flush(self) -> FlushInfo:
+        """Commit now; says what was committed."""
         self.store.flush()
         self.flushed_seq = self.seq
         self.schedule.done()
-        return self.flushed_seq
+        return FlushInfo(self.incarnation, self.seq, self.store.counts.transitions,
+                         self.store.generation)
 
 
 def check_block(store: ReplayStore, block: StepBlock) -> np.ndarray:

@@ -40,7 +40,7 @@ from ..manifest import MANIFEST
 from ..spec import StoreSpec
 from ..store import ReplayStore, StoreCounts
 from ..torch_batch import Batch
-from .blocks import BlockAck, BlockTaker, FlushSchedule, StepBlock, make_block
+from .blocks import BlockAck, BlockTaker, FlushInfo, FlushSchedule, StepBlock, make_block
 
 ACTOR_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 BATCH_FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated", "discount",
@@ -105,8 +105,8 @@ class StoreActor:
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         return self.store.update_priorities(ids, priorities)
 
-    def flush(self) -> int:
-        """Commit now; returns the seq of the last block committed (see `BlockAck`)."""
+    def flush(self) -> FlushInfo:
+        """Commit now; says what was committed (see `BlockAck` for `seq`)."""
         return self.taker.flush()
 
     def spec(self) -> StoreSpec:
