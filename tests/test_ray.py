@@ -218,7 +218,8 @@ def test_killing_the_store_actor_loses_no_flushed_step_and_duplicates_none(
         writer.drain()
     last = ray.get(actor.flush.remote())
     ledger.flushed[last.incarnation] = last.seq
-    assert len(set(pids)) == kills and all(w.stats.resyncs >= 1 for w in writers)
+    assert len(set(pids)) == kills
+    assert all(1 <= w.stats.resyncs <= kills for w in writers)  # one per restart it met
     with ReplayStore.open(tmp_path / "s", mode="r") as store:
         batch = store.get(store.valid_ids())
         stored = batch.action.numpy()
@@ -227,6 +228,9 @@ def test_killing_the_store_actor_loses_no_flushed_step_and_duplicates_none(
         lost = ledger.committed() - set(stored.tolist())
         assert not lost, f"{len(lost)} steps of flushed blocks lost"
         assert batch.truncated.any(), "interrupted episodes should end truncated"
+        print(f"{kills} kills: {len(ledger.sent)} steps sent, {len(ledger.committed())} in "
+              f"flushed blocks, {stored.size} stored, {len(lost)} lost, "
+              f"{stored.size - np.unique(stored).size} duplicated")
     ray.kill(actor)
 
 

@@ -169,7 +169,8 @@ class BlockWriter:
 
     def __init__(self, actor: Any, env_ids: Any, *, block_steps: int = 64,
                  max_in_flight: int = 2, compress: bool = False, spec: StoreSpec | None = None,
-                 on_ack: Any = None, max_failures: int = 1000) -> None:
+                 on_ack: Any = None, max_failures: int = 1000,
+                 restart_wait_s: float = 60.0) -> None:
         if block_steps < 1 or max_in_flight < 1:
             raise ValueError(f"block_steps and max_in_flight must be >= 1, got "
                              f"{block_steps}, {max_in_flight}")
@@ -179,6 +180,7 @@ class BlockWriter:
         self.block_steps, self.max_in_flight, self.compress = block_steps, max_in_flight, compress
         self.stats = WriterStats()
         self._on_ack, self._max_failures, self._failures_in_row = on_ack, max_failures, 0
+        self.restart_wait_s = restart_wait_s
         self._stream, self._resync = 0, False
         self._prev_frames: np.ndarray | None = None
         self._in_flight: deque[tuple[Any, int, StepBlock]] = deque()
@@ -220,6 +222,7 @@ class BlockWriter:
             self._send()
 
     def _send(self) -> None:
+        self._wait_until(self.max_in_flight - 1)  # first: an answer may ask for a resync
         first = 1
         if self._resync and self._prev_frames is not None:
             first = 0
@@ -234,8 +237,7 @@ class BlockWriter:
         self._resync = False
         self._prev_frames = self._buf["frames"][self._fill].copy()
         self._new_buffer()
-        self._wait_until(self.max_in_flight - 1)
-        self._in_flight.append((self.actor.add_block.remote(block), self._stream, block))
+        self._in_flight.append((self.actor.add_block.remote(block), block.stream, block))
         self.stats.blocks_sent += 1
         self.stats.steps_sent += block.steps
         self.stats.bytes_sent += block.nbytes
@@ -251,6 +253,7 @@ class BlockWriter:
             ack: BlockAck | None = ray.get(ref)
         except ACTOR_DIED:
             ack = None
+            wait_for_actor(self.actor, self.restart_wait_s)  # hold steps, do not drop them
         if ack is not None and ack.accepted:
             self.stats.steps_acked += block.steps
             self._failures_in_row = 0
@@ -283,10 +286,10 @@ class RemoteBatches:
     """
 
     def __init__(self, actor: Any, batch_size: int, *, prefetch: int = 4, beta: float = 0.4,
-                 max_pending_updates: int = 8, max_retries: int = 100) -> None:
+                 max_pending_updates: int = 8, restart_wait_s: float = 60.0) -> None:
         self.actor, self.batch_size, self.beta = actor, batch_size, beta
         self.prefetch, self.max_pending_updates = max(1, prefetch), max(1, max_pending_updates)
-        self.max_retries = max_retries
+        self.restart_wait_s = restart_wait_s
         self.waits: deque[float] = deque(maxlen=10_000)
         self._samples: deque[Any] = deque()
         self._updates: deque[Any] = deque()
@@ -295,18 +298,19 @@ class RemoteBatches:
         return self
 
     def __next__(self) -> Batch:
-        for _ in range(self.max_retries):
+        while True:
             while len(self._samples) < self.prefetch:
                 self._samples.append(self.actor.sample.remote(self.batch_size, self.beta))
             start = time.perf_counter()
             try:
                 arrays = ray.get(self._samples.popleft())
-            except ACTOR_DIED:
-                continue  # the store restarted: ask the new process
+            except ACTOR_DIED:  # the store restarts: wait for the new process, ask again
+                self._samples.clear()
+                wait_for_actor(self.actor, self.restart_wait_s)
+                continue
             self.waits.append(time.perf_counter() - start)
             self._samples.append(self.actor.sample.remote(self.batch_size, self.beta))
             return to_batch(arrays)
-        raise RuntimeError(f"the store actor failed {self.max_retries} samples in a row")
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Send new priorities without waiting (ids the store no longer has are ignored)."""
@@ -333,3 +337,17 @@ class RemoteBatches:
 def to_batch(arrays: dict[str, np.ndarray]) -> Batch:
     """Torch tensors from the arrays Ray returned (read-only there: copied on purpose)."""
     return Batch(**{name: torch.from_numpy(np.array(arrays[name])) for name in BATCH_FIELDS})
+
+
+def wait_for_actor(actor: Any, timeout_s: float) -> None:
+    """Block until the store actor answers again (Ray restarting it), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return
+        except (*ACTOR_DIED, ray.exceptions.GetTimeoutError):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the store actor did not come back within {timeout_s} s") \
+                    from None
+            time.sleep(0.05)
