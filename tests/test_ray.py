@@ -129,7 +129,17 @@ def test_sampling_and_priorities_through_the_iterator(tmp_path: Path) -> None:
         row = stream.step()
         writer.add(**row, priorities=np.where(row["action"] % 97 == 0, 1e4, 1e-3))
     writer.drain()
-    batches = RemoteBatches(actor, 32, prefetch=3, beta=0.5)
+    ray.get(actor.flush.remote())
+    with ReplayStore.open(tmp_path / "s", mode="r") as reader:  # lz4 stacks decode exactly
+        lz4 = RemoteBatches(actor, 8, prefetch=2, batches_per_call=3)
+        for _ in range(4):
+            got = next(lz4)
+            want = reader.get(got.ids)
+            for name in ("obs", "next_obs", "action", "reward", "discount"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+        lz4.close()
+        assert len(lz4.waits) == 2  # two calls of 3 batches gave the 4
+    batches = RemoteBatches(actor, 32, prefetch=3, beta=0.5, compress=False)
     batch = next(batches)
     assert batch.obs.shape == (32, 3, *OBS) and batch.obs.dtype == torch.uint8
     assert batch.next_obs.shape == (32, 3, *OBS) and batch.weights.max() <= 1.0

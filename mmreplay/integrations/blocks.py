@@ -158,15 +158,17 @@ class BlockTaker:
 
     def take(self, block: StepBlock) -> BlockAck:
         """Check the whole block, then apply it row by row; flush when the schedule says."""
-        frames = check_block(self.store, block)
-        envs = block.env_ids
+        rows = check_block(self.store, block)
+        envs = rows.env_ids
         continues = ~block.autoreset[0]
         if ((self.stream[envs] != block.stream) | ~self.open[envs])[continues].any():
             return BlockAck(False, self.incarnation, -1, self.flushed_seq)
-        first_id = self.store.counts.transitions
-        for t in range(block.rows):
-            self.store.add(block.action[t], block.reward[t], frames[t], block.terminated[t],
-                           block.truncated[t], autoreset=block.autoreset[t], env_ids=envs)
+        first_id = self.store.counts.transitions if block.priorities is not None else -1
+        with self.store._lock:  # checked once for the block: each row skips add's checks
+            self.store._check_writable("add")
+            for t in range(block.rows):
+                self.store._record(envs, rows.action[t], rows.reward[t], rows.frames[t],
+                                   rows.terminated[t], rows.truncated[t], rows.autoreset[t])
         self.stream[envs] = block.stream
         last = block.autoreset[-1] | ~(block.terminated[-1] | block.truncated[-1])
         self.open[envs] = last
@@ -188,8 +190,21 @@ class BlockTaker:
                          self.store.generation)
 
 
-def check_block(store: ReplayStore, block: StepBlock) -> np.ndarray:
-    """Shapes, dtypes and episode order of a whole block; returns its frames.
+@dataclass(frozen=True)
+class CheckedRows:
+    """A block's arrays after the store's checks, cast to the store's dtypes."""
+
+    env_ids: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    frames: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    autoreset: np.ndarray
+
+
+def check_block(store: ReplayStore, block: StepBlock) -> CheckedRows:
+    """Shapes, dtypes, values and episode order of a whole block, checked at once.
 
     Raises `InvalidInputError` before anything is applied, so a bad block changes nothing.
     """
@@ -213,24 +228,26 @@ def check_block(store: ReplayStore, block: StepBlock) -> np.ndarray:
                                     f"{want} (rows, envs, ...)")
     if block.rows == 0:
         raise InvalidInputError("block has no rows")
-    _check_values(store, block, frames)
+    rows = _check_values(store, block, frames)
     _check_episode_order(block)
-    return frames
+    return rows
 
 
-def _check_values(store: ReplayStore, block: StepBlock, frames: np.ndarray) -> None:
+def _check_values(store: ReplayStore, block: StepBlock, frames: np.ndarray) -> CheckedRows:
     """Every row at once with the store's own argument checks (dtypes, finite values)."""
-    spec, count = store.spec, block.reward.size
-    validate.env_ids(spec, block.env_ids)
+    spec, count, shape = store.spec, block.reward.size, block.reward.shape
+    envs = validate.env_ids(spec, block.env_ids)
     validate.observations(spec, frames.reshape(count, *spec.obs_shape), count, "frames")
-    validate.actions(spec, block.action.reshape(count, *spec.action_shape), count)
-    validate.rewards(spec, block.reward.reshape(count), count)
-    for name in ("terminated", "truncated", "autoreset"):
-        validate.flags(spec, name, getattr(block, name).reshape(count), count)
+    action = validate.actions(spec, block.action.reshape(count, *spec.action_shape), count)
+    reward = validate.rewards(spec, block.reward.reshape(count), count)
+    flags = [validate.flags(spec, name, getattr(block, name).reshape(count), count)
+             for name in ("terminated", "truncated", "autoreset")]
     if block.priorities is not None:
         if spec.sampler == "uniform":
             raise InvalidInputError("block carries priorities but the store samples uniformly")
         validate.priorities(block.priorities.reshape(count), count)
+    return CheckedRows(envs, action.reshape(*shape, *spec.action_shape), reward.reshape(shape),
+                       frames, *(f.reshape(shape) for f in flags))
 
 
 def _check_episode_order(block: StepBlock) -> None:

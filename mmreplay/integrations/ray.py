@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numcodecs import blosc
 
 try:
     import ray
@@ -40,7 +41,15 @@ from ..manifest import MANIFEST
 from ..spec import StoreSpec
 from ..store import ReplayStore, StoreCounts
 from ..torch_batch import Batch
-from .blocks import BlockAck, BlockTaker, FlushInfo, FlushSchedule, StepBlock, make_block
+from .blocks import (
+    BlockAck,
+    BlockTaker,
+    FlushInfo,
+    FlushSchedule,
+    StepBlock,
+    compress_frames,
+    make_block,
+)
 
 ACTOR_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 BATCH_FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated", "discount",
@@ -97,10 +106,19 @@ class StoreActor:
     def add_block(self, block: StepBlock) -> BlockAck:
         return self.taker.take(block)
 
-    def sample(self, batch_size: int, beta: float = 0.4) -> dict[str, np.ndarray]:
-        """A batch as numpy arrays (they cross Ray without pickling tensors)."""
+    def sample(self, batch_size: int, beta: float = 0.4, compress: bool = True,
+               count: int = 1) -> list[dict[str, Any]]:
+        """`count` batches as numpy arrays (they cross Ray without pickling tensors); with
+        `compress` the stacks travel as lz4 bytes (see `to_batch`)."""
+        return [self._sample_one(batch_size, beta, compress) for _ in range(count)]
+
+    def _sample_one(self, batch_size: int, beta: float, compress: bool) -> dict[str, Any]:
         batch = self.store.sample(batch_size, beta)
-        return {name: getattr(batch, name).numpy() for name in BATCH_FIELDS}
+        out: dict[str, Any] = {name: getattr(batch, name).numpy() for name in BATCH_FIELDS}
+        if compress:
+            for name in ("obs", "next_obs"):
+                out[name] = (compress_frames(out[name]), out[name].shape, out[name].dtype.str)
+        return out
 
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         return self.store.update_priorities(ids, priorities)
@@ -164,11 +182,13 @@ class BlockWriter:
     At most `max_in_flight` blocks wait for an answer; the next send blocks until the
     oldest is answered (backpressure: memory stays bounded). A block whose call fails or
     is refused is not sent again; the next block starts fresh episodes from the last
-    frames sent (the store ends the interrupted ones as truncated).
+    frames sent (the store ends the interrupted ones as truncated). Frames travel
+    lz4-compressed by default: faster than raw blocks even on one machine
+    (``scripts/bench_ray.py``), and ~40x fewer bytes between machines.
     """
 
     def __init__(self, actor: Any, env_ids: Any, *, block_steps: int = 64,
-                 max_in_flight: int = 2, compress: bool = False, spec: StoreSpec | None = None,
+                 max_in_flight: int = 2, compress: bool = True, spec: StoreSpec | None = None,
                  on_ack: Any = None, max_failures: int = 1000,
                  restart_wait_s: float = 60.0) -> None:
         if block_steps < 1 or max_in_flight < 1:
@@ -283,11 +303,17 @@ class RemoteBatches:
     Keeps `prefetch` ``sample`` calls in flight, so the learner rarely waits; priority
     updates are sent without waiting for them (at most `max_pending_updates` pending).
     Set ``it.beta`` to anneal. `waits` holds the most recent waits for a batch (seconds).
+    With `compress` the stacks cross Ray as lz4 bytes (faster than raw arrays here:
+    ``scripts/bench_ray.py``); `batches_per_call` > 1 spreads a call's overhead over several
+    small batches (they are drawn together, so later ones see older priorities).
     """
 
     def __init__(self, actor: Any, batch_size: int, *, prefetch: int = 4, beta: float = 0.4,
-                 max_pending_updates: int = 8, restart_wait_s: float = 60.0) -> None:
+                 max_pending_updates: int = 8, restart_wait_s: float = 60.0,
+                 compress: bool = True, batches_per_call: int = 1) -> None:
         self.actor, self.batch_size, self.beta = actor, batch_size, beta
+        self.compress, self.batches_per_call = compress, max(1, batches_per_call)
+        self._ready: deque[dict[str, Any]] = deque()
         self.prefetch, self.max_pending_updates = max(1, prefetch), max(1, max_pending_updates)
         self.restart_wait_s = restart_wait_s
         self.waits: deque[float] = deque(maxlen=10_000)
@@ -298,19 +324,25 @@ class RemoteBatches:
         return self
 
     def __next__(self) -> Batch:
+        if not self._ready:
+            self._ready.extend(self._next_call())
+        return to_batch(self._ready.popleft())
+
+    def _next_call(self) -> list[dict[str, Any]]:
+        """The answer of the oldest `sample` call in flight (topped up to `prefetch`)."""
         while True:
             while len(self._samples) < self.prefetch:
-                self._samples.append(self.actor.sample.remote(self.batch_size, self.beta))
+                self._samples.append(self.actor.sample.remote(
+                    self.batch_size, self.beta, self.compress, self.batches_per_call))
             start = time.perf_counter()
             try:
-                arrays = ray.get(self._samples.popleft())
+                batches = ray.get(self._samples.popleft())
             except ACTOR_DIED:  # the store restarts: wait for the new process, ask again
                 self._samples.clear()
                 wait_for_actor(self.actor, self.restart_wait_s)
                 continue
             self.waits.append(time.perf_counter() - start)
-            self._samples.append(self.actor.sample.remote(self.batch_size, self.beta))
-            return to_batch(arrays)
+            return batches
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Send new priorities without waiting (ids the store no longer has are ignored)."""
@@ -332,11 +364,23 @@ class RemoteBatches:
         while self._updates:
             self._settle_update()
         self._samples.clear()
+        self._ready.clear()
 
 
-def to_batch(arrays: dict[str, np.ndarray]) -> Batch:
-    """Torch tensors from the arrays Ray returned (read-only there: copied on purpose)."""
-    return Batch(**{name: torch.from_numpy(np.array(arrays[name])) for name in BATCH_FIELDS})
+def to_batch(arrays: dict[str, Any]) -> Batch:
+    """Torch tensors from what `StoreActor.sample` returned: arrays Ray hands out read-only
+    are copied on purpose; lz4 stacks are decoded straight into fresh arrays."""
+    out = {}
+    for name in BATCH_FIELDS:
+        value = arrays[name]
+        if isinstance(value, tuple):
+            data, shape, dtype = value
+            decoded = np.empty(shape, dtype)
+            blosc.decompress(data, decoded)
+            out[name] = torch.from_numpy(decoded)
+        else:
+            out[name] = torch.from_numpy(np.array(value))
+    return Batch(**out)
 
 
 def wait_for_actor(actor: Any, timeout_s: float) -> None:
