@@ -138,8 +138,8 @@ def test_sampling_and_priorities_through_the_iterator(tmp_path: Path) -> None:
             for name in ("obs", "next_obs", "action", "reward", "discount"):
                 assert torch.equal(getattr(got, name), getattr(want, name)), name
         lz4.close()
-        assert len(lz4.waits) == 2  # two calls of 3 batches gave the 4
-    batches = RemoteBatches(actor, 32, prefetch=3, beta=0.5, compress=False)
+        assert len(lz4.waits) == 4
+    batches = RemoteBatches(actor, 32, prefetch=3, beta=0.5, compress=False, background=False)
     batch = next(batches)
     assert batch.obs.shape == (32, 3, *OBS) and batch.obs.dtype == torch.uint8
     assert batch.next_obs.shape == (32, 3, *OBS) and batch.weights.max() <= 1.0

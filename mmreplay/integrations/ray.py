@@ -26,21 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from numcodecs import blosc
-
-try:
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-except ImportError:  # pragma: no cover - depends on the environment
-    raise ImportError('mmreplay.integrations.ray needs Ray: pip install "mmreplay[ray]"') \
-        from None
 
 from ..errors import StoreLockedError
 from ..manifest import MANIFEST
 from ..spec import StoreSpec
 from ..store import ReplayStore, StoreCounts
-from ..torch_batch import Batch
+from ._ray_common import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
 from .blocks import (
     BlockAck,
     BlockTaker,
@@ -50,10 +41,7 @@ from .blocks import (
     compress_frames,
     make_block,
 )
-
-ACTOR_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-BATCH_FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated", "discount",
-                "weights", "ids")
+from .ray_learner import RemoteBatches, to_batch
 
 
 @dataclass(frozen=True)
@@ -152,6 +140,8 @@ def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | Non
                       name: str | None = None) -> Any:
     """Start a `StoreActor` pinned to `node_id` (default: this process's node, whose disk
     holds `path`); ``num_cpus=0`` so it takes no CPU slot from env actors."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     node = node_id or ray.get_runtime_context().get_node_id()
     cls = ray.remote(concurrency_groups={"stats": 1})(StoreActor)
     return cls.options(
@@ -297,101 +287,5 @@ class BlockWriter:
         self._wait_until(0)
 
 
-class RemoteBatches:
-    """The learner's side: an endless iterator of `Batch` es sampled by a store actor.
-
-    Keeps `prefetch` ``sample`` calls in flight, so the learner rarely waits; priority
-    updates are sent without waiting for them (at most `max_pending_updates` pending).
-    Set ``it.beta`` to anneal. `waits` holds the most recent waits for a batch (seconds).
-    With `compress` the stacks cross Ray as lz4 bytes (faster than raw arrays here:
-    ``scripts/bench_ray.py``); `batches_per_call` > 1 spreads a call's overhead over several
-    small batches (they are drawn together, so later ones see older priorities).
-    """
-
-    def __init__(self, actor: Any, batch_size: int, *, prefetch: int = 4, beta: float = 0.4,
-                 max_pending_updates: int = 8, restart_wait_s: float = 60.0,
-                 compress: bool = True, batches_per_call: int = 1) -> None:
-        self.actor, self.batch_size, self.beta = actor, batch_size, beta
-        self.compress, self.batches_per_call = compress, max(1, batches_per_call)
-        self._ready: deque[dict[str, Any]] = deque()
-        self.prefetch, self.max_pending_updates = max(1, prefetch), max(1, max_pending_updates)
-        self.restart_wait_s = restart_wait_s
-        self.waits: deque[float] = deque(maxlen=10_000)
-        self._samples: deque[Any] = deque()
-        self._updates: deque[Any] = deque()
-
-    def __iter__(self) -> RemoteBatches:
-        return self
-
-    def __next__(self) -> Batch:
-        if not self._ready:
-            self._ready.extend(self._next_call())
-        return to_batch(self._ready.popleft())
-
-    def _next_call(self) -> list[dict[str, Any]]:
-        """The answer of the oldest `sample` call in flight (topped up to `prefetch`)."""
-        while True:
-            while len(self._samples) < self.prefetch:
-                self._samples.append(self.actor.sample.remote(
-                    self.batch_size, self.beta, self.compress, self.batches_per_call))
-            start = time.perf_counter()
-            try:
-                batches = ray.get(self._samples.popleft())
-            except ACTOR_DIED:  # the store restarts: wait for the new process, ask again
-                self._samples.clear()
-                wait_for_actor(self.actor, self.restart_wait_s)
-                continue
-            self.waits.append(time.perf_counter() - start)
-            return batches
-
-    def update_priorities(self, ids: Any, priorities: Any) -> None:
-        """Send new priorities without waiting (ids the store no longer has are ignored)."""
-        while len(self._updates) >= self.max_pending_updates:
-            self._settle_update()
-        ids = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-        if isinstance(priorities, torch.Tensor):
-            priorities = priorities.detach().cpu().numpy()
-        self._updates.append(self.actor.update_priorities.remote(ids, np.asarray(priorities)))
-
-    def _settle_update(self) -> None:
-        try:
-            ray.get(self._updates.popleft())
-        except ACTOR_DIED:
-            pass  # lost with a store process: those priorities were not committed either
-
-    def close(self) -> None:
-        """Wait for the pending priority updates; drop the prefetched samples."""
-        while self._updates:
-            self._settle_update()
-        self._samples.clear()
-        self._ready.clear()
-
-
-def to_batch(arrays: dict[str, Any]) -> Batch:
-    """Torch tensors from what `StoreActor.sample` returned: arrays Ray hands out read-only
-    are copied on purpose; lz4 stacks are decoded straight into fresh arrays."""
-    out = {}
-    for name in BATCH_FIELDS:
-        value = arrays[name]
-        if isinstance(value, tuple):
-            data, shape, dtype = value
-            decoded = np.empty(shape, dtype)
-            blosc.decompress(data, decoded)
-            out[name] = torch.from_numpy(decoded)
-        else:
-            out[name] = torch.from_numpy(np.array(value))
-    return Batch(**out)
-
-
-def wait_for_actor(actor: Any, timeout_s: float) -> None:
-    """Block until the store actor answers again (Ray restarting it), at most `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
-            return
-        except (*ACTOR_DIED, ray.exceptions.GetTimeoutError):
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"the store actor did not come back within {timeout_s} s") \
-                    from None
-            time.sleep(0.05)
+__all__ = ["ActorInfo", "BlockWriter", "RemoteBatches", "StoreActor", "WriterStats",
+           "open_or_create", "start_store_actor", "to_batch", "wait_for_actor"]
