@@ -1,6 +1,6 @@
 """Ingest and sampling through Ray against the in-process store, on real ALE frames.
 
-    python scripts/bench_ray.py        # ~2 min; prints a table, writes data/bench/ray.json
+    python scripts/bench_ray.py        # ~4 min; prints a table, writes data/bench/ray.json
 
 Ingest: one store of `num_envs` envs (frame stack 4, n-step 3) fed the recorded Breakout stream
 (each env replays it from its own offset) by (a) `store.add` of every env in this process, and
@@ -54,12 +54,14 @@ class Args:
     """blocks per actor waiting for the store actor"""
     batch_sizes: str = "32,256"
     """learner batch sizes"""
-    sample_seconds: float = 5.0
+    sample_seconds: float = 4.0
     """seconds per learner measurement"""
     prefetch: int = 4
     """`sample` calls the iterator keeps in flight"""
     num_cpus: int = 2
     """CPUs of the local Ray cluster"""
+    repeats: int = 3
+    """rounds of every ingest measurement (interleaved; the best round of each is kept)"""
     seed: int = 0
     """seed of the recording and the stores"""
     out: str = "data/bench/ray.json"
@@ -159,6 +161,28 @@ def ingest_ray(path: Path, rows_ref: Any, args: Args, actors: int,
             "writer_wait_share": sum(r["wait_s"] for r in reports) / actors / seconds}
 
 
+def ingest_rounds(tmp: Path, rows: dict[str, np.ndarray], rows_ref: Any,
+                  args: Args) -> tuple[list[dict[str, Any]], float]:
+    """Every configuration `repeats` times, interleaved, keeping each one's best round: the
+    machine is shared, so a slow round says more about the neighbours than about the code."""
+    best: dict[tuple[int, bool], dict[str, Any]] = {}
+    base = 0.0
+    for rep in range(args.repeats):
+        base = max(base, ingest_in_process(tmp / f"local{rep}", rows, args))
+        if rep + 1 < args.repeats:
+            shutil.rmtree(tmp / f"local{rep}")
+        for actors in [int(a) for a in args.actors.split(",")]:
+            for compress in (False, True):
+                path = tmp / f"ray{actors}{compress}"
+                r = ingest_ray(path, rows_ref, args, actors, compress)
+                shutil.rmtree(path)
+                key = (actors, compress)
+                if key not in best or r["steps_per_s"] > best[key]["steps_per_s"]:
+                    best[key] = r
+    (tmp / f"local{args.repeats - 1}").rename(tmp / "local")
+    return list(best.values()), base
+
+
 def make_train_step(batch: int) -> Any:
     """A DQN gradient step (Nature CNN, Adam, one torch thread): the learner's own work."""
     torch.set_num_threads(1)
@@ -250,21 +274,17 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     results: dict[str, Any] = {"args": vars(args), "ingest": [], "learner": []}
     try:
-        base = ingest_in_process(tmp / "local", rows, args)
+        results["ingest"], base = ingest_rounds(tmp, rows, rows_ref, args)
         results["in_process_steps_per_s"] = base
-        print(f"in-process add: {base:,.0f} steps/s ({args.num_envs} envs per add)")
-        for actors in [int(a) for a in args.actors.split(",")]:
-            for compress in (False, True):
-                path = tmp / f"ray{actors}{compress}"
-                r = ingest_ray(path, rows_ref, args, actors, compress)
-                r["share_of_in_process"] = r["steps_per_s"] / base
-                results["ingest"].append(r)
-                shutil.rmtree(path)
-                print(f"ray {actors} actor(s) {'lz4' if compress else 'raw'}: "
-                      f"{r['steps_per_s']:,.0f} steps/s ({r['share_of_in_process']:.0%}), "
-                      f"block {r['block_steps']} steps / {r['block_bytes'] / 1024:,.0f} KiB, "
-                      f"{r['bytes_per_step']:,.0f} B/step, writers blocked "
-                      f"{r['writer_wait_share']:.0%}")
+        print(f"in-process add: {base:,.0f} steps/s ({args.num_envs} envs per add), "
+              f"best of {args.repeats}")
+        for r in results["ingest"]:
+            r["share_of_in_process"] = r["steps_per_s"] / base
+            print(f"ray {r['actors']} actor(s) {'lz4' if r['compress'] else 'raw'}: "
+                  f"{r['steps_per_s']:,.0f} steps/s ({r['share_of_in_process']:.0%}), "
+                  f"block {r['block_steps']} steps / {r['block_bytes'] / 1024:,.0f} KiB, "
+                  f"{r['bytes_per_step']:,.0f} B/step, writers blocked "
+                  f"{r['writer_wait_share']:.0%}")
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             results["learner"].append(learner_rows(tmp / "local", batch, False, args))
         results["learner"].append(learner_rows(tmp / "local", 32, True, args))
