@@ -291,8 +291,9 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         ray.shutdown()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    out = Path(__file__).resolve().parents[1] / args.out  # relative to the repository
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
