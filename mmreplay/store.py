@@ -250,6 +250,12 @@ class ReplayStore:
         term = validate.flags(spec, "terminated", terminated, count)
         trunc = validate.flags(spec, "truncated", truncated, count)
         act, rew = validate.actions(spec, action, count), validate.rewards(spec, reward, count)
+        self._record(envs, act, rew, frames, term, trunc, auto)
+
+    def _record(self, envs: np.ndarray, act: np.ndarray, rew: np.ndarray, frames: np.ndarray,
+                term: np.ndarray, trunc: np.ndarray, auto: np.ndarray) -> None:
+        """`add` after its argument checks (arrays of the right shapes and dtypes, one row
+        per env of `envs`); refuses steps of envs whose episode is not running."""
         idle = envs[~auto & ~self._ring.running[envs]]
         if idle.size:
             raise InvalidInputError(

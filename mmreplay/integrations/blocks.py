@@ -1,0 +1,261 @@
+"""Blocks of steps: what one writer sends to a store in one call, and how a store takes it.
+
+A block holds T rows of the writer's E envs (its vector env steps them together)::
+
+    env_ids     (E,)                 the store's env ids this writer owns
+    action      (T, E, *action)      row t is one ``store.add(..., env_ids=env_ids)``
+    reward      (T, E) float32
+    terminated  (T, E) bool
+    truncated   (T, E) bool
+    autoreset   (T, E) bool          True: frames[t, e] is o_0 of a new episode (a reset)
+    frames      (T, E, *obs)         raw, or lz4 bytes (`frames_lz4`) with their shape
+    priorities  (T, E) float64       optional initial priorities (computed by the actor)
+    stream      int                  the writer's stream number (see `BlockTaker`)
+
+A reset is a row with ``autoreset`` True, so one rectangular format carries whole
+streams. Rows are applied in order; nothing is applied unless the whole block checks.
+The stream number protects episodes across a store restart: a row that continues an
+episode is taken only if the store saw that env's previous row in this process under
+the same stream number; otherwise the block is refused (nothing applied) and the
+writer starts fresh episodes. This module imports no Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numcodecs import blosc
+
+from .. import validate
+from ..errors import InvalidInputError
+from ..store import ReplayStore
+
+
+@dataclass(frozen=True)
+class StepBlock:
+    """T rows of steps of E envs (see module docstring). `frames` or `frames_lz4` is set."""
+
+    env_ids: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    autoreset: np.ndarray
+    stream: int
+    frames: np.ndarray | None = None
+    frames_lz4: bytes | None = None
+    frames_shape: tuple[int, ...] = ()
+    frames_dtype: str = "uint8"
+    priorities: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.reward.shape[0])
+
+    @property
+    def steps(self) -> int:
+        """Rows that are steps (not resets): the transitions this block adds."""
+        return int((~self.autoreset).sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload (arrays and compressed frames) this block carries."""
+        arrays = (self.env_ids, self.action, self.reward, self.terminated, self.truncated,
+                  self.autoreset, self.frames, self.priorities)
+        return sum(a.nbytes for a in arrays if a is not None) + len(self.frames_lz4 or b"")
+
+    def frame_array(self) -> np.ndarray:
+        """The frames as an array (decoded when they travel compressed)."""
+        if self.frames is not None:
+            return self.frames
+        if self.frames_lz4 is None:
+            raise InvalidInputError("block has neither frames nor frames_lz4")
+        flat = np.frombuffer(blosc.decompress(self.frames_lz4), dtype=self.frames_dtype)
+        if flat.size != int(np.prod(self.frames_shape)):
+            raise InvalidInputError(f"frames_lz4 holds {flat.size} values, expected shape "
+                                    f"{self.frames_shape}")
+        return flat.reshape(self.frames_shape)
+
+
+def compress_frames(frames: np.ndarray) -> bytes:
+    """lz4 through c-blosc, no shuffle: what the store's own chunks use."""
+    return bytes(blosc.compress(np.ascontiguousarray(frames), b"lz4", 1, blosc.NOSHUFFLE))
+
+
+def make_block(*, env_ids: np.ndarray, action: np.ndarray, reward: np.ndarray,
+               frames: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+               autoreset: np.ndarray, stream: int, compress: bool = False,
+               priorities: np.ndarray | None = None) -> StepBlock:
+    """A block from row-major arrays (frames compressed with lz4 when `compress`)."""
+    packed: dict[str, Any] = {"frames": frames}
+    if compress:
+        packed = {"frames_lz4": compress_frames(frames), "frames_shape": tuple(frames.shape),
+                  "frames_dtype": frames.dtype.str}
+    return StepBlock(env_ids=env_ids, action=action, reward=reward, terminated=terminated,
+                     truncated=truncated, autoreset=autoreset, stream=stream,
+                     priorities=priorities, **packed)
+
+
+@dataclass(frozen=True)
+class BlockAck:
+    """A store's answer to one block.
+
+    `accepted` False: refused because an env's stream did not continue here (a store
+    restart in between); nothing was applied. `seq` numbers accepted blocks within one
+    store process (`incarnation`); every block with ``seq <= flushed_seq`` is committed.
+    """
+
+    accepted: bool
+    incarnation: str
+    seq: int
+    flushed_seq: int
+    first_id: int = -1  # id of the block's first step (ids follow in row-major order)
+
+
+@dataclass(frozen=True)
+class FlushInfo:
+    """What one flush committed: blocks up to `seq` of this store process, `transitions`
+    transitions in all (``counts.transitions``), as manifest `generation`."""
+
+    incarnation: str
+    seq: int
+    transitions: int
+    generation: int
+
+
+@dataclass
+class FlushSchedule:
+    """Flush after `every_steps` steps or `every_s` seconds, whichever comes first."""
+
+    every_steps: int = 10_000
+    every_s: float = 30.0
+    steps: int = 0
+    last: float = field(default_factory=time.monotonic)
+
+    def due(self, new_steps: int) -> bool:
+        self.steps += new_steps
+        return self.steps >= self.every_steps or time.monotonic() - self.last >= self.every_s
+
+    def done(self) -> None:
+        self.steps, self.last = 0, time.monotonic()
+
+
+class BlockTaker:
+    """Applies blocks to one writable store and tracks each env's stream (RAM only)."""
+
+    def __init__(self, store: ReplayStore, *, incarnation: str,
+                 schedule: FlushSchedule | None = None) -> None:
+        self.store = store
+        self.incarnation = incarnation
+        self.schedule = schedule or FlushSchedule()
+        self.stream = np.full(store.spec.num_envs, -1, np.int64)  # -1: no stream yet
+        self.open = np.zeros(store.spec.num_envs, bool)  # the env's last row left it running
+        self.seq = 0
+        self.flushed_seq = 0
+
+    def take(self, block: StepBlock) -> BlockAck:
+        """Check the whole block, then apply it row by row; flush when the schedule says."""
+        rows = check_block(self.store, block)
+        envs = rows.env_ids
+        continues = ~block.autoreset[0]
+        if ((self.stream[envs] != block.stream) | ~self.open[envs])[continues].any():
+            return BlockAck(False, self.incarnation, -1, self.flushed_seq)
+        first_id = self.store.counts.transitions if block.priorities is not None else -1
+        with self.store._lock:  # checked once for the block: each row skips add's checks
+            self.store._check_writable("add")
+            for t in range(block.rows):
+                self.store._record(envs, rows.action[t], rows.reward[t], rows.frames[t],
+                                   rows.terminated[t], rows.truncated[t], rows.autoreset[t])
+        self.stream[envs] = block.stream
+        last = block.autoreset[-1] | ~(block.terminated[-1] | block.truncated[-1])
+        self.open[envs] = last
+        if block.priorities is not None:
+            steps = ~block.autoreset.reshape(-1)
+            ids = first_id + np.arange(int(steps.sum()))
+            self.store.update_priorities(ids, block.priorities.reshape(-1)[steps])
+        self.seq += 1
+        if self.schedule.due(block.steps):
+            self.flush()
+        return BlockAck(True, self.incarnation, self.seq, self.flushed_seq, first_id)
+
+    def flush(self) -> FlushInfo:
+        """Commit now; says what was committed."""
+        self.store.flush()
+        self.flushed_seq = self.seq
+        self.schedule.done()
+        return FlushInfo(self.incarnation, self.seq, self.store.counts.transitions,
+                         self.store.generation)
+
+
+@dataclass(frozen=True)
+class CheckedRows:
+    """A block's arrays after the store's checks, cast to the store's dtypes."""
+
+    env_ids: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    frames: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    autoreset: np.ndarray
+
+
+def check_block(store: ReplayStore, block: StepBlock) -> CheckedRows:
+    """Shapes, dtypes, values and episode order of a whole block, checked at once.
+
+    Raises `InvalidInputError` before anything is applied, so a bad block changes nothing.
+    """
+    spec = store.spec
+    envs = np.asarray(block.env_ids)
+    if envs.ndim != 1 or envs.size == 0 or envs.dtype.kind not in "iu":
+        raise InvalidInputError(f"block env_ids must be a non-empty 1-d int array, got "
+                                f"{envs.dtype} {envs.shape}")
+    rows = (block.rows, envs.size)
+    frames = block.frame_array()
+    wants = {"reward": rows, "terminated": rows, "truncated": rows, "autoreset": rows,
+             "action": (*rows, *spec.action_shape), "frames": (*rows, *spec.obs_shape)}
+    got = {"reward": block.reward, "terminated": block.terminated,
+           "truncated": block.truncated, "autoreset": block.autoreset,
+           "action": block.action, "frames": frames}
+    if block.priorities is not None:
+        wants["priorities"], got["priorities"] = rows, block.priorities
+    for name, want in wants.items():
+        if np.shape(got[name]) != want:
+            raise InvalidInputError(f"block {name} shape {np.shape(got[name])} != expected "
+                                    f"{want} (rows, envs, ...)")
+    if block.rows == 0:
+        raise InvalidInputError("block has no rows")
+    rows = _check_values(store, block, frames)
+    _check_episode_order(block)
+    return rows
+
+
+def _check_values(store: ReplayStore, block: StepBlock, frames: np.ndarray) -> CheckedRows:
+    """Every row at once with the store's own argument checks (dtypes, finite values)."""
+    spec, count, shape = store.spec, block.reward.size, block.reward.shape
+    envs = validate.env_ids(spec, block.env_ids)
+    validate.observations(spec, frames.reshape(count, *spec.obs_shape), count, "frames")
+    action = validate.actions(spec, block.action.reshape(count, *spec.action_shape), count)
+    reward = validate.rewards(spec, block.reward.reshape(count), count)
+    flags = [validate.flags(spec, name, getattr(block, name).reshape(count), count)
+             for name in ("terminated", "truncated", "autoreset")]
+    if block.priorities is not None:
+        if spec.sampler == "uniform":
+            raise InvalidInputError("block carries priorities but the store samples uniformly")
+        validate.priorities(block.priorities.reshape(count), count)
+    return CheckedRows(envs, action.reshape(*shape, *spec.action_shape), reward.reshape(shape),
+                       frames, *(f.reshape(shape) for f in flags))
+
+
+def _check_episode_order(block: StepBlock) -> None:
+    """Within the block, a row after an episode's end must be a reset (autoreset)."""
+    ended = (block.terminated | block.truncated) & ~block.autoreset
+    bad = ended[:-1] & ~block.autoreset[1:]
+    if bad.any():
+        t, e = np.argwhere(bad)[0].tolist()
+        raise InvalidInputError(
+            f"block row {t + 1} continues env {int(block.env_ids[e])} after its episode ended "
+            f"at row {t}: that row must have autoreset=True")
