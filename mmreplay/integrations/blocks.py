@@ -228,9 +228,9 @@ def check_block(store: ReplayStore, block: StepBlock) -> CheckedRows:
                                     f"{want} (rows, envs, ...)")
     if block.rows == 0:
         raise InvalidInputError("block has no rows")
-    rows = _check_values(store, block, frames)
+    checked = _check_values(store, block, frames)
     _check_episode_order(block)
-    return rows
+    return checked
 
 
 def _check_values(store: ReplayStore, block: StepBlock, frames: np.ndarray) -> CheckedRows:

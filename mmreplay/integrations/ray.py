@@ -143,7 +143,7 @@ def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | Non
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = node_id or ray.get_runtime_context().get_node_id()
-    cls = ray.remote(concurrency_groups={"stats": 1})(StoreActor)
+    cls = ray.remote(concurrency_groups={"stats": 1})(StoreActor)  # type: ignore[call-overload]
     return cls.options(
         num_cpus=0, max_restarts=max_restarts, max_task_retries=0, name=name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
@@ -241,9 +241,8 @@ class BlockWriter:
         rows = slice(first, self._fill + 1)
         buf = {k: v[rows] for k, v in self._buf.items()}
         prios = buf.pop("priorities")
-        prios = prios if self._with_priorities else None
         block = make_block(env_ids=self.env_ids, stream=self._stream, compress=self.compress,
-                           priorities=prios, **buf)
+                           priorities=prios if self._with_priorities else None, **buf)
         self._resync = False
         self._prev_frames = self._buf["frames"][self._fill].copy()
         self._new_buffer()
