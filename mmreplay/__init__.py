@@ -16,7 +16,7 @@ from .errors import (
 )
 from .spec import StoreSpec
 from .store import ReplayStore
-from .torch_batch import Batch
+from .torch_batch import Batch, SequenceBatch
 
 __all__ = [
     "Batch",
@@ -27,6 +27,7 @@ __all__ = [
     "MmreplayError",
     "ReadOnlyError",
     "ReplayStore",
+    "SequenceBatch",
     "StoreLockedError",
     "StoreSpec",
     "UnknownIdError",

@@ -53,10 +53,10 @@ from .spec import ALLOWED_DTYPES, StoreSpec
 
 MANIFEST = "manifest.json"
 FORMAT = "mmreplay"
-FORMAT_VERSION = 2  # the newest this version reads (and writes for sharded stores)
+FORMAT_VERSION = 3  # the newest this version reads (3: stores with per-step extras)
 CHECKSUM = "checksum"
 MAX_MANIFEST_BYTES = 16 << 20  # ~200k step blocks; parsing it costs at most ~250 MB
-MAX_MANIFEST_CONTAINERS = 64  # a manifest has 13 JSON arrays and objects
+MAX_MANIFEST_CONTAINERS = 100  # a manifest has 13 JSON arrays and objects, +1 +2 per extra
 MAX_RAM_BYTES = 64 << 30  # default cap on what a manifest's spec may make an open allocate
 MAX_COUNTER = 1 << 62  # ids, episodes, frames written, generations
 MAX_ENVS = 1 << 20  # the spec's bound on num_envs
@@ -241,7 +241,7 @@ def _check_optional(manifest: dict[str, Any], where: str | Path) -> None:
 def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     """The manifest's spec, which must be complete and in the form `to_dict` writes."""
     data = manifest["spec"]
-    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data) - {"shard_chunks"})
+    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data) - {"shard_chunks", "extras"})
     if missing:
         raise InvalidStoreError(f"invalid spec in manifest: fields {missing[:4]} are missing")
     for key in ("obs_dtype", "action_dtype"):
@@ -273,7 +273,8 @@ def ram_demand(spec: StoreSpec) -> int:
     sampler trees and tables, the RAM tail (and its copy while loading)."""
     slots = spec.num_envs * spec.slots_per_env
     action = np.dtype(spec.action_dtype).itemsize * math.prod(spec.action_shape)
-    per_slot = 31 + action + 9  # step record; validity mask and id map
+    extras = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in spec.extras)
+    per_slot = 31 + action + extras + 9  # step record; validity mask and id map
     tree = 48 * (1 << max(slots - 1, 0).bit_length())  # sums, minima, prefix rows
     if spec.sampler != "uniform":
         per_slot += 25 if spec.sampler == "prioritized" else 58  # tables, loaded priorities

@@ -45,7 +45,12 @@ def step_dtype(spec: StoreSpec) -> np.dtype:
         ("truncated", "?"),
         ("reward", "<f4"),
         ("action", np.dtype(spec.action_dtype).newbyteorder("<"), spec.action_shape),
+        *[(EXTRA_PREFIX + name, np.dtype(dtype).newbyteorder("<"), shape)
+          for name, shape, dtype in spec.extras],
     ])
+
+
+EXTRA_PREFIX = "extra_"  # step-record field of a declared extra: ``extra_<name>``
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Lookup:
     truncated: np.ndarray
     discount: np.ndarray        # float64
     ids: np.ndarray
+    extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
 
 
 class StepRing:
@@ -89,6 +95,17 @@ class StepRing:
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
         self._blank = blank[0]  # the record of a fresh slot: no step, no id
         self._gamma_pow = np.array([spec.gamma ** j for j in range(spec.n_step + 1)])
+        # Step ordinals, for windows of consecutive steps across episodes: frame f of env e
+        # has ``ord_of_frame[e, f % S]`` steps before it (its step's ordinal if it has one),
+        # and the step of ordinal o is at frame ``frame_of_ord[e, o % S]`` (steps <= frames,
+        # so a kept step's entry is never overwritten). Origins are arbitrary per env.
+        self.ord_of_frame = np.zeros((self.E, self.S), np.int64)
+        self.frame_of_ord = np.zeros((self.E, self.S), np.int64)
+        self.step_count = np.zeros(self.E, np.int64)
+        # Consumers of "first frame touched since I last looked" (sequence indexes), and a
+        # counter of full rebuilds (after which they start over).
+        self.watchers: list[np.ndarray] = []
+        self.rebuilds = 0
 
     # -- frame numbers ----------------------------------------------------------
     @property
@@ -125,13 +142,19 @@ class StepRing:
             self._touch(env, last)
 
     def record_steps(self, envs: np.ndarray, action: np.ndarray, reward: np.ndarray,
-                     terminated: np.ndarray, truncated: np.ndarray) -> np.ndarray:
+                     terminated: np.ndarray, truncated: np.ndarray,
+                     extras: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """Record one step per env (all running); returns the slots for the next frames.
 
         Structured scalars (``steps[e, s]``) are views, so each field is set in place.
+        `extras` (one row per env) land in the same record as the step's action.
         """
         slots = np.empty(envs.size, np.int64)
         for i, env in enumerate(envs.tolist()):
+            if extras:
+                rec = self.steps[env, (int(self.written[env]) - 1) % self.S]
+                for name, rows in extras.items():
+                    rec[EXTRA_PREFIX + name] = rows[i]
             slots[i] = self.record_step(env, action[i], reward[i], terminated[i], truncated[i])
         return slots
 
@@ -143,6 +166,8 @@ class StepRing:
         prev["has_step"], prev["id"] = True, self.next_id
         prev["terminated"], prev["truncated"] = terminated, truncated
         prev["reward"], prev["action"] = reward, action
+        self.frame_of_ord[env, self.step_count[env] % self.S] = t
+        self.step_count[env] += 1
         self._map_id(self.next_id, env * self.S + t % self.S)
         self.next_id += 1
         self._touch(env, t)
@@ -176,6 +201,7 @@ class StepRing:
         frame = int(self.written[env])
         slot = frame % self.S
         self.steps[env, slot] = self._blank
+        self.ord_of_frame[env, slot] = self.step_count[env]
         self._touch(env, frame)
         self.written[env] = frame + 1
         return self.steps[env, slot], slot
@@ -183,6 +209,9 @@ class StepRing:
     def _touch(self, env: int, frame: int) -> None:
         if frame < self._dirty_lo[env]:
             self._dirty_lo[env] = frame
+        for lo in self.watchers:
+            if frame < lo[env]:
+                lo[env] = frame
         self.dirty_blocks.add(frame % self.S // self.spec.block_slots)
 
     # -- validity ---------------------------------------------------------------
@@ -230,6 +259,19 @@ class StepRing:
         self._spill_prune_at = max(1024, 2 * len(self._id_spill))
         self._dirty_lo[:] = self.written
         self._refreshed_oldest = self.oldest
+        self._rebuild_ordinals()
+
+    def _rebuild_ordinals(self) -> None:
+        """Number the kept steps of every env 0, 1, ... (after loading)."""
+        oldest = self.oldest
+        for e in range(self.E):
+            frames = np.arange(oldest[e], self.written[e])
+            has = self.steps["has_step"][e, frames % self.S]
+            before = np.cumsum(has) - has
+            self.ord_of_frame[e, frames % self.S] = before
+            self.frame_of_ord[e, before[has] % self.S] = frames[has]
+            self.step_count[e] = int(has.sum())
+        self.rebuilds += 1
 
     def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
@@ -248,8 +290,10 @@ class StepRing:
         return ok & (complete | alive)
 
     # -- ids --------------------------------------------------------------------
-    def flat_of_ids(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(flat slots, found mask) for transition ids; found = id is sampleable now."""
+    def flat_of_ids(self, ids: np.ndarray, *,
+                    valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(flat slots, found mask) for transition ids; found = id is sampleable now
+        (valid in `valid` instead, e.g. a sequence index's starts, when given)."""
         known = (ids >= 0) & (ids < self.next_id)
         flat = np.where(known, self._id_loc[ids % self._id_loc.size], -1)
         slot_ids = self.steps["id"].reshape(-1)
@@ -259,7 +303,7 @@ class StepRing:
         found = known & (flat >= 0)
         flat = np.where(found, flat, 0)
         found &= slot_ids[flat] == ids
-        found &= self.valid[flat]
+        found &= (self.valid if valid is None else valid)[flat]
         return flat, found
 
     def valid_flat(self) -> np.ndarray:
@@ -280,7 +324,12 @@ class StepRing:
                          ret, term, trunc, discount)
         return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
                       reward=ret, terminated=term, truncated=trunc, discount=discount,
-                      ids=cols["id"][flat])
+                      ids=cols["id"][flat], extras=self.extras_at(flat))
+
+    def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The extras recorded with the steps at these flat slots (any shape), by name."""
+        cols = self.steps.reshape(-1)
+        return {name: cols[EXTRA_PREFIX + name][flat] for name, _, _ in self.spec.extras}
 
     # -- invariants ---------------------------------------------------------------
     def check_valid(self) -> None:

@@ -8,6 +8,7 @@ dicts; it never touches files.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -26,6 +27,9 @@ ALLOWED_DTYPES = (
     "float16", "float32", "float64", "bool",
 )
 MAX_CAPACITY = 1 << 40
+MAX_EXTRAS = 16  # per-step extra columns a store may declare
+MAX_EXTRA_BYTES = 1 << 16  # bytes of all extras of one step together
+EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 TARGET_CHUNK_BYTES = 64 * 1024
 TARGET_SHARD_FRAMES = 4096  # frames per shard file when chunks are small (512 chunks of 8)
 
@@ -52,6 +56,8 @@ class StoreSpec:
     sampler: str = "uniform"
     alpha: float = 0.6
     priority_eps: float = 1e-6
+    # per-step extra columns: (name, shape, dtype), sorted by name; empty for most stores
+    extras: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     @property
     def slots_per_env(self) -> int:
@@ -78,11 +84,18 @@ class StoreSpec:
         out["action_shape"] = list(self.action_shape)
         if self.shard_chunks == 1:
             del out["shard_chunks"]  # the format-1 layout, readable by format-1 readers
+        if self.extras:
+            out["extras"] = [[name, list(shape), dtype] for name, shape, dtype in self.extras]
+        else:
+            del out["extras"]  # stores without extras keep the format they always had
         return out
 
     @property
     def format_version(self) -> int:
-        """1: a file per chunk; 2: shard files (zarr ``sharding_indexed``)."""
+        """1: a file per chunk; 2: shard files (zarr ``sharding_indexed``); 3: per-step
+        extras in the step blocks (either frame layout, told apart by ``shard_chunks``)."""
+        if self.extras:
+            return 3
         return 1 if self.shard_chunks == 1 else 2
 
     @classmethod
@@ -122,6 +135,7 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         alpha=parse_float("alpha", kwargs.pop("alpha", 0.6), low=0.0, high=10.0),
         priority_eps=parse_float("priority_eps", kwargs.pop("priority_eps", 1e-6), low=0.0,
                                  high=1e6),
+        extras=parse_extras(kwargs.pop("extras", None)),
     )
     if kwargs:
         raise InvalidInputError(f"unknown store options {sorted(kwargs)}")
@@ -138,6 +152,39 @@ def _complete(spec: StoreSpec) -> StoreSpec:
     shard = spec.shard_chunks or max(1, TARGET_SHARD_FRAMES // chunk)
     shard = min(shard, -(-spec.slots_per_env // chunk))  # a shard never outgrows the ring
     return replace(spec, chunk_frames=chunk, shard_chunks=shard)
+
+
+def parse_extras(value: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """``{name: (shape, dtype)}`` (or the manifest's ``[[name, shape, dtype], ...]``) ->
+    a tuple sorted by name. Names are identifiers; shapes may be ``()``."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(
+            isinstance(v, list | tuple) and len(v) == 3 for v in value):
+        items = [(v[0], (v[1], v[2])) for v in value]
+    else:
+        raise InvalidInputError(
+            f"extras must be a dict {{name: (shape, dtype)}}, got {value!r:.80}")
+    if len(items) > MAX_EXTRAS:
+        raise InvalidInputError(f"at most {MAX_EXTRAS} extras, got {len(items)}")
+    out = []
+    for name, decl in items:
+        if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
+            raise InvalidInputError(f"extra name must be an identifier, got {name!r:.80}")
+        if not isinstance(decl, list | tuple) or len(decl) != 2:
+            raise InvalidInputError(f"extra {name!r} must be declared as (shape, dtype), "
+                                    f"got {decl!r:.80}")
+        shape = parse_shape(f"extra {name!r} shape", decl[0], allow_empty=True)
+        out.append((name, shape, parse_dtype(f"extra {name!r} dtype", decl[1])))
+    if len({name for name, _, _ in out}) != len(out):
+        raise InvalidInputError(f"extras has duplicate names: {[n for n, _, _ in out]}")
+    size = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in out)
+    if size > MAX_EXTRA_BYTES:
+        raise InvalidInputError(f"extras take {size} bytes per step, more than "
+                                f"{MAX_EXTRA_BYTES}")
+    return tuple(sorted(out))
 
 
 def default_chunk_frames(frame_bytes: int) -> int:

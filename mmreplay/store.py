@@ -52,8 +52,10 @@ from .prefetch import BatchPrefetcher
 from .ring import StepRing
 from .safe_io import TMP_DIR
 from .samplers import PrioritySampler, make_sampler
+from .seq_reader import SequenceArrays, SequenceReader
+from .sequences import SequenceKey
 from .spec import StoreSpec, make_spec
-from .torch_batch import Batch, make_batch
+from .torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
 
 READER_RETRIES = 5
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
@@ -100,6 +102,7 @@ class ReplayStore:
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
                                   before_chunk_write=self._before_chunk_write)
         self._sampler = make_sampler(spec)
+        self._sequences = SequenceReader(self._ring, self._frames, lambda: make_sampler(spec))
         self._rng = np.random.default_rng()
         self._commits = Committer(root, spec, durable=durable)
         self._prio_dirty: set[int] = set()
@@ -113,13 +116,17 @@ class ReplayStore:
                obs_dtype: Any = np.uint8, num_envs: int = 1, frame_stack: int = 1,
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
-               durable: bool = False, cache_bytes: int | None = None,
+               durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
                **options: Any) -> ReplayStore:
-        """Create a new, empty store at `path` (which must not exist or be empty)."""
+        """Create a new, empty store at `path` (which must not exist or be empty).
+
+        `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
+        then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
-                         action_dtype=action_dtype, **options)
+                         action_dtype=action_dtype, extras=extras, **options)
         cache_bytes = validate.cache_bytes(cache_bytes)
         root = Path(path)
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
@@ -231,13 +238,14 @@ class ReplayStore:
 
     @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
-            autoreset: Any = None, env_ids: Any = None) -> None:
+            autoreset: Any = None, env_ids: Any = None, *, extras: Any = None) -> None:
         """Record one step of every env, or of the listed `env_ids` (each at most once;
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
-        do not advance). See README for the autoreset rule."""
+        do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
+        exactly the declared ones) belong to this step, like `action`."""
         self._check_writable("add")
         if self._scalar_step is not None and autoreset is None and env_ids is None \
-                and self._ring.running[0]:
+                and extras is None and not self.spec.extras and self._ring.running[0]:
             step = self._scalar_step(action, reward, next_obs, terminated, truncated)
             if step is not None:  # else: not plain scalars; the general path checks them
                 self._frames.append_one(0, self._ring.record_step(0, *step), next_obs)
@@ -250,10 +258,12 @@ class ReplayStore:
         term = validate.flags(spec, "terminated", terminated, count)
         trunc = validate.flags(spec, "truncated", truncated, count)
         act, rew = validate.actions(spec, action, count), validate.rewards(spec, reward, count)
-        self._record(envs, act, rew, frames, term, trunc, auto)
+        extra = validate.extras(spec, extras, count)
+        self._record(envs, act, rew, frames, term, trunc, auto, extra)
 
     def _record(self, envs: np.ndarray, act: np.ndarray, rew: np.ndarray, frames: np.ndarray,
-                term: np.ndarray, trunc: np.ndarray, auto: np.ndarray) -> None:
+                term: np.ndarray, trunc: np.ndarray, auto: np.ndarray,
+                extras: dict[str, np.ndarray] | None = None) -> None:
         """`add` after its argument checks (arrays of the right shapes and dtypes, one row
         per env of `envs`); refuses steps of envs whose episode is not running."""
         idle = envs[~auto & ~self._ring.running[envs]]
@@ -261,13 +271,14 @@ class ReplayStore:
             raise InvalidInputError(
                 f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
                 f"(or pass autoreset=True for it) first")
+        extras = extras or {}
         if not auto.any():  # the common case: every listed env steps
-            self._frames.append(envs, self._ring.record_steps(envs, act, rew, term, trunc),
-                                frames)
+            self._frames.append(
+                envs, self._ring.record_steps(envs, act, rew, term, trunc, extras), frames)
             return
         step, again = np.flatnonzero(~auto), np.flatnonzero(auto)
         slots = self._ring.record_steps(envs[step], act[step], rew[step], term[step],
-                                        trunc[step])
+                                        trunc[step], {k: v[step] for k, v in extras.items()})
         self._frames.append(envs[step], slots, frames[step])
         self._frames.append(envs[again], self._ring.begin_episodes(envs[again]), frames[again])
 
@@ -347,6 +358,64 @@ class ReplayStore:
         return batch
 
     @_locked
+    def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
+                         period: int = 1, beta: float = 0.4) -> SequenceBatch:
+        """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
+        uniform over valid starts (or by priority in prioritized stores).
+
+        ``cross_episodes=False`` (R2D2): a sequence stays in one episode, padded and masked
+        past its end; starts at episode positions divisible by `period`. ``True``
+        (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
+        episode, never padded. See README "Sequences".
+        """
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
+        for _ in range(READER_RETRIES):
+            self._follow_writer()
+            index = self._sequences.index(key)
+            if index.sampler.count() == 0:
+                raise EmptyStoreError(f"cannot sample: no valid start for sequences of "
+                                      f"{key.length} steps yet")
+            arrays = self._sequences.sample(key, self._rng, size, beta)
+            if self._still_valid_starts(key, arrays.starts):
+                return _sequence_batch(arrays)
+        raise InvalidStoreError(f"{self.path}: a writer overwrote frames while they were read "
+                                f"{READER_RETRIES} times in a row; try again")
+
+    @_locked
+    def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
+                      period: int = 1) -> SequenceBatch:
+        """The sequences starting at these transition ids (each a valid start, see
+        `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
+        wanted = validate.transition_ids(ids)
+        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
+        self._follow_writer()
+        index = self._sequences.index(key)
+        flat, found = self._ring.flat_of_ids(wanted, valid=index.valid)
+        if not found.all():
+            bad = wanted[~found][:5].tolist()
+            raise UnknownIdError(f"ids {bad} are not (or no longer) valid starts of sequences "
+                                 f"of {key.length} steps")
+        arrays = self._sequences.read(key, flat, np.ones(flat.size, np.float32))
+        if not self._still_valid_starts(key, flat):
+            raise UnknownIdError("some of these sequences were overwritten by the writer "
+                                 "while they were read")
+        return _sequence_batch(arrays)
+
+    @_locked
+    def sequence_starts(self, length: int, *, cross_episodes: bool = False,
+                        period: int = 1) -> np.ndarray:
+        """The transition ids of every valid sequence start, increasing."""
+        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
+        self._follow_writer()
+        flat = np.flatnonzero(self._sequences.index(key).valid)
+        return np.sort(self._ring.steps["id"].reshape(-1)[flat])
+
+    def _still_valid_starts(self, key: SequenceKey, flat: np.ndarray) -> bool:
+        """After a read: False if a writer gave up any of these starts meanwhile."""
+        return not self._follow_writer() or bool(self._sequences.index(key).valid[flat].all())
+
+    @_locked
     def valid_ids(self) -> np.ndarray:
         """Every sampleable transition id, increasing."""
         self._refresh()
@@ -414,7 +483,7 @@ class ReplayStore:
         return make_batch(frames=frames, action=look.action, reward=look.reward,
                           terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount, weights=weights,
-                          ids=look.ids)
+                          ids=look.ids, extras=look.extras)
 
     # -- persistence --------------------------------------------------------------
     @property
@@ -505,3 +574,11 @@ class ReplayStore:
         if not self.writable:
             raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
+
+
+def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
+    win = arrays.windows
+    return make_sequence_batch(
+        obs=arrays.obs, next_obs=arrays.next_obs, action=win.action, reward=win.reward,
+        terminated=win.terminated, truncated=win.truncated, is_first=win.is_first,
+        mask=win.mask, ids=win.ids, weights=arrays.weights, extras=win.extras)

@@ -202,3 +202,50 @@ def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None
         return action, float(reward), bool(terminated), bool(truncated)
 
     return check
+
+
+def extras(spec: StoreSpec, value: Any, count: int) -> dict[str, np.ndarray]:
+    """The ``extras`` of an ``add``: every declared name, none other, each with a leading
+    dimension of `count` envs (unbatched with one env) and a dtype of the same kind."""
+    declared = {name: (shape, dtype) for name, shape, dtype in spec.extras}
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            f"extras must be a dict {{name: array}}, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(declared), key=str)
+    missing = sorted(set(declared) - set(value))
+    if unknown or missing:
+        raise InvalidInputError(
+            f"extras must be exactly the declared {sorted(declared)}: "
+            f"unknown {unknown}, missing {missing}")
+    out = {}
+    for name, (shape, dtype) in declared.items():
+        raw = value[name]
+        if hasattr(raw, "detach"):  # a torch tensor
+            raw = raw.detach().cpu().numpy()
+        arr = per_env(spec, f"extra {name!r}", raw, shape, count)
+        want = np.dtype(dtype)
+        if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, want, "same_kind") \
+                or (arr.dtype.kind == "b") != (want.kind == "b"):
+            raise InvalidInputError(f"extra {name!r} dtype {arr.dtype} cannot be stored as {want}")
+        out[name] = arr.astype(want)
+    return out
+
+
+def sequence_key(spec: StoreSpec, length: Any, cross_episodes: Any, period: Any) -> tuple[
+        int, bool, int]:
+    """``(length, cross_episodes, period)`` of a sequence request, checked."""
+    if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
+        raise InvalidInputError(f"length must be a positive int, got {length!r}")
+    if length > spec.slots_per_env - 1:
+        raise InvalidInputError(
+            f"length {length} exceeds what one env keeps: capacity // num_envs = "
+            f"{spec.slots_per_env} frames hold at most {spec.slots_per_env - 1} steps")
+    if not isinstance(cross_episodes, bool | np.bool_):
+        raise InvalidInputError(f"cross_episodes must be a bool, got {cross_episodes!r}")
+    if isinstance(period, bool) or not isinstance(period, int | np.integer) \
+            or not 1 <= period <= spec.slots_per_env:
+        raise InvalidInputError(
+            f"period must be an int in [1, {spec.slots_per_env}], got {period!r}")
+    return int(length), bool(cross_episodes), int(period)

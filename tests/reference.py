@@ -32,6 +32,7 @@ class Episode:
     actions: list[Any] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    extras: list[dict[str, Any]] = field(default_factory=list)  # per step, like actions
     terminated: bool = False  # the last recorded step terminated the episode
     truncated: bool = False  # the last recorded step truncated the episode
     ended: bool = False
@@ -86,12 +87,15 @@ class ReferenceReplay:
         truncated: Any,
         autoreset: Any = None,
         env_ids: Any = None,
+        extras: dict[str, Any] | None = None,
     ) -> None:
         """One step of every env (or of the listed envs, row i for env_ids[i], in that order);
         where autoreset is True the env starts a new episode instead."""
+        extras = extras or {}
         if env_ids is None:
             env_ids = list(range(self.num_envs))
             if self.num_envs == 1:
+                extras = {name: [value] for name, value in extras.items()}
                 action, reward, next_obs = [action], [reward], [next_obs]
                 terminated, truncated = [terminated], [truncated]
                 if autoreset is not None:
@@ -109,6 +113,7 @@ class ReferenceReplay:
                     next_obs[i],
                     bool(terminated[i]),
                     bool(truncated[i]),
+                    {name: np.array(value[i]) for name, value in extras.items()},
                 )
 
     def _start_episode(self, env: int, frame: Any) -> None:
@@ -123,10 +128,12 @@ class ReferenceReplay:
         self._write_frame(env, episode, frame)
 
     def _step(
-        self, env: int, action: Any, reward: Any, frame: Any, terminated: bool, truncated: bool
+        self, env: int, action: Any, reward: Any, frame: Any, terminated: bool, truncated: bool,
+        extras: dict[str, Any] | None = None,
     ) -> None:
         episode = self.episodes[env][-1]
         episode.actions.append(action)
+        episode.extras.append(extras or {})
         episode.rewards.append(float(reward))
         episode.ids.append(self.next_id)
         self.next_id += 1
@@ -179,6 +186,7 @@ class ReferenceReplay:
             "terminated": terminated,
             "truncated": truncated,
             "discount": 0.0 if terminated else self.gamma**m,
+            "extras": episode.extras[t],
         }
 
     def _stack_kept(self, env: int, episode: Episode, i: int) -> bool:
@@ -200,3 +208,60 @@ class ReferenceReplay:
             else:
                 frames.append(np.zeros_like(episode.frames[0]))
         return np.stack(frames)
+
+    # ----------------------------------------------------------------- sequences
+
+    def sequences(
+        self, length: int, *, cross_episodes: bool = False, period: int = 1
+    ) -> dict[int, dict[str, Any]]:
+        """Every valid sequence start id -> its fields (lists of per-step values).
+
+        Within episodes: start step t (t % period == 0) of an episode whose first stack is
+        kept and which has ended or holds t + length steps; steps past the episode's end are
+        padding (mask False, id -1, zero frames). Across episodes: the env's steps in order
+        (the final frame of an ended episode is not a step), the start's frame number
+        % period == 0, `length` steps must exist.
+        """
+        result: dict[int, dict[str, Any]] = {}
+        for env in range(self.num_envs):
+            steps = [(ep, t) for ep in self.episodes[env] for t in range(ep.num_steps())]
+            for i, (episode, t) in enumerate(steps):
+                if not self._stack_kept(env, episode, t):
+                    continue
+                if cross_episodes:
+                    if (episode.start + t) % period or i + length > len(steps):
+                        continue
+                    window = steps[i:i + length]
+                elif t % period or (t + length > episode.num_steps() and not episode.ended):
+                    continue
+                else:
+                    window = [(episode, u) for u in range(t, min(t + length,
+                                                                 episode.num_steps()))]
+                result[episode.ids[t]] = self._sequence(window, length)
+        return result
+
+    def _sequence(self, window: list[tuple[Episode, int]], length: int) -> dict[str, Any]:
+        zero = np.zeros((self.frame_stack, *self.obs_shape), np.uint8)
+        out: dict[str, Any] = {name: [] for name in (
+            "obs", "action", "reward", "terminated", "truncated", "is_first", "mask", "ids",
+            "extras")}
+        for episode, u in window:
+            last = u == episode.num_steps() - 1
+            out["obs"].append(self._stack(episode, u))
+            out["action"].append(episode.actions[u])
+            out["reward"].append(episode.rewards[u])
+            out["terminated"].append(episode.terminated and last)
+            out["truncated"].append(episode.truncated and last)
+            out["is_first"].append(u == 0)
+            out["mask"].append(True)
+            out["ids"].append(episode.ids[u])
+            out["extras"].append(episode.extras[u])
+        for _ in range(length - len(window)):
+            out["obs"].append(zero)
+            for name, value in (("action", None), ("reward", 0.0), ("terminated", False),
+                                ("truncated", False), ("is_first", False), ("mask", False),
+                                ("ids", -1), ("extras", None)):
+                out[name].append(value)
+        episode, u = window[-1]
+        out["next_obs"] = self._stack(episode, u + 1)
+        return out

@@ -110,7 +110,7 @@ class RemoteBatches:
 def to_batch(arrays: dict[str, Any]) -> Batch:
     """Torch tensors from what `StoreActor.sample` returned: arrays Ray hands out read-only
     are copied on purpose; lz4 stacks are decoded straight into fresh arrays."""
-    out = {}
+    out: dict[str, Any] = {}
     for name in BATCH_FIELDS:
         value = arrays[name]
         if isinstance(value, tuple):
