@@ -389,8 +389,11 @@ def sample_summary(store: ReplayStore, batch_size: int, *, seed: int | None = No
         store._rng = np.random.default_rng(seed)
     batch = store.sample(batch_size, beta=beta)
     out = []
-    for name in batch.__dataclass_fields__:
-        values = getattr(batch, name).numpy()
+    columns = {name: getattr(batch, name) for name in batch.__dataclass_fields__
+               if name != "extras"}
+    columns.update({f"extras.{name}": value for name, value in batch.extras.items()})
+    for name, tensor in columns.items():
+        values = tensor.numpy()
         out.append(FieldSummary(name=name, shape=tuple(values.shape), dtype=str(values.dtype),
                                 min=float(values.min()), max=float(values.max())))
     return tuple(out)

@@ -243,6 +243,10 @@ class PrioritizedSampler:
     def priorities(self) -> np.ndarray:
         return self._table.p.copy()
 
+    def priorities_at(self, slots: np.ndarray) -> np.ndarray:
+        """Raw priorities of some slots (valid or not)."""
+        return self._table.p[slots]
+
     def slot_ids(self) -> np.ndarray:
         return self._table.ids.copy()
 

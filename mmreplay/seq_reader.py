@@ -35,17 +35,20 @@ class SequenceReader:
     """Sequence indexes of one store and the batch assembly over its ring and frames."""
 
     def __init__(self, ring: StepRing, frames: FrameStore,
-                 make_sampler: Callable[[], Sampler]) -> None:
+                 make_sampler: Callable[[], Sampler],
+                 priority_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.ring = ring
         self.frames = frames
         self._make_sampler = make_sampler
+        self._priority_of = priority_of
         self.indexes: dict[SequenceKey, SequenceIndex] = {}
 
     def index(self, key: SequenceKey) -> SequenceIndex:
         """The (refreshed) index of `key`, built on first use."""
         index = self.indexes.get(key)
         if index is None:
-            index = self.indexes[key] = SequenceIndex(self.ring, key, self._make_sampler())
+            index = self.indexes[key] = SequenceIndex(self.ring, key, self._make_sampler(),
+                                                      self._priority_of)
         index.refresh()
         return index
 
@@ -64,3 +67,17 @@ class SequenceReader:
         """`batch_size` valid starts drawn by the key's sampler (the caller checks count)."""
         draw = self.index(key).sampler.sample(rng, batch_size, beta)
         return self.read(key, draw.slots, draw.weights)
+
+    def valid_starts(self, flat: np.ndarray) -> np.ndarray:
+        """Whether each flat slot is a valid start of any index built so far."""
+        ok = np.zeros(flat.size, bool)
+        for index in self.indexes.values():
+            index.refresh()
+            ok |= index.valid[flat]
+        return ok
+
+    def set_priorities(self, flat: np.ndarray, priorities: np.ndarray) -> None:
+        """Tell every prioritized index the new priorities of these step slots."""
+        for index in self.indexes.values():
+            if index.priority_of is not None:
+                index.set_priorities(flat, priorities)

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from .ring import StepRing
-from .samplers import Sampler
+from .samplers import PrioritySampler, Sampler
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,13 @@ class SequenceWindows:
 class SequenceIndex:
     """The valid starts of one `SequenceKey`, kept current incrementally, in a sampler."""
 
-    def __init__(self, ring: StepRing, key: SequenceKey, sampler: Sampler) -> None:
+    def __init__(self, ring: StepRing, key: SequenceKey, sampler: Sampler,
+                 priority_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.ring = ring
         self.key = key
         self.sampler = sampler
+        # prioritized stores: a start's priority is the store's priority of its step
+        self.priority_of = priority_of
         self.valid = np.zeros(ring.E * ring.S, bool)
         self._lo = ring.written.copy()  # first frame touched since the last refresh
         ring.watchers.append(self._lo)
@@ -89,6 +93,12 @@ class SequenceIndex:
         ok = self.starts_valid(env, frames)
         self.valid[flat] = ok
         self.sampler.update(flat, ok, ring.steps["id"].reshape(-1)[flat])
+        if self.priority_of is not None:
+            self.set_priorities(flat, self.priority_of(flat))
+
+    def set_priorities(self, flat: np.ndarray, priorities: np.ndarray) -> None:
+        """New priorities of start slots (prioritized samplers only)."""
+        cast(PrioritySampler, self.sampler).set_priorities(flat, priorities)
 
     def check_valid(self) -> None:
         """Raise RuntimeError if the incremental starts differ from a full recompute."""
@@ -215,4 +225,9 @@ def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.where(wide, values, np.zeros((), values.dtype))
 
 
-SamplerFactory = Callable[[], Sampler]
+def sequence_priority(ids: np.ndarray, td_errors: np.ndarray, eta: float) -> np.ndarray:
+    """R2D2's ``eta * max|d| + (1 - eta) * mean|d|`` per row over its real steps (ids >= 0)."""
+    real = ids >= 0
+    size = np.maximum(real.sum(axis=1), 1)
+    d = np.where(real, np.abs(td_errors), 0.0)
+    return eta * d.max(axis=1) + (1.0 - eta) * d.sum(axis=1) / size

@@ -51,9 +51,9 @@ from .manifest import (
 from .prefetch import BatchPrefetcher
 from .ring import StepRing
 from .safe_io import TMP_DIR
-from .samplers import PrioritySampler, make_sampler
+from .samplers import PrioritizedSampler, PrioritySampler, make_sampler
 from .seq_reader import SequenceArrays, SequenceReader
-from .sequences import SequenceKey
+from .sequences import SequenceKey, sequence_priority
 from .spec import StoreSpec, make_spec
 from .torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
 
@@ -97,12 +97,15 @@ class ReplayStore:
         self._lock_fd = lock_fd
         self._ring = StepRing(spec)
         self._envs = np.arange(spec.num_envs, dtype=np.int64)
+        self._any_slot = np.ones(spec.num_envs * spec.slots_per_env, bool)
         self._scalar_step = validate.scalar_step_checker(spec)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
                                   before_chunk_write=self._before_chunk_write)
         self._sampler = make_sampler(spec)
-        self._sequences = SequenceReader(self._ring, self._frames, lambda: make_sampler(spec))
+        self._sequences = SequenceReader(
+            self._ring, self._frames, lambda: make_sampler(spec),
+            None if spec.sampler == "uniform" else self._start_priorities)
         self._rng = np.random.default_rng()
         self._commits = Committer(root, spec, durable=durable)
         self._prio_dirty: set[int] = set()
@@ -338,8 +341,7 @@ class ReplayStore:
         flat, found = self._ring.flat_of_ids(wanted)
         flat, values = flat[found][::-1], values[found][::-1]
         flat, first = np.unique(flat, return_index=True)  # reversed: first = last given
-        sampler.set_priorities(flat, values[first])
-        self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
+        self._set_step_priorities(sampler, flat, values[first])
         return int(flat.size)
 
     @_locked
@@ -369,9 +371,9 @@ class ReplayStore:
         episode, never padded. See README "Sequences".
         """
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
+        key = self._sequence_key(length, cross_episodes, period)
         for _ in range(READER_RETRIES):
-            self._follow_writer()
+            self._refresh()  # the step priorities that starts take
             index = self._sequences.index(key)
             if index.sampler.count() == 0:
                 raise EmptyStoreError(f"cannot sample: no valid start for sequences of "
@@ -388,8 +390,8 @@ class ReplayStore:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
         wanted = validate.transition_ids(ids)
-        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
-        self._follow_writer()
+        key = self._sequence_key(length, cross_episodes, period)
+        self._refresh()
         index = self._sequences.index(key)
         flat, found = self._ring.flat_of_ids(wanted, valid=index.valid)
         if not found.all():
@@ -406,10 +408,57 @@ class ReplayStore:
     def sequence_starts(self, length: int, *, cross_episodes: bool = False,
                         period: int = 1) -> np.ndarray:
         """The transition ids of every valid sequence start, increasing."""
-        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
-        self._follow_writer()
+        key = self._sequence_key(length, cross_episodes, period)
+        self._refresh()
         flat = np.flatnonzero(self._sequences.index(key).valid)
         return np.sort(self._ring.steps["id"].reshape(-1)[flat])
+
+    @_locked
+    def update_sequence_priorities(self, ids: Any, td_errors: Any, *, eta: float = 0.9) -> int:
+        """New priorities of sampled sequences from their per-step TD errors; returns how
+        many sequences were applied.
+
+        `ids` are a `SequenceBatch`'s ``(B, T)`` ids (-1 on padding, ignored) and
+        `td_errors` the ``(B, T)`` TD errors of those steps. A sequence's priority is
+        R2D2's ``eta * max|d| + (1 - eta) * mean|d|`` over its real steps; it is the
+        priority of its start step in the store's priority column (persisted with it).
+        Sequences whose start is no longer a valid start are ignored; for duplicate starts
+        the last value wins; NaN or inf TD errors raise and change nothing.
+        """
+        self._check_writable("update_sequence_priorities")
+        rows, errors = validate.sequence_priorities(ids, td_errors)
+        eta = validate.unit_interval("eta", eta)
+        sampler = self._priority_sampler()
+        if sampler is None or self.spec.sampler != "prioritized":
+            raise InvalidInputError(f"update_sequence_priorities needs sampler='prioritized'; "
+                                    f"this store samples {self.spec.sampler!r}")
+        self._refresh()
+        values = sequence_priority(rows, errors, eta)
+        flat, found = self._ring.flat_of_ids(rows[:, 0], valid=self._any_slot)
+        found &= self._sequences.valid_starts(flat)
+        flat, values = flat[found][::-1], values[found][::-1]
+        flat, first = np.unique(flat, return_index=True)  # reversed: first = last given
+        self._set_step_priorities(sampler, flat, values[first])
+        return int(flat.size)
+
+    def _set_step_priorities(self, sampler: PrioritySampler, flat: np.ndarray,
+                             values: np.ndarray) -> None:
+        """The priority column at these step slots: transitions and sequence starts."""
+        sampler.set_priorities(flat, values)
+        self._sequences.set_priorities(flat, values)
+        self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
+
+    def _start_priorities(self, flat: np.ndarray) -> np.ndarray:
+        sampler = self._priority_sampler()
+        assert sampler is not None  # only prioritized stores ask
+        return cast(PrioritizedSampler, sampler).priorities_at(flat)
+
+    def _sequence_key(self, length: Any, cross_episodes: Any, period: Any) -> SequenceKey:
+        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
+        if self.spec.sampler == "rank":
+            raise InvalidInputError("sequences are sampled uniformly or by proportional "
+                                    "priority; this store samples 'rank'")
+        return key
 
     def _still_valid_starts(self, key: SequenceKey, flat: np.ndarray) -> bool:
         """After a read: False if a writer gave up any of these starts meanwhile."""

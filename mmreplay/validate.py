@@ -249,3 +249,29 @@ def sequence_key(spec: StoreSpec, length: Any, cross_episodes: Any, period: Any)
         raise InvalidInputError(
             f"period must be an int in [1, {spec.slots_per_env}], got {period!r}")
     return int(length), bool(cross_episodes), int(period)
+
+
+def sequence_priorities(ids: Any, td_errors: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(B, T)`` int ids and ``(B, T)`` finite float TD errors (torch tensors accepted)."""
+    if hasattr(ids, "detach"):
+        ids = ids.detach().cpu().numpy()
+    if hasattr(td_errors, "detach"):
+        td_errors = td_errors.detach().cpu().numpy()
+    rows, errors = np.asarray(ids), np.asarray(td_errors)
+    if rows.ndim != 2 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
+        raise InvalidInputError(f"ids must be a (B, T) int array of a SequenceBatch, got "
+                                f"{rows.dtype} {rows.shape}")
+    if errors.shape != rows.shape or errors.dtype.kind not in "iuf":
+        raise InvalidInputError(f"td_errors must be numbers of the ids' shape {rows.shape}, "
+                                f"got {errors.dtype} {errors.shape}")
+    errors = errors.astype(np.float64)
+    if not np.isfinite(errors).all():
+        raise InvalidInputError("td_errors must be finite")
+    return rows.astype(np.int64), errors
+
+
+def unit_interval(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
+            or not 0.0 <= float(value) <= 1.0:
+        raise InvalidInputError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zarr
 
-from mmreplay import ReplayStore
+from mmreplay import InvalidStoreError, ReplayStore
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = FIXTURES / "store_v1"  # zstd chunks, the first codec
@@ -92,3 +92,39 @@ def test_golden_v2_manifest_and_sharded_zarr_layout():
         tail_chunk = int(store._frames.next_slot[0]) // 4
         slots = np.array([s for s in range(12) if s // 4 != tail_chunk])
         assert frames[0, slots].tolist() == store._frames.read(slots).tolist()
+
+
+GOLDEN_V3 = FIXTURES / "store_v3"  # format 3: per-step extras in the step blocks
+EXPECTED_V3 = json.loads((FIXTURES / "store_v3.expected.json").read_text())
+
+
+def test_golden_v3_extras_and_sequences_read_back_identically():
+    manifest = json.loads((GOLDEN_V3 / "manifest.json").read_text())
+    assert manifest["format_version"] == 3
+    assert manifest["spec"]["extras"] == [["logp", [], "float32"], ["state", [2], "float16"]]
+    with ReplayStore.open(GOLDEN_V3, mode="r") as store:
+        batch = store.get(store.valid_ids())
+        assert batch.ids.tolist() == EXPECTED_V3["ids"]
+        assert batch.obs.tolist() == EXPECTED_V3["obs"]
+        assert {k: v.tolist() for k, v in batch.extras.items()} == EXPECTED_V3["extras"]
+        for cross in (False, True):
+            want = EXPECTED_V3[f"sequences_cross_{cross}"]
+            starts = store.sequence_starts(3, cross_episodes=cross)
+            seq = store.get_sequences(starts, 3, cross_episodes=cross)
+            for name in ("ids", "obs", "next_obs", "action", "reward", "terminated",
+                         "truncated", "is_first", "mask"):
+                assert getattr(seq, name).tolist() == want[name], (cross, name)
+            assert {k: v.tolist() for k, v in seq.extras.items()} == want["extras"]
+        assert store.sample(8).ids.tolist() == EXPECTED_V3["next_samples"]
+        assert store.sample_sequences(4, 3).ids.tolist() == EXPECTED_V3["next_sequences"]
+
+
+def test_golden_v3_is_refused_field_by_field_when_edited(tmp_path):
+    path = tmp_path / "copy"
+    shutil.copytree(GOLDEN_V3, path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["spec"]["extras"][0][2] = "float64"  # the step blocks no longer match
+    del manifest["checksum"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidStoreError):
+        ReplayStore.open(path, mode="r")
