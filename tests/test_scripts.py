@@ -219,3 +219,18 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     assert result["reopened"]["open_s"] > 0 and result["reopened"]["sample"]["median_ms"] > 0
     assert "VmRSS" in result["rss"]["growth_mib"]
     assert "RSS growth" in proc.stdout and "reopened" in proc.stdout
+
+
+def test_bench_sequences_smoke(tmp_path: Path) -> None:
+    out_dir = tmp_path / "bench"
+    proc = run_script("bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
+                      "--reps", "3", "--warmup", "1", "--length", "20", "--torchrl-frames", "0",
+                      "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out_dir / "sequences.json").read_text())["mmreplay"]
+    for mode in ("within_episodes", "across_episodes"):
+        figures = result[mode]
+        assert figures["frame_reads_per_batch"] == 1
+        assert figures["frames_in_batch"] == 32 * 20 * 4 + 32 * 4
+        assert 0 < figures["distinct_frames"] <= figures["frames_decoded"]
+        assert figures["median_ms"] > 0
