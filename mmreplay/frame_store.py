@@ -288,8 +288,11 @@ class FrameStore:
         self.tail[...] = frames
 
     # -- reading --------------------------------------------------------------
-    def read(self, flat_slots: np.ndarray) -> np.ndarray:
+    def read(self, flat_slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """A fresh array of the frames at `flat_slots` (any shape); -1 gives zeros.
+
+        `out`, if given, is a C-contiguous uint8 buffer of at least the result's bytes that
+        the result is written into (a view of it is returned).
 
         Every distinct chunk the slots touch (the zero frame and each env's RAM tail
         count as chunks too) is fetched once into one table: from RAM, or decoded by the
@@ -313,9 +316,12 @@ class FrameStore:
         if on_disk.size:
             self._decode(unique[on_disk], on_disk, rows)
         frame_bytes = self._codec.nbytes // self._chunk_len
-        out = np.empty((flat.size, frame_bytes), np.uint8)
-        kernels().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, out)
-        return out.view(self.spec.obs_dtype).reshape(shape)
+        size = flat.size * frame_bytes
+        if out is None or out.size < size:
+            out = np.empty(size, np.uint8)
+        dest = out[:size].reshape(flat.size, frame_bytes)
+        kernels().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
+        return dest.view(self.spec.obs_dtype).reshape(shape)
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from reference import ReferenceReplay
 from scipy import stats
 from test_reference_equivalence import Case, Driver, assert_store_matches
@@ -382,4 +383,21 @@ def test_stale_and_bad_sequence_priorities(tmp_path: Path) -> None:
         uniform = ReplayStore.create(tmp_path / "u", capacity=20, obs_shape=(2,))
         uniform.update_sequence_priorities(np.zeros((1, 2), np.int64), np.ones((1, 2)))
     uniform.close()
+    store.close()
+
+
+def test_frame_buffers_are_reused_only_when_no_batch_views_them(tmp_path: Path) -> None:
+    store, _, _ = _filled(tmp_path)
+    store._sequences._buffers.min_bytes = 0  # pool even these small batches
+    first = store.sample_sequences(16, 5)
+    kept = first.obs.clone()
+    second = store.sample_sequences(16, 5, cross_episodes=True)
+    assert torch.equal(first.obs, kept)  # the second batch did not write into the first's
+    assert first.obs.data_ptr() != second.obs.data_ptr()
+    pointer = second.obs.data_ptr()
+    del first, kept, second
+    third = store.sample_sequences(16, 5)
+    assert third.obs.data_ptr() in {pointer} | {b.ctypes.data for b in
+                                                store._sequences._buffers.buffers}
+    assert len(store._sequences._buffers.buffers) == 2  # the freed buffers were reused
     store.close()
