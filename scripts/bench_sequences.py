@@ -86,9 +86,9 @@ class CountingReads:
         self.slots: list[np.ndarray] = []
         self.frames.read = self  # type: ignore[method-assign]
 
-    def __call__(self, flat: np.ndarray) -> np.ndarray:
+    def __call__(self, flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         self.slots.append(np.asarray(flat).copy())
-        return self.inner(flat)
+        return self.inner(flat, out=out)
 
     def restore(self) -> None:
         self.frames.read = self.inner  # type: ignore[method-assign]

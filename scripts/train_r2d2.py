@@ -1,0 +1,245 @@
+"""R2D2 (Kapturowski et al. 2019) with a `ReplayStore` of sequences, on a partially observable
+CartPole: the agent sees the cart position and the pole angle, not their velocities, so it
+must remember.
+
+    python scripts/train_r2d2.py                                  # 200k steps, seed 0
+    python scripts/train_r2d2.py --total-steps 2000 --learning-starts 500 --batch-size 4 \\
+        --num-envs 2 --hidden 16                                   # smoke run
+
+One file, top to bottom: an LSTM Q-network (Linear -> LSTM -> Linear, dueling-free), a vector
+of envs with next-step autoreset, and a store declaring the recurrent state as per-step
+extras (``h``, ``c``: the state the actor had *before* it saw o_t, recorded with step t), so
+each sampled sequence starts from the stored state. The learner samples prioritized
+sequences of ``burn_in + learn + n_step`` steps within episodes on a grid of ``period``,
+burns the state in over the first ``burn_in`` steps without gradients, and regresses n-step
+double-Q targets over the next ``learn`` steps (masked where the episode ended); the
+sequence priority is R2D2's 0.9 max + 0.1 mean of |TD| over those steps. Writes
+``summary.json`` (and ``curve.csv``: step, episode return) under ``--run-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mmreplay import ReplayStore
+
+
+@dataclass
+class Args:
+    env: str = "CartPole-v1"
+    """gymnasium id; observations are reduced to --keep-dims"""
+    keep_dims: str = "0,2"
+    """observation entries the agent sees (CartPole: 0 cart position, 2 pole angle)"""
+    seed: int = 0
+    """seed of envs, network and store"""
+    total_steps: int = 200_000
+    """env steps, all envs together"""
+    num_envs: int = 4
+    """envs stepped together"""
+    buffer_size: int = 100_000
+    """store capacity in frames"""
+    learning_starts: int = 5_000
+    """env steps before the first update"""
+    batch_size: int = 32
+    """sequences per update"""
+    burn_in: int = 8
+    """steps that only warm the recurrent state"""
+    learn: int = 16
+    """steps whose TD errors train the network"""
+    n_step: int = 3
+    """n of the n-step targets"""
+    period: int = 8
+    """start grid: sequences start at episode positions divisible by this"""
+    hidden: int = 64
+    """LSTM size"""
+    gamma: float = 0.99
+    """discount"""
+    learning_rate: float = 1e-3
+    """Adam step size"""
+    train_every: int = 4
+    """env steps (all envs together) between updates"""
+    target_every: int = 1000
+    """env steps between target-network copies"""
+    start_e: float = 1.0
+    """initial epsilon"""
+    end_e: float = 0.05
+    """final epsilon"""
+    exploration_steps: int = 30_000
+    """env steps over which epsilon decays linearly"""
+    eta: float = 0.9
+    """priority mix: eta max|d| + (1 - eta) mean|d|"""
+    alpha: float = 0.6
+    """priority exponent of the store"""
+    beta: float = 0.4
+    """importance-weight exponent"""
+    run_dir: str = ""
+    """where summary.json and curve.csv go (and the store); empty: a temp dir"""
+
+
+def parse_args() -> Args:
+    parser = argparse.ArgumentParser(description=__doc__)
+    for f in fields(Args):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
+                            default=f.default)
+    return Args(**vars(parser.parse_args()))
+
+
+class RecurrentQ(nn.Module):
+    def __init__(self, obs_dim: int, actions: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(obs_dim, 64)
+        self.lstm = nn.LSTM(64, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, actions)
+
+    def forward(self, obs: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """obs (B, T, obs_dim), state ((B, H), (B, H)) -> q (B, T, A), next state."""
+        x = F.relu(self.embed(obs))
+        out, (h, c) = self.lstm(x, (state[0][None], state[1][None]))
+        return self.head(out), (h[0], c[0])
+
+
+def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
+    keep = [int(i) for i in args.keep_dims.split(",")]
+
+    def one() -> gym.Env:
+        env = gym.make(args.env)
+        low, high = env.observation_space.low[keep], env.observation_space.high[keep]
+        space = gym.spaces.Box(low, high, dtype=np.float32)
+        return gym.wrappers.TransformObservation(env, lambda o: o[keep].astype(np.float32),
+                                                 space)
+
+    return gym.vector.SyncVectorEnv([one for _ in range(args.num_envs)])
+
+
+def td_targets(q_online: torch.Tensor, q_target: torch.Tensor, reward: torch.Tensor,
+               terminated: torch.Tensor, mask: torch.Tensor, args: Args) -> torch.Tensor:
+    """n-step double-Q targets for steps burn_in .. burn_in+learn-1 (B, learn).
+
+    Step j sums rewards of real steps j .. j+m-1 (m <= n, cut where the episode ends) and
+    bootstraps from Q at index j+m unless the episode terminated before it; index j+m may
+    be the sequence's next_obs (appended at each row's first padded index).
+    """
+    start, stop = args.burn_in, args.burn_in + args.learn
+    greedy = q_online.argmax(-1, keepdim=True)
+    boot = q_target.gather(-1, greedy)[..., 0]  # (B, T+1)
+    target = torch.zeros(reward.shape[0], args.learn)
+    alive = torch.ones(reward.shape[0], args.learn)
+    for i in range(args.n_step):
+        idx = torch.arange(start, stop) + i
+        step_real = mask[:, idx].float()
+        target += alive * step_real * args.gamma ** i * reward[:, idx]
+        alive = alive * step_real * (1 - terminated[:, idx].float())
+        ends = (i == args.n_step - 1) | ~mask[:, idx + 1]
+        target += alive * ends.float() * args.gamma ** (i + 1) * boot[:, idx + 1]
+        alive = alive * (~ends).float()
+    return target
+
+
+def learn_step(store: ReplayStore, net: RecurrentQ, target: RecurrentQ,
+               optimizer: torch.optim.Optimizer, args: Args) -> float:
+    length = args.burn_in + args.learn + args.n_step
+    seq = store.sample_sequences(args.batch_size, length, period=args.period, beta=args.beta)
+    obs = torch.cat([seq.obs[:, :, -1], torch.zeros_like(seq.obs[:, :1, -1])], 1)
+    obs[torch.arange(len(seq)), seq.mask.sum(1)] = seq.next_obs[:, -1]  # o after last step
+    state = (seq.extras["h"][:, 0], seq.extras["c"][:, 0])
+    with torch.no_grad():
+        _, burned = net(obs[:, :args.burn_in], state)
+        q_t, _ = target(obs, state)
+        q_next, _ = net(obs, state)
+    q, _ = net(obs[:, args.burn_in:], burned)
+    q = torch.cat([q_next[:, :args.burn_in], q], 1)
+    with torch.no_grad():
+        y = td_targets(q_next, q_t, seq.reward, seq.terminated, seq.mask, args)
+    sl = slice(args.burn_in, args.burn_in + args.learn)
+    q_taken = q[:, sl].gather(-1, seq.action[:, sl, None])[..., 0]
+    m = seq.mask[:, sl].float()
+    td = (q_taken - y) * m
+    loss = (seq.weights[:, None] * F.smooth_l1_loss(q_taken, y, reduction="none") * m).sum() \
+        / m.sum().clamp(min=1)
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(net.parameters(), 10.0)
+    optimizer.step()
+    errors = torch.zeros(seq.ids.shape)
+    errors[:, sl] = td.detach().abs()  # burn-in and look-ahead steps carry 0
+    store.update_sequence_priorities(seq.ids, errors, eta=args.eta)
+    return float(loss.detach())
+
+
+def main() -> None:
+    args = parse_args()
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="r2d2_"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    envs = make_envs(args)
+    obs_dim, actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
+    hidden = ((args.hidden,), np.float32)
+    store = ReplayStore.create(
+        run_dir / "store", capacity=args.buffer_size, obs_shape=(obs_dim,),
+        obs_dtype=np.float32, num_envs=args.num_envs, seed=args.seed, sampler="prioritized",
+        alpha=args.alpha, extras={"h": hidden, "c": hidden})
+    net, target = RecurrentQ(obs_dim, actions, args.hidden), RecurrentQ(obs_dim, actions,
+                                                                         args.hidden)
+    target.load_state_dict(net.state_dict())
+    optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate)
+    obs, _ = envs.reset(seed=args.seed)
+    store.reset(obs)
+    state = (torch.zeros(args.num_envs, args.hidden), torch.zeros(args.num_envs, args.hidden))
+    autoreset = np.zeros(args.num_envs, bool)
+    returns, curve, running = [], [], np.zeros(args.num_envs)
+    began, step, losses = time.time(), 0, []
+    while step < args.total_steps:
+        eps = max(args.end_e, args.start_e - (args.start_e - args.end_e) * step
+                  / args.exploration_steps)
+        with torch.no_grad():
+            q, new_state = net(torch.from_numpy(obs)[:, None], state)
+        action = np.where(rng.random(args.num_envs) < eps, rng.integers(0, actions,
+                          args.num_envs), q[:, 0].argmax(-1).numpy())
+        next_obs, reward, term, trunc, _ = envs.step(action)
+        store.add(action, reward.astype(np.float32), next_obs, term, trunc, autoreset=autoreset,
+                  extras={"h": state[0].numpy(), "c": state[1].numpy()})
+        running += np.where(autoreset, 0.0, reward)
+        for i in np.flatnonzero(~autoreset & (term | trunc)):
+            returns.append(float(running[i]))
+            curve.append((step, running[i]))
+            running[i] = 0.0
+        keep = torch.from_numpy(~autoreset).float()[:, None]  # next_obs is o_0: zero state
+        state = (new_state[0] * keep, new_state[1] * keep)
+        autoreset = term | trunc  # the next step of these envs starts a new episode
+        obs = next_obs
+        step += args.num_envs
+        if step >= args.learning_starts and step % args.train_every < args.num_envs:
+            losses.append(learn_step(store, net, target, optimizer, args))
+        if step % args.target_every < args.num_envs:
+            target.load_state_dict(net.state_dict())
+        if step % 10_000 < args.num_envs and returns:
+            print(f"step {step}: episodes {len(returns)}, mean return (last 20) "
+                  f"{np.mean(returns[-20:]):.1f}, eps {eps:.2f}, "
+                  f"{step / (time.time() - began):.0f} steps/s", flush=True)
+    summary = {"args": asdict(args), "episodes": len(returns),
+               "mean_return_last_20": float(np.mean(returns[-20:])) if returns else None,
+               "updates": len(losses), "seconds": time.time() - began,
+               "sampleable": len(store)}
+    store.close()
+    with open(run_dir / "curve.csv", "w", newline="") as fh:
+        csv.writer(fh).writerows([("step", "return"), *curve])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "args"}))
+
+
+if __name__ == "__main__":
+    main()
