@@ -70,6 +70,8 @@ class Args:
     """where recorded frames are cached as .npz"""
     work_dir: str = ""
     """where to build the stores (removed at the end); empty: a temp dir"""
+    reuse_buffers: bool = True
+    """let batches reuse freed frame buffers (--no-reuse-buffers: a fresh array each batch)"""
 
 
 def parse_args() -> Args:
@@ -116,6 +118,8 @@ def read_figures(store: ReplayStore, args: Args, cross: bool) -> dict[str, Any]:
 def bench_mmreplay(rec: AleFrames, args: Args, root: Path) -> dict[str, Any]:
     before = memory_status()
     store = new_store(root / "store", args.frames, args.seed)
+    if not args.reuse_buffers:
+        store._sequences._buffers.min_bytes = 1 << 62  # A/B switch: never pool
     start = time.perf_counter()
     adds, spent = feed_timed(store, rec, 0, args.frames, desc="fill")
     out: dict[str, Any] = {"fill_s": time.perf_counter() - start,
