@@ -84,6 +84,8 @@ class Args:
     """priority exponent of the store"""
     beta: float = 0.4
     """importance-weight exponent"""
+    feed_forward: bool = False
+    """ablation: an MLP in place of the LSTM (no memory), everything else the same"""
     run_dir: str = ""
     """where summary.json and curve.csv go (and the store); empty: a temp dir"""
 
@@ -91,22 +93,29 @@ class Args:
 def parse_args() -> Args:
     parser = argparse.ArgumentParser(description=__doc__)
     for f in fields(Args):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
     return Args(**vars(parser.parse_args()))
 
 
 class RecurrentQ(nn.Module):
-    def __init__(self, obs_dim: int, actions: int, hidden: int) -> None:
+    def __init__(self, obs_dim: int, actions: int, hidden: int,
+                 feed_forward: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(obs_dim, 64)
         self.lstm = nn.LSTM(64, hidden, batch_first=True)
+        self.mlp = nn.Linear(64, hidden) if feed_forward else None
         self.head = nn.Linear(hidden, actions)
 
     def forward(self, obs: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """obs (B, T, obs_dim), state ((B, H), (B, H)) -> q (B, T, A), next state."""
         x = F.relu(self.embed(obs))
+        if self.mlp is not None:  # the ablation: no memory, the state passes through
+            return self.head(F.relu(self.mlp(x))), state
         out, (h, c) = self.lstm(x, (state[0][None], state[1][None]))
         return self.head(out), (h[0], c[0])
 
@@ -192,8 +201,8 @@ def main() -> None:
         run_dir / "store", capacity=args.buffer_size, obs_shape=(obs_dim,),
         obs_dtype=np.float32, num_envs=args.num_envs, seed=args.seed, sampler="prioritized",
         alpha=args.alpha, extras={"h": hidden, "c": hidden})
-    net, target = RecurrentQ(obs_dim, actions, args.hidden), RecurrentQ(obs_dim, actions,
-                                                                         args.hidden)
+    net = RecurrentQ(obs_dim, actions, args.hidden, args.feed_forward)
+    target = RecurrentQ(obs_dim, actions, args.hidden, args.feed_forward)
     target.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate)
     obs, _ = envs.reset(seed=args.seed)

@@ -15,10 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in the test extra
 
 
-def test_train_r2d2_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("network", ["--no-feed-forward", "--feed-forward"])
+def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
     proc = run_script("train_r2d2.py", "--total-steps", "600", "--learning-starts", "300",
                       "--batch-size", "4", "--num-envs", "2", "--hidden", "8", "--buffer-size",
-                      "1000", "--exploration-steps", "300", "--run-dir", str(tmp_path))
+                      "1000", "--exploration-steps", "300", "--run-dir", str(tmp_path), network)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["updates"] == 76  # at env steps 300, 304, ..., 600
