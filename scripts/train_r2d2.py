@@ -84,6 +84,8 @@ class Args:
     """priority exponent of the store"""
     beta: float = 0.4
     """importance-weight exponent"""
+    stop_at_return: float = 0.0
+    """stop once the mean return of the last 20 episodes reaches this (0: run to the end)"""
     feed_forward: bool = False
     """ablation: an MLP in place of the LSTM (no memory), everything else the same"""
     run_dir: str = ""
@@ -103,7 +105,9 @@ def parse_args() -> Args:
 
 class RecurrentQ(nn.Module):
     def __init__(self, obs_dim: int, actions: int, hidden: int,
-                 feed_forward: bool = False) -> None:
+                 stop_at_return: float = 0.0
+    """stop once the mean return of the last 20 episodes reaches this (0: run to the end)"""
+    feed_forward: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(obs_dim, 64)
         self.lstm = nn.LSTM(64, hidden, batch_first=True)
@@ -235,11 +239,16 @@ def main() -> None:
             losses.append(learn_step(store, net, target, optimizer, args))
         if step % args.target_every < args.num_envs:
             target.load_state_dict(net.state_dict())
+        if args.stop_at_return and len(returns) >= 20 \
+                and np.mean(returns[-20:]) >= args.stop_at_return:
+            print(f"step {step}: mean return (last 20) {np.mean(returns[-20:]):.1f} reached "
+                  f"--stop-at-return", flush=True)
+            break
         if step % 10_000 < args.num_envs and returns:
             print(f"step {step}: episodes {len(returns)}, mean return (last 20) "
                   f"{np.mean(returns[-20:]):.1f}, eps {eps:.2f}, "
                   f"{step / (time.time() - began):.0f} steps/s", flush=True)
-    summary = {"args": asdict(args), "episodes": len(returns),
+    summary = {"args": asdict(args), "steps": step, "episodes": len(returns),
                "mean_return_last_20": float(np.mean(returns[-20:])) if returns else None,
                "updates": len(losses), "seconds": time.time() - began,
                "sampleable": len(store)}
