@@ -105,9 +105,7 @@ def parse_args() -> Args:
 
 class RecurrentQ(nn.Module):
     def __init__(self, obs_dim: int, actions: int, hidden: int,
-                 stop_at_return: float = 0.0
-    """stop once the mean return of the last 20 episodes reaches this (0: run to the end)"""
-    feed_forward: bool = False) -> None:
+                 feed_forward: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(obs_dim, 64)
         self.lstm = nn.LSTM(64, hidden, batch_first=True)
