@@ -401,3 +401,28 @@ def test_frame_buffers_are_reused_only_when_no_batch_views_them(tmp_path: Path) 
                                                 store._sequences._buffers.buffers}
     assert len(store._sequences._buffers.buffers) == 2  # the freed buffers were reused
     store.close()
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_keeping_starts_current_tests_only_starts_near_the_change(tmp_path: Path,
+                                                                    cross: bool) -> None:
+    """After the first build, one more step re-tests O(T + k) starts, not O(capacity)."""
+    store, _, driver = _filled(tmp_path, capacity=2000, steps=1500)
+    store.sample_sequences(4, 10, cross_episodes=cross)
+    index = store._sequences.indexes[next(iter(store._sequences.indexes))]
+    tested: list[int] = []
+    inner = index.starts_valid
+
+    def counting(env: np.ndarray, t: np.ndarray) -> np.ndarray:
+        tested.append(int(t.size))
+        return inner(env, t)
+
+    index.starts_valid = counting  # type: ignore[method-assign]
+    for _ in range(5):
+        driver.add()
+        store.sample_sequences(4, 10, cross_episodes=cross)
+    assert len(tested) == 5, tested
+    # per env: 10 steps back (more across a few episode ends) + the 3 oldest, 2 envs
+    assert max(tested) <= 2 * (2 * 10 + 2 + 3 + 2), tested
+    index.check_valid()
+    store.close()
