@@ -39,6 +39,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -83,8 +84,8 @@ class StackLayout:
         if not obs_shape:
             raise ValueError(f"frame_stack={frame_stack} needs observations with at least "
                              f"one axis, got shape {obs_shape}")
-        if channels_order is None:  # VecFrameStack's rule: images by their smallest axis
-            first = image and int(np.argmin(obs_shape)) == 0
+        if channels_order is None:
+            first = cls._guess_first(obs_shape, frame_stack, image)
         else:
             first = channels_order == "first"
         axis = obs_shape[0] if first else obs_shape[-1]
@@ -93,6 +94,20 @@ class StackLayout:
                 f"observation shape {obs_shape}: the stacking axis ({'first' if first else 'last'}"
                 f", {axis}) is not a multiple of frame_stack={frame_stack}")
         return cls(obs_shape, frame_stack, first)
+
+    @staticmethod
+    def _guess_first(shape: tuple[int, ...], k: int, image: bool) -> bool:
+        """VecFrameStack's guess, made on the unstacked shape: an image is stacked along
+        its first axis iff that is the smallest one; anything else along the last."""
+        if not image or len(shape) != 3:
+            return False
+        first = shape[0] % k == 0 and int(np.argmin((shape[0] // k, *shape[1:]))) == 0
+        last = shape[-1] % k == 0 and int(np.argmin((*shape[:-1], shape[-1] // k))) != 0
+        if first == last:
+            raise ValueError(f"cannot tell whether stacks of shape {shape} are channels first "
+                             f"or last: pass replay_buffer_kwargs channels_order='first' or "
+                             f"'last' (as given to VecFrameStack)")
+        return first
 
     @property
     def channels(self) -> int:
@@ -128,13 +143,13 @@ class StackLayout:
         """Per env: `next_obs` is `obs` shifted by one frame."""
         if self.frame_stack == 1:
             return np.ones(obs.shape[0], bool)
-        return _flat(self.older(next_obs) == self.shifted(obs)).all(axis=1)
+        return np.asarray(_flat(self.older(next_obs) == self.shifted(obs)).all(axis=1))
 
     def fresh(self, obs: np.ndarray) -> np.ndarray:
         """Per env: the stack is an episode's first (zeros before the newest frame)."""
         if self.frame_stack == 1:
             return np.ones(obs.shape[0], bool)
-        return ~_flat(self.older(obs)).any(axis=1)
+        return np.asarray(~_flat(self.older(obs)).any(axis=1))
 
     def to_sb3(self, stacks: torch.Tensor) -> torch.Tensor:
         """``(B, k, *frame_shape)`` store stacks -> ``(B, *obs_shape)`` SB3 stacks."""
@@ -181,7 +196,7 @@ def _release(key: str) -> None:
 
 def _calling_algorithm() -> OffPolicyAlgorithm | None:
     """The SB3 algorithm whose ``_setup_model`` is constructing this buffer, if any."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(4):
         if frame is None:
             return None
@@ -286,9 +301,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     def _check_store(self) -> None:
         """The store (perhaps an existing one) is the one this buffer describes."""
         spec = self.store.spec
-        want = dict(num_envs=self.n_envs, obs_shape=self.layout.frame_shape,
-                    obs_dtype=self._obs_dtype, frame_stack=self.layout.frame_stack,
-                    n_step=self.n_steps, action_shape=(self.action_dim,),
+        want = dict(num_envs=self.n_envs, frame_stack=self.layout.frame_stack,
+                    n_step=self.n_steps, obs_shape=self.layout.frame_shape,
+                    obs_dtype=self._obs_dtype, action_shape=(self.action_dim,),
                     action_dtype=self._action_dtype, stack_padding="zero",
                     capacity=max(self.buffer_size + self.n_steps, 2) * self.n_envs)
         if self.n_steps > 1:
@@ -360,13 +375,13 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             raise ValueError(
                 f"next_obs of env {bad} is not its obs shifted by one frame: observations must "
                 f"be VecFrameStack stacks of frame_stack={self.layout.frame_stack} frames")
-        done_b = flags.astype(bool)
+        # As SB3's NStepReplayBuffer: a time-out ends the episode even without `done`.
         timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
         if not self.handle_timeout_termination:
             timeout[:] = False
         return _Step(obs=arrays[0], next_obs=arrays[1],
                      action=act.reshape(n, self.action_dim).astype(self._action_dtype),
-                     reward=rew, terminated=done_b & ~timeout, truncated=done_b & timeout)
+                     reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
 
     def size(self) -> int:
         """How many transitions can be sampled now."""
@@ -487,7 +502,7 @@ def _shaped(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> n
 
 
 def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _flat(a == b).all(axis=1)
+    return np.asarray(_flat(a == b).all(axis=1))
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
