@@ -113,6 +113,10 @@ def main(argv: list[str]) -> dict[str, Any]:
         hp["policy_kwargs"] = {**hp.get("policy_kwargs", {}),
                                **QRDQN_EXTRA["atari" if atari else args.env_id]}
     if atari:
+        import ale_py
+        import gymnasium as gym
+
+        gym.register_envs(ale_py)
         env = VecFrameStack(make_atari_env(args.env_id, n_envs=args.n_envs, seed=args.seed),
                             n_stack=4)
     else:
