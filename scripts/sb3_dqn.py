@@ -159,17 +159,21 @@ def main(argv: list[str]) -> dict[str, Any]:
 
 
 def resume(algo_cls: Any, checkpoints: Path, env: Any, device: str) -> tuple[Any, int]:
-    """The newest checkpoint's model with its replay buffer, and its step count."""
-    zips = sorted(checkpoints.glob("rl_model_*_steps.zip"),
-                  key=lambda p: int(p.stem.split("_")[2]))
-    if not zips:
-        raise SystemExit(f"no checkpoint in {checkpoints}")
-    steps = int(zips[-1].stem.split("_")[2])
-    model = algo_cls.load(zips[-1], env=env, device=device)
-    model.load_replay_buffer(checkpoints / f"rl_model_replay_buffer_{steps}_steps.pkl")
-    print(json.dumps(dict(resumed_at=steps, buffer_transitions=model.replay_buffer.size())),
+    """The newest checkpoint that has both a model and a replay buffer, and its step count.
+
+    CheckpointCallback writes the model, then the buffer: a run killed between the two
+    leaves a model without a buffer, which is skipped.
+    """
+    steps = sorted(int(p.stem.split("_")[2]) for p in checkpoints.glob("rl_model_*_steps.zip"))
+    steps = [s for s in steps if (checkpoints / f"rl_model_replay_buffer_{s}_steps.pkl").exists()]
+    if not steps:
+        raise SystemExit(f"no checkpoint with a replay buffer in {checkpoints}")
+    model = algo_cls.load(checkpoints / f"rl_model_{steps[-1]}_steps.zip", env=env, device=device)
+    model.load_replay_buffer(checkpoints / f"rl_model_replay_buffer_{steps[-1]}_steps.pkl")
+    steps = steps[-1:]
+    print(json.dumps(dict(resumed_at=steps[0], buffer_transitions=model.replay_buffer.size())),
           flush=True)
-    return model, steps
+    return model, steps[0]
 
 
 def _mean(values: list[float]) -> float | None:
