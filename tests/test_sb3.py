@@ -356,7 +356,7 @@ def test_dqn_cnn_learn_save_load_and_replay_buffer_round_trip(tmp_path):
 
 
 def test_dqn_n_steps_is_taken_from_the_algorithm(tmp_path):
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="takes n_steps=3, gamma=0.9 from the algorithm"):
         model = tiny_dqn(tiny_image_env(1), tmp_path / "a", n_steps=3, gamma=0.9)
     assert (model.replay_buffer.n_steps, model.replay_buffer.gamma) == (3, 0.9)
     assert model.replay_buffer.store.spec.n_step == 3

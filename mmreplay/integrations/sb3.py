@@ -469,6 +469,9 @@ def _reconcile_n_steps(algo: OffPolicyAlgorithm | None, n_steps: int | None,
     """
     algo_n = 1 if algo is None else int(algo.n_steps)
     algo_gamma = None if algo is None else float(algo.gamma)
+    if n_steps is None and algo_n > 1:
+        warnings.warn(f"FrameOnceReplayBuffer takes n_steps={algo_n}, gamma={algo_gamma} from "
+                      f"the algorithm: its n-step returns are on", stacklevel=4)
     if n_steps is None:
         n_steps = algo_n
     n_steps = _positive_int("n_steps", n_steps)
