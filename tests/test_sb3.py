@@ -9,6 +9,7 @@ field by field, with what SB3's own ``_get_samples`` returns for it.
 
 from __future__ import annotations
 
+import io
 import pickle
 import subprocess
 import sys
@@ -334,6 +335,11 @@ def test_dqn_cnn_learn_save_load_and_replay_buffer_round_trip(tmp_path):
     before = buf.get(buf.store.valid_ids())
     model.save(tmp_path / "model.zip")
     model.save_replay_buffer(tmp_path / "buffer.pkl")
+    with ReplayStore.open(tmp_path / "store", mode="r") as reader:  # flushed by the pickling
+        assert reader.counts.transitions == total
+    stream = io.BytesIO()
+    model.save_replay_buffer(stream)  # SB3 also takes file objects
+    assert 0 < len(stream.getvalue()) < 4 * 2 * 4 * 36 * 36 + 8192
     state = pickle.loads((tmp_path / "buffer.pkl").read_bytes()).__getstate__()
     assert set(state) == {"version", "path", "config", "observation_space", "action_space",
                           "device", "running", "last_next", "at"}
@@ -518,3 +524,23 @@ def test_readme_snippet_runs(tmp_path, monkeypatch):
     assert buf.store.spec.obs_shape == (1, 84, 84) and buf.store.spec.frame_stack == 4
     assert (tmp_path / "runs" / "sb3_store" / "manifest.json").exists()
     buf.close()
+
+
+def test_pickle_of_a_store_that_moved_on_restarts_episodes(tmp_path):
+    box = spaces.Box(0, 255, (4, 6, 5), np.uint8)
+    ours = FrameOnceReplayBuffer(500, box, spaces.Discrete(3), device="cpu",
+                                 path=tmp_path / "s", frame_stack=4)
+    drive([ours], n_envs=1, frame_shape=(1, 6, 5), steps=20, seed=6)
+    saved = pickle.dumps(ours)
+    drive([ours], n_envs=1, frame_shape=(1, 6, 5), steps=5, seed=8)
+    ours.close()
+    with pytest.warns(UserWarning, match="changed since this buffer was saved"):
+        back = pickle.loads(saved)
+    assert not back._running.any() and back.store.counts.transitions == 25
+    back._running[:] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same = pickle.loads(pickle.dumps(back))  # nothing changed in between: state kept
+    assert same._running.all() and same.store is back.store  # one writer per path
+    back.close()
+    same.close()
