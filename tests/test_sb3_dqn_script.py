@@ -75,3 +75,26 @@ def test_killed_run_resumes_with_every_transition_up_to_the_checkpoint(tmp_path)
         # the checkpoint's transitions, then the new ones: nothing from after the checkpoint
         assert store.counts.transitions == at["buffer_transitions"] + final - at["resumed_at"]
         assert len(store) == store.counts.transitions
+
+
+def test_parity_script_summarizes_runs(tmp_path):
+    """`sb3_parity.py` reuses finished runs (result.json) and writes the summary."""
+    returns = {("mmreplay", 1): 500.0, ("mmreplay", 2): 400.0, ("sb3", 1): 300.0,
+               ("sb3", 2): 500.0}
+    for (buffer, seed), value in returns.items():
+        run_dir = tmp_path / "runs" / f"dqn-{buffer}-{seed}"
+        run_dir.mkdir(parents=True)
+        (run_dir / "result.json").write_text(json.dumps(dict(
+            algo="dqn", buffer=buffer, seed=seed, eval_return=value,
+            train_return_last_100=value / 2)))
+    out = tmp_path / "parity.json"
+    cmd, env = command()
+    cmd[1] = str(ROOT / "scripts" / "sb3_parity.py")
+    proc = subprocess.run([*cmd, "--algos", "dqn", "--seeds", "1,2", "--run-root",
+                           str(tmp_path / "runs"), "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert [(r["buffer"], r["eval_return_mean"], r["eval_return_std"]) for r in summary] == [
+        ("mmreplay", 450.0, 50.0), ("sb3", 400.0, 100.0)]
+    assert "| dqn | mmreplay | 2 | 450.0 ± 50.0 | 225.0 ± 25.0 |" in proc.stdout
