@@ -71,13 +71,19 @@ def drive(buffers, *, n_envs: int, frame_shape: tuple[int, ...], steps: int, see
     envs are reset without a done flag (a second ``learn()``). Returns the number of adds."""
     venv = VecFrameStack(DummyVecEnv([lambda i=i: RandomFrames(frame_shape, seed * 10 + i)
                                       for i in range(n_envs)]), 4, channels_order=channels_order)
+    return drive_venv(buffers, venv, steps=steps, seed=seed, reset_at=reset_at)
+
+
+def drive_venv(buffers, venv, *, steps: int, seed: int, reset_at: tuple[int, ...] = ()) -> int:
+    """`drive` on a given SB3 vector env (as `collect_rollouts`, random actions)."""
+    n_envs = venv.num_envs
     rng = np.random.default_rng(seed)
     obs = venv.reset()
     for t in range(steps):
         if t in reset_at:
             mark_running_truncated(buffers)
             obs = venv.reset()
-        actions = rng.integers(0, 3, n_envs)
+        actions = rng.integers(0, venv.action_space.n, n_envs)
         new_obs, rewards, dones, infos = venv.step(actions)
         next_obs = new_obs.copy()
         for i, done in enumerate(dones):
@@ -544,3 +550,21 @@ def test_pickle_of_a_store_that_moved_on_restarts_episodes(tmp_path):
     assert same._running.all() and same.store is back.store  # one writer per path
     back.close()
     same.close()
+
+
+def test_real_atari_frames_with_life_losses_equal_sb3s(tmp_path):
+    """Breakout through make_atari_env (EpisodicLifeEnv: a life loss arrives as a done
+    without time-out) and VecFrameStack, channels last, 2 envs, reset mid-episode."""
+    ale_py = pytest.importorskip("ale_py")
+    from stable_baselines3.common.env_util import make_atari_env
+
+    gym.register_envs(ale_py)
+    venv = VecFrameStack(make_atari_env("BreakoutNoFrameskip-v4", n_envs=2, seed=0), 4)
+    ref, ours = make_pair(tmp_path, venv.observation_space, n_envs=2, n_steps=3)
+    ref.action_space = ours.action_space = venv.action_space
+    adds = drive_venv([ref, ours], venv, steps=250, seed=0, reset_at=(120,))
+    ids = assert_same_transitions(ref, ours, adds, 3)
+    assert ours.layout.first is False and ours.layout.frame_shape == (84, 84, 1)
+    assert ref.dones[:adds].sum() > 0  # life losses happened
+    assert ids.size >= 2 * (adds - 2)
+    ours.close()
