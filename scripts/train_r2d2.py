@@ -5,6 +5,12 @@ must remember.
     python scripts/train_r2d2.py                                  # 200k steps, seed 0
     python scripts/train_r2d2.py --total-steps 2000 --learning-starts 500 --batch-size 4 \\
         --num-envs 2 --hidden 16                                   # smoke run
+    python scripts/train_r2d2.py --env ALE/Pong-v5 --total-steps 20000 --batch-size 8 \\
+        --buffer-size 50000 --learning-starts 2000                 # pixels, end to end
+
+With an ALE game the observations are 84x84 grayscale frames (gymnasium's
+``AtariPreprocessing``, frame skip 4), stored once each as uint8, and a Nature-CNN torso
+embeds each frame before the LSTM (``--keep-dims`` is ignored).
 
 One file, top to bottom: an LSTM Q-network (Linear -> LSTM -> Linear, dueling-free), a vector
 of envs with next-step autoreset, and a store declaring the recurrent state as per-step
@@ -27,19 +33,23 @@ import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from gymnasium.wrappers import AtariPreprocessing
 
 from mmreplay import ReplayStore
+
+gym.register_envs(ale_py)
 
 
 @dataclass
 class Args:
     env: str = "CartPole-v1"
-    """gymnasium id; observations are reduced to --keep-dims"""
+    """gymnasium id; vector observations are reduced to --keep-dims, ALE games give pixels"""
     keep_dims: str = "0,2"
     """observation entries the agent sees (CartPole: 0 cart position, 2 pole angle)"""
     seed: int = 0
@@ -103,18 +113,34 @@ def parse_args() -> Args:
     return Args(**vars(parser.parse_args()))
 
 
+class PixelTorso(nn.Module):
+    """Nature-CNN torso for (..., 84, 84) uint8 frames -> (..., 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(1, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 64))
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        lead = frames.shape[:-2]
+        x = frames.reshape(-1, 1, *frames.shape[-2:]).float() / 255.0
+        return self.conv(x).reshape(*lead, 64)
+
+
 class RecurrentQ(nn.Module):
-    def __init__(self, obs_dim: int, actions: int, hidden: int,
+    def __init__(self, obs_shape: tuple[int, ...], actions: int, hidden: int,
                  feed_forward: bool = False) -> None:
         super().__init__()
-        self.embed = nn.Linear(obs_dim, 64)
+        pixels = len(obs_shape) == 2
+        self.embed: nn.Module = PixelTorso() if pixels else nn.Linear(obs_shape[0], 64)
         self.lstm = nn.LSTM(64, hidden, batch_first=True)
         self.mlp = nn.Linear(64, hidden) if feed_forward else None
         self.head = nn.Linear(hidden, actions)
 
     def forward(self, obs: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """obs (B, T, obs_dim), state ((B, H), (B, H)) -> q (B, T, A), next state."""
+        """obs (B, T, *obs_shape), state ((B, H), (B, H)) -> q (B, T, A), next state."""
         x = F.relu(self.embed(obs))
         if self.mlp is not None:  # the ablation: no memory, the state passes through
             return self.head(F.relu(self.mlp(x))), state
@@ -122,8 +148,17 @@ class RecurrentQ(nn.Module):
         return self.head(out), (h[0], c[0])
 
 
+def is_atari(env_id: str) -> bool:
+    return "ale_py" in str(gym.spec(env_id).entry_point)
+
+
 def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
     keep = [int(i) for i in args.keep_dims.split(",")]
+
+    def pixels() -> gym.Env:
+        env = gym.make(args.env, frameskip=1)
+        return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
+                                  terminal_on_life_loss=False, grayscale_obs=True)
 
     def one() -> gym.Env:
         env = gym.make(args.env)
@@ -132,7 +167,8 @@ def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
         return gym.wrappers.TransformObservation(env, lambda o: o[keep].astype(np.float32),
                                                  space)
 
-    return gym.vector.SyncVectorEnv([one for _ in range(args.num_envs)])
+    make = pixels if is_atari(args.env) else one
+    return gym.vector.SyncVectorEnv([make for _ in range(args.num_envs)])
 
 
 def td_targets(q_online: torch.Tensor, q_target: torch.Tensor, reward: torch.Tensor,
@@ -197,14 +233,15 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     envs = make_envs(args)
-    obs_dim, actions = envs.single_observation_space.shape[0], int(envs.single_action_space.n)
+    space, actions = envs.single_observation_space, int(envs.single_action_space.n)
+    obs_shape = tuple(space.shape)
     hidden = ((args.hidden,), np.float32)
     store = ReplayStore.create(
-        run_dir / "store", capacity=args.buffer_size, obs_shape=(obs_dim,),
-        obs_dtype=np.float32, num_envs=args.num_envs, seed=args.seed, sampler="prioritized",
+        run_dir / "store", capacity=args.buffer_size, obs_shape=obs_shape,
+        obs_dtype=space.dtype, num_envs=args.num_envs, seed=args.seed, sampler="prioritized",
         alpha=args.alpha, extras={"h": hidden, "c": hidden})
-    net = RecurrentQ(obs_dim, actions, args.hidden, args.feed_forward)
-    target = RecurrentQ(obs_dim, actions, args.hidden, args.feed_forward)
+    net = RecurrentQ(obs_shape, actions, args.hidden, args.feed_forward)
+    target = RecurrentQ(obs_shape, actions, args.hidden, args.feed_forward)
     target.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate)
     obs, _ = envs.reset(seed=args.seed)

@@ -29,6 +29,20 @@ def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
     assert rows[0] == ["step", "return"] and len(rows) == summary["episodes"] + 1
 
 
+def test_train_r2d2_pixels_smoke(tmp_path: Path) -> None:
+    """An ALE game end to end: 84x84 frames stored once, CNN torso, LSTM, sequences."""
+    proc = run_script("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "400",
+                      "--learning-starts", "200", "--batch-size", "2", "--num-envs", "2",
+                      "--hidden", "8", "--buffer-size", "1000", "--burn-in", "2", "--learn",
+                      "4", "--n-step", "2", "--period", "2", "--run-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["updates"] == 51 and summary["sampleable"] == 400  # steps 200, 204, ..., 400
+    from mmreplay import ReplayStore
+    with ReplayStore.open(tmp_path / "store", "r") as store:
+        assert store.spec.obs_shape == (84, 84) and store.spec.obs_dtype == "uint8"
+
+
 def test_td_targets_cut_at_termination_and_bootstrap_after_truncation() -> None:
     args = train_r2d2.Args(burn_in=1, learn=2, n_step=2, gamma=0.5)
     # two sequences of T = 5 steps (+1 for the appended next_obs); Q values pick action 0
