@@ -273,8 +273,7 @@ def ram_demand(spec: StoreSpec) -> int:
     sampler trees and tables, the RAM tail (and its copy while loading)."""
     slots = spec.num_envs * spec.slots_per_env
     action = np.dtype(spec.action_dtype).itemsize * math.prod(spec.action_shape)
-    extras = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in spec.extras)
-    per_slot = 31 + action + extras + 9 + 17  # step record; masks, id map; step ordinals
+    per_slot = 31 + action + spec.extra_bytes + 9 + 17  # step record; masks, id map; step ordinals
     tree = 48 * (1 << max(slots - 1, 0).bit_length())  # sums, minima, prefix rows
     if spec.sampler != "uniform":
         per_slot += 25 if spec.sampler == "prioritized" else 58  # tables, loaded priorities

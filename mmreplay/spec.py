@@ -60,6 +60,11 @@ class StoreSpec:
     extras: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
     @property
+    def extra_bytes(self) -> int:
+        """Bytes of all declared extras of one step together."""
+        return extra_bytes(self.extras)
+
+    @property
     def slots_per_env(self) -> int:
         """Frames each env keeps: ``capacity // num_envs``."""
         return self.capacity // self.num_envs
@@ -180,11 +185,16 @@ def parse_extras(value: Any) -> tuple[tuple[str, tuple[int, ...], str], ...]:
         out.append((name, shape, parse_dtype(f"extra {name!r} dtype", decl[1])))
     if len({name for name, _, _ in out}) != len(out):
         raise InvalidInputError(f"extras has duplicate names: {[n for n, _, _ in out]}")
-    size = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in out)
+    size = extra_bytes(out)
     if size > MAX_EXTRA_BYTES:
         raise InvalidInputError(f"extras take {size} bytes per step, more than "
                                 f"{MAX_EXTRA_BYTES}")
     return tuple(sorted(out))
+
+
+def extra_bytes(extras: Any) -> int:
+    """Bytes per step of ``(name, shape, dtype)`` extras."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype in extras)
 
 
 def default_chunk_frames(frame_bytes: int) -> int:

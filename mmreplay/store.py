@@ -339,10 +339,7 @@ class ReplayStore:
                 f"{self.spec.sampler!r}")
         self._refresh()
         flat, found = self._ring.flat_of_ids(wanted)
-        flat, values = flat[found][::-1], values[found][::-1]
-        flat, first = np.unique(flat, return_index=True)  # reversed: first = last given
-        self._set_step_priorities(sampler, flat, values[first])
-        return int(flat.size)
+        return self._set_step_priorities(sampler, flat[found], values[found])
 
     @_locked
     def get(self, ids: Any) -> Batch:
@@ -436,17 +433,18 @@ class ReplayStore:
         values = sequence_priority(rows, errors, eta)
         flat, found = self._ring.flat_of_ids(rows[:, 0], valid=self._any_slot)
         found &= self._sequences.valid_starts(flat)
-        flat, values = flat[found][::-1], values[found][::-1]
-        flat, first = np.unique(flat, return_index=True)  # reversed: first = last given
-        self._set_step_priorities(sampler, flat, values[first])
-        return int(flat.size)
+        return self._set_step_priorities(sampler, flat[found], values[found])
 
     def _set_step_priorities(self, sampler: PrioritySampler, flat: np.ndarray,
-                             values: np.ndarray) -> None:
-        """The priority column at these step slots: transitions and sequence starts."""
+                             values: np.ndarray) -> int:
+        """The priority column at these step slots (transitions and sequence starts); for a
+        slot given twice the last value wins. Returns how many slots were set."""
+        flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
+        values = values[::-1][first]
         sampler.set_priorities(flat, values)
         self._sequences.set_priorities(flat, values)
         self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
+        return int(flat.size)
 
     def _start_priorities(self, flat: np.ndarray) -> np.ndarray:
         sampler = self._priority_sampler()
@@ -622,7 +620,6 @@ class ReplayStore:
             raise InvalidInputError(f"{what} on a closed store")
         if not self.writable:
             raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
-
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:

@@ -114,10 +114,16 @@ def batch_size(value: Any) -> int:
     return int(value)
 
 
+def host(value: Any) -> Any:
+    """A torch tensor (any device, with or without grad) as a numpy array; anything else as
+    it is. Every argument that may come from a learner passes through here."""
+    if hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return value
+
+
 def transition_ids(ids: Any) -> np.ndarray:
-    arr = np.atleast_1d(np.asarray(ids))
-    if hasattr(ids, "numpy"):  # a torch tensor
-        arr = np.atleast_1d(ids.detach().cpu().numpy())
+    arr = np.atleast_1d(np.asarray(host(ids)))
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
                                 f"shape {arr.shape}")
@@ -132,9 +138,7 @@ def beta(value: Any) -> float:
 
 
 def priorities(value: Any, count: int) -> np.ndarray:
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    arr = np.atleast_1d(np.asarray(value))
+    arr = np.atleast_1d(np.asarray(host(value)))
     if arr.shape != (count,) or arr.dtype.kind not in "iuf":
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
@@ -221,10 +225,7 @@ def extras(spec: StoreSpec, value: Any, count: int) -> dict[str, np.ndarray]:
             f"unknown {unknown}, missing {missing}")
     out = {}
     for name, (shape, dtype) in declared.items():
-        raw = value[name]
-        if hasattr(raw, "detach"):  # a torch tensor
-            raw = raw.detach().cpu().numpy()
-        arr = per_env(spec, f"extra {name!r}", raw, shape, count)
+        arr = per_env(spec, f"extra {name!r}", host(value[name]), shape, count)
         want = np.dtype(dtype)
         if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, want, "same_kind") \
                 or (arr.dtype.kind == "b") != (want.kind == "b"):
@@ -253,11 +254,7 @@ def sequence_key(spec: StoreSpec, length: Any, cross_episodes: Any, period: Any)
 
 def sequence_priorities(ids: Any, td_errors: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(B, T)`` int ids and ``(B, T)`` finite float TD errors (torch tensors accepted)."""
-    if hasattr(ids, "detach"):
-        ids = ids.detach().cpu().numpy()
-    if hasattr(td_errors, "detach"):
-        td_errors = td_errors.detach().cpu().numpy()
-    rows, errors = np.asarray(ids), np.asarray(td_errors)
+    rows, errors = np.asarray(host(ids)), np.asarray(host(td_errors))
     if rows.ndim != 2 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
         raise InvalidInputError(f"ids must be a (B, T) int array of a SequenceBatch, got "
                                 f"{rows.dtype} {rows.shape}")

@@ -12,6 +12,7 @@ from numcodecs import blosc
 
 from ..prefetch import BatchPrefetcher
 from ..torch_batch import Batch
+from ..validate import host
 from ._ray_common import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
 
 
@@ -86,10 +87,8 @@ class RemoteBatches:
         """Send new priorities without waiting (ids the store no longer has are ignored)."""
         while len(self._updates) >= self.max_pending_updates:
             self._settle_update()
-        ids = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-        if isinstance(priorities, torch.Tensor):
-            priorities = priorities.detach().cpu().numpy()
-        self._updates.append(self.actor.update_priorities.remote(ids, np.asarray(priorities)))
+        self._updates.append(self.actor.update_priorities.remote(
+            np.asarray(host(ids)), np.asarray(host(priorities))))
 
     def _settle_update(self) -> None:
         try:
