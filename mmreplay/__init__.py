@@ -4,7 +4,8 @@
     store = ReplayStore.create("runs/buf", capacity=1_000_000, obs_shape=(84, 84), frame_stack=4)
 """
 
-from .errors import (
+from mmreplay import _moved
+from mmreplay.errors import (
     DatasetFormatError,
     EmptyStoreError,
     InvalidInputError,
@@ -14,9 +15,9 @@ from .errors import (
     StoreLockedError,
     UnknownIdError,
 )
-from .spec import StoreSpec
-from .store import ReplayStore
-from .torch_batch import Batch, SequenceBatch
+from mmreplay.spec import StoreSpec
+from mmreplay.store import ReplayStore
+from mmreplay.torch_batch import Batch, SequenceBatch
 
 __all__ = [
     "Batch",
@@ -33,3 +34,5 @@ __all__ = [
     "UnknownIdError",
 ]
 __version__ = "0.1.0"
+
+_moved.install()

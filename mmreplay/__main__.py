@@ -1,5 +1,5 @@
 """``python -m mmreplay``: the same command as the ``mmreplay`` entry point."""
 
-from .cli import main
+from mmreplay.tools.cli import main
 
 raise SystemExit(main())

@@ -13,8 +13,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
-from .errors import InvalidInputError
-from .torch_batch import Batch
+from mmreplay.errors import InvalidInputError
+from mmreplay.torch_batch import Batch
 
 SampleFn = Callable[[int, float], Batch]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError, InvalidStoreError
+from mmreplay.errors import InvalidInputError, InvalidStoreError
 
 STACK_PADDINGS = ("zero", "first")
 # "lz4" is zarr's core blosc codec with cname lz4 (decodes ~4x faster than zstd, half the ratio).

@@ -28,18 +28,24 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from . import validate
-from .commit import Committer, readers_shared, rng_from_state, take_lock
-from .errors import (
+from mmreplay import validate
+from mmreplay.errors import (
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
     ReadOnlyError,
     UnknownIdError,
 )
-from .frame_store import FrameStore, create_frames_array
-from .layout import check_store_files
-from .manifest import (
+from mmreplay.index.ring import StepRing
+from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, make_sampler
+from mmreplay.index.sequences import SequenceKey, sequence_priority
+from mmreplay.prefetch import BatchPrefetcher
+from mmreplay.sequence_reader import SequenceArrays, SequenceReader
+from mmreplay.spec import StoreSpec, make_spec
+from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
+from mmreplay.storage.frame_store import FrameStore, create_frames_array
+from mmreplay.storage.layout import check_store_files
+from mmreplay.storage.manifest import (
     MANIFEST,
     MAX_RAM_BYTES,
     check_manifest,
@@ -48,14 +54,8 @@ from .manifest import (
     parse_spec,
     read_manifest,
 )
-from .prefetch import BatchPrefetcher
-from .ring import StepRing
-from .safe_io import TMP_DIR
-from .samplers import PrioritizedSampler, PrioritySampler, make_sampler
-from .seq_reader import SequenceArrays, SequenceReader
-from .sequences import SequenceKey, sequence_priority
-from .spec import StoreSpec, make_spec
-from .torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
+from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
 
 READER_RETRIES = 5
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry

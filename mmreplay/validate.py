@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError
-from .spec import StoreSpec
+from mmreplay.errors import InvalidInputError
+from mmreplay.spec import StoreSpec
 
 
 def env_ids(spec: StoreSpec, ids: Any) -> np.ndarray:

@@ -117,7 +117,7 @@ def write_checkpoint(src: dict[str, np.ndarray], directory: Path, records: int,
 
 # The child reports its own peak RSS (VmHWM belongs to its address space, fresh at exec;
 # ru_maxrss of a child would inherit this process's peak from before the exec).
-CHILD = ("import sys; from mmreplay.cli import main; rc = main(sys.argv[1:]); "
+CHILD = ("import sys; from mmreplay.tools.cli import main; rc = main(sys.argv[1:]); "
          "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM')][0]; "
          "print('peak_rss_kib', hwm.split()[1]); sys.exit(rc)")
 

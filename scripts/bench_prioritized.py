@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.samplers import PrioritizedSampler, RankSampler
+from mmreplay.index.samplers import PrioritizedSampler, RankSampler
 
 Step = Callable[[np.ndarray], None]  # one timed learner step, given the new priorities
 

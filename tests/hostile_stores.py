@@ -33,7 +33,7 @@ import numpy as np
 import numpy.lib.format as npy_format
 
 from mmreplay import ReplayStore
-from mmreplay.manifest import manifest_checksum
+from mmreplay.storage.manifest import manifest_checksum
 
 GiB = 1 << 30
 BAD_JSON = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [None], {"a": 1}, 2**64, -(2**70)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmreplay import ReplayStore
-from mmreplay import inspect as ins
+from mmreplay.tools import inspection as ins
 
 FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated", "discount", "ids")
 

@@ -15,10 +15,10 @@ import pytest
 from PIL import Image
 
 from mmreplay import ReplayStore
-from mmreplay import verify as verify_mod
-from mmreplay.cli import main
-from mmreplay.manifest import write_manifest
-from mmreplay.verify import disk_chunks
+from mmreplay.storage.manifest import write_manifest
+from mmreplay.tools import verify as verify_mod
+from mmreplay.tools.cli import main
+from mmreplay.tools.verify import disk_chunks
 
 OBS = (8, 8)
 K, N = 4, 3  # frame_stack, n_step

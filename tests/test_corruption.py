@@ -31,13 +31,13 @@ import pytest
 from hostile_stores import build_store
 
 from mmreplay import ReplayStore
-from mmreplay.commit import LOCK, READERS
 from mmreplay.errors import InvalidStoreError
+from mmreplay.storage.commit import LOCK, READERS
 
 try:
-    from mmreplay.verify import verify_store
+    from mmreplay.tools.verify import verify_store
 except ImportError:  # before verify moved out of inspect
-    from mmreplay.inspect import verify_store  # type: ignore[attr-defined,no-redef]
+    from mmreplay.tools.inspection import verify_store  # type: ignore[attr-defined,no-redef]
 
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 MUTATIONS = 24_000 if LONG else 2_400

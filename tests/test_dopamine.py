@@ -25,9 +25,9 @@ pytest.importorskip("cv2")
 from dopamine_format import DopamineBuffer, episode_records, write_npy_gz  # noqa: E402
 
 from mmreplay import DatasetFormatError, InvalidInputError, ReplayStore  # noqa: E402
-from mmreplay.cli import main  # noqa: E402
-from mmreplay.cli_datasets import parse_checkpoints  # noqa: E402
-from mmreplay.dopamine import import_dopamine  # noqa: E402
+from mmreplay.datasets.dopamine import import_dopamine  # noqa: E402
+from mmreplay.tools.cli import main  # noqa: E402
+from mmreplay.tools.cli_datasets import parse_checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = 1500

@@ -49,7 +49,7 @@ from test_io_errors import (
 )
 
 from mmreplay import ReplayStore
-from mmreplay.manifest import read_manifest
+from mmreplay.storage.manifest import read_manifest
 
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 SCENARIOS = {

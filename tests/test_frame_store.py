@@ -10,8 +10,8 @@ import pytest
 import zarr
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.frame_store import ChunkCache, FrameStore, create_frames_array
 from mmreplay.spec import make_spec
+from mmreplay.storage.frame_store import ChunkCache, FrameStore, create_frames_array
 
 
 def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None, codec="lz4", shard=1):
@@ -114,7 +114,7 @@ def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
     """A chunk whose write fails stays readable from RAM; drain retries it, and a chunk
     whose write failed twice is retried again, never lost."""
     spec, store = make(tmp_path, slots=40, chunk=4, envs=1)
-    import mmreplay.frame_store as fs
+    import mmreplay.storage.frame_store as fs
     real, fail = fs.write_atomic, [True]
 
     def flaky(*args, **kwargs):

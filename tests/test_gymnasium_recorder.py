@@ -12,12 +12,12 @@ gym = pytest.importorskip("gymnasium")
 from store_compare import assert_stores_equal  # noqa: E402
 
 from mmreplay import InvalidInputError, ReplayStore  # noqa: E402
-from mmreplay import inspect as ins  # noqa: E402
 from mmreplay.integrations.gymnasium import (  # noqa: E402
     RecordToStore,
     RecordVectorToStore,
     create_store_for,
 )
+from mmreplay.tools import inspection as ins  # noqa: E402
 
 STEPS = 300
 

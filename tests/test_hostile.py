@@ -40,17 +40,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from mmreplay import ReplayStore
-from mmreplay.cli import main
 from mmreplay.errors import InvalidStoreError, MmreplayError
-from mmreplay.layout import check_frames_meta
-from mmreplay.manifest import (
+from mmreplay.storage.layout import check_frames_meta
+from mmreplay.storage.manifest import (
     check_manifest,
     check_ram,
     manifest_checksum,
     parse_manifest,
     parse_spec,
 )
-from mmreplay.safe_io import load_npy, parse_json
+from mmreplay.storage.safe_io import load_npy, parse_json
+from mmreplay.tools.cli import main
 
 CASES = cases()
 SMALL = [c for c in CASES if not c.huge]

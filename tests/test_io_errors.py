@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import mmreplay.frame_store
-import mmreplay.safe_io
+import mmreplay.storage.frame_store
+import mmreplay.storage.safe_io
 from mmreplay import ReplayStore
-from mmreplay.manifest import read_manifest
+from mmreplay.storage.manifest import read_manifest
 
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 OBS = (8, 8)
@@ -206,7 +206,7 @@ class FaultLayer:
             self.tick("unlink", Path(path).name)
             real_unlink(path, **kwargs)
 
-        for module in (mmreplay.safe_io, mmreplay.frame_store):
+        for module in (mmreplay.storage.safe_io, mmreplay.storage.frame_store):
             monkeypatch.setattr(module, "open", fault_open, raising=False)
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)

@@ -9,7 +9,8 @@ import numcodecs
 import numpy as np
 import pytest
 
-from mmreplay import ReplayStore, kernels
+from mmreplay import ReplayStore
+from mmreplay.kernels import numba_kernels as kernels
 
 N = 2 * 84 * 84  # one decoded chunk: 2 frames of 84x84 uint8
 
@@ -94,8 +95,8 @@ def test_import_and_info_never_load_the_compiled_kernels(tmp_path) -> None:
     for i in range(40):
         store.add(0, 0.0, np.full((84, 84), i, np.uint8), False, False)
     store.close()
-    code = ("import sys; from mmreplay.cli import main; code = main(['info', sys.argv[1]]); "
-            "print('numba' in sys.modules, 'mmreplay.kernels' in sys.modules); "
+    code = ("import sys; from mmreplay.tools.cli import main; code = main(['info', sys.argv[1]]); "
+            "print('numba' in sys.modules, 'mmreplay.kernels.numba_kernels' in sys.modules); "
             "sys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")],
                           capture_output=True, text=True, timeout=120, check=False)

@@ -18,9 +18,9 @@ from minari.data_collector import EpisodeBuffer  # noqa: E402
 from store_compare import assert_stores_equal  # noqa: E402
 
 from mmreplay import DatasetFormatError, InvalidInputError, ReplayStore  # noqa: E402
-from mmreplay.cli import main  # noqa: E402
-from mmreplay.episodes import read_episodes  # noqa: E402
-from mmreplay.integrations.minari import export_minari, import_minari  # noqa: E402
+from mmreplay.datasets.episodes import read_episodes  # noqa: E402
+from mmreplay.datasets.minari import export_minari, import_minari  # noqa: E402
+from mmreplay.tools.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:minari.utils")
@@ -279,7 +279,7 @@ def test_cli_export_and_import_minari(breakout, tmp_path: Path,
 
 
 def test_import_mmreplay_and_cli_never_load_optional_packages() -> None:
-    code = ("import sys, mmreplay, mmreplay.cli; "
+    code = ("import sys, mmreplay, mmreplay.tools.cli; "
             "bad = [m for m in ('minari', 'gymnasium', 'h5py') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

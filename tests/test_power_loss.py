@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmreplay import ReplayStore, commit, frame_store, manifest, safe_io, shards
-from mmreplay.manifest import MANIFEST
+from mmreplay import ReplayStore
+from mmreplay.storage import commit, frame_store, manifest, safe_io, shards
+from mmreplay.storage.manifest import MANIFEST
 
 DIRS = ("", "frames", "steps", "tail")  # every directory a commit writes into
 OBS = (3,)

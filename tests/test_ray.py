@@ -267,7 +267,7 @@ def test_read_only_opens_and_the_cli_work_while_the_actor_writes(tmp_path: Path)
 
 
 def test_import_mmreplay_does_not_import_ray_and_a_missing_extra_is_named() -> None:
-    code = ("import sys, mmreplay, mmreplay.cli, mmreplay.integrations.blocks;"
+    code = ("import sys, mmreplay, mmreplay.tools.cli, mmreplay.integrations.blocks;"
             "assert 'ray' not in sys.modules; sys.modules['ray'] = None\n"
             "try:\n import mmreplay.integrations.ray\n"
             "except ImportError as e:\n print(e)")

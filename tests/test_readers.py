@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from mmreplay import ReplayStore, StoreLockedError
-from mmreplay.commit import readers_shared
+from mmreplay.storage.commit import readers_shared
 
 OBS = (4,)  # a frame is its number as four little-endian bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmreplay.ring import StepRing
+from mmreplay.index.ring import StepRing
 from mmreplay.spec import make_spec
 
 

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
-from mmreplay.samplers import (
+from mmreplay.index.samplers import (
     PrioritizedSampler,
     RankSampler,
     UniformSampler,

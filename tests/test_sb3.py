@@ -494,7 +494,7 @@ def test_bad_steps_are_refused_and_change_nothing(tmp_path):
 
 
 def test_importing_needs_no_optional_dependency_and_names_the_extra():
-    code = ("import sys; import mmreplay, mmreplay.cli; "
+    code = ("import sys; import mmreplay, mmreplay.tools.cli; "
             "assert 'stable_baselines3' not in sys.modules; "
             "sys.modules['stable_baselines3'] = None\n"
             "try:\n    import mmreplay.sb3\nexcept ImportError as e:\n    print(e)")

@@ -13,8 +13,9 @@ import zarr
 
 from mmreplay import ReplayStore
 from mmreplay.errors import InvalidStoreError
-from mmreplay.frame_store import FrameStore, create_frames_array
-from mmreplay.shards import (
+from mmreplay.spec import make_spec
+from mmreplay.storage.frame_store import FrameStore, create_frames_array
+from mmreplay.storage.shards import (
     ABSENT,
     ShardFiles,
     encode_shard,
@@ -22,7 +23,6 @@ from mmreplay.shards import (
     parse_index,
     read_shard,
 )
-from mmreplay.spec import make_spec
 
 MAX_CHUNK = 100
 
@@ -131,7 +131,7 @@ def test_a_fresh_writer_merges_the_chunks_an_earlier_flush_wrote(tmp_path):
 
 
 def test_a_failed_shard_write_is_retried_and_readable_meanwhile(tmp_path, monkeypatch):
-    import mmreplay.shards as shards
+    import mmreplay.storage.shards as shards
     real, fail = shards.write_atomic, [True]
 
     def flaky(*args, **kwargs):

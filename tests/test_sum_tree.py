@@ -1,4 +1,4 @@
-"""Tests for mmreplay.sum_tree: reference equivalence, find() safety, statistics and validation."""
+"""Tests for mmreplay.index.sum_tree: reference equivalence, find() safety, statistics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmreplay.sum_tree import SumTree, _level_bits
+from mmreplay.index.sum_tree import SumTree, _level_bits
 
 CAPACITIES = [1, 7, 50, 1000]
 

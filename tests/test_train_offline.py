@@ -19,7 +19,7 @@ pytest.importorskip("cv2")
 
 from dopamine_format import DopamineBuffer, episode_records  # noqa: E402
 
-from mmreplay.dopamine import import_dopamine  # noqa: E402
+from mmreplay.datasets.dopamine import import_dopamine  # noqa: E402
 from mmreplay.integrations.gymnasium import RecordToStore, create_store_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 from numcodecs import blosc
 
-from .. import validate
-from ..errors import InvalidInputError
-from ..store import ReplayStore
+from mmreplay import validate
+from mmreplay.errors import InvalidInputError
+from mmreplay.store import ReplayStore
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInputError
-from ..store import ReplayStore
+from mmreplay.errors import InvalidInputError
+from mmreplay.store import ReplayStore
 
 try:
     import gymnasium as gym

@@ -27,12 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreLockedError
-from ..manifest import MANIFEST
-from ..spec import StoreSpec
-from ..store import ReplayStore, StoreCounts
-from ._ray_common import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
-from .blocks import (
+from mmreplay.errors import StoreLockedError
+from mmreplay.integrations.blocks import (
     BlockAck,
     BlockTaker,
     FlushInfo,
@@ -41,7 +37,11 @@ from .blocks import (
     compress_frames,
     make_block,
 )
-from .ray_learner import RemoteBatches, to_batch
+from mmreplay.integrations.ray_learner import RemoteBatches, to_batch
+from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.manifest import MANIFEST
+from mmreplay.store import ReplayStore, StoreCounts
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from numcodecs import blosc
 
-from ..prefetch import BatchPrefetcher
-from ..torch_batch import Batch
-from ..validate import host
-from ._ray_common import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
+from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
+from mmreplay.prefetch import BatchPrefetcher
+from mmreplay.torch_batch import Batch
+from mmreplay.validate import host
 
 
 class RemoteBatches:

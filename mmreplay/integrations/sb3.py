@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import ReplayStore
-from ..torch_batch import Batch
+from mmreplay.store import ReplayStore
+from mmreplay.torch_batch import Batch
 
 try:
     from gymnasium import spaces

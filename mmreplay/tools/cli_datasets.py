@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import MmreplayError
+from mmreplay.errors import MmreplayError
 
 
 def add_dataset_commands(sub: Any, *, positive_int: Callable[[str], int]) -> None:
@@ -50,7 +50,7 @@ def _add_import_dopamine(sub: Any, positive_int: Callable[[str], int]) -> None:
 
 
 def cmd_import_dopamine(args: argparse.Namespace) -> int:
-    from . import dopamine
+    from mmreplay.datasets import dopamine
 
     done = dopamine.import_dopamine(
         args.directory, args.store, checkpoints=args.checkpoints, frame_stack=args.frame_stack,
@@ -93,7 +93,7 @@ def _ranges(numbers: Sequence[int]) -> str:
 # -- Minari -------------------------------------------------------------------------------
 def _minari() -> Any:
     try:
-        from .integrations import minari
+        from mmreplay.datasets import minari
     except ImportError as exc:
         raise MmreplayError(str(exc).splitlines()[0]) from None
     return minari
@@ -113,7 +113,7 @@ def _add_export_minari(sub: Any, positive_int: Callable[[str], int]) -> None:
 
 def cmd_export_minari(args: argparse.Namespace) -> int:
     minari = _minari()
-    from .inspect import open_readonly
+    from mmreplay.tools.inspection import open_readonly
 
     with open_readonly(args.store) as store:
         done = minari.export_minari(store, args.dataset_id, env_id=args.env_id,

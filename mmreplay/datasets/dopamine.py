@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 from numpy.lib import format as npy_format
 
-from .errors import DatasetFormatError, InvalidStoreError
-from .safe_io import open_bounded
-from .staging import staged_store
-from .store import ReplayStore
+from mmreplay.datasets.staging import staged_store
+from mmreplay.errors import DatasetFormatError, InvalidStoreError
+from mmreplay.storage.safe_io import open_bounded
+from mmreplay.store import ReplayStore
 
 PREFIX = "$store$_"
 ELEMENTS: dict[str, np.dtype] = {"action": np.dtype("<i4"), "reward": np.dtype("<f4"),

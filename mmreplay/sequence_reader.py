@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .frame_store import FrameStore
-from .ring import StepRing
-from .samplers import Sampler
-from .sequences import SequenceIndex, SequenceKey, SequenceWindows, windows
+from mmreplay.index.ring import StepRing
+from mmreplay.index.samplers import Sampler
+from mmreplay.index.sequences import SequenceIndex, SequenceKey, SequenceWindows, windows
+from mmreplay.storage.frame_store import FrameStore
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from typing import cast
 
 import numpy as np
 
-from .ring import StepRing
-from .samplers import PrioritySampler, Sampler
+from mmreplay.index.ring import StepRing
+from mmreplay.index.samplers import PrioritySampler, Sampler
 
 
 @dataclass(frozen=True)

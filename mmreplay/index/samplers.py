@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .errors import EmptyStoreError, InvalidInputError, InvalidStoreError
-from .spec import StoreSpec
-from .sum_tree import SumTree
+from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
+from mmreplay.index.sum_tree import SumTree
+from mmreplay.spec import StoreSpec
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]

@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidStoreError, StoreLockedError
-from .manifest import (
+from mmreplay.errors import InvalidStoreError, StoreLockedError
+from mmreplay.index.ring import StepRing, step_dtype
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.manifest import (
     FORMAT,
     MAX_COUNTER,
     STEP_DIRS,
@@ -36,9 +38,7 @@ from .manifest import (
     committed_generation,
     write_manifest,
 )
-from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, fsync_dir, load_npy, save_npy
-from .spec import StoreSpec
+from mmreplay.storage.safe_io import TMP_DIR, TMP_SUFFIX, fsync_dir, load_npy, save_npy
 
 LOCK = "lock"
 # Read-only opens hold a shared flock on this file while they load a generation; the

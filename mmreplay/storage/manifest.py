@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidStoreError
-from .ring import step_dtype
-from .safe_io import (
+from mmreplay.errors import InvalidStoreError
+from mmreplay.index.ring import step_dtype
+from mmreplay.spec import ALLOWED_DTYPES, StoreSpec
+from mmreplay.storage.safe_io import (
     _is,
     _json_type,
     _line,
@@ -49,7 +50,6 @@ from .safe_io import (
     read_small,
     write_atomic,
 )
-from .spec import ALLOWED_DTYPES, StoreSpec
 
 MANIFEST = "manifest.json"
 FORMAT = "mmreplay"

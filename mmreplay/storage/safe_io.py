@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.lib.format as npy_format
 
-from .errors import InvalidStoreError
+from mmreplay.errors import InvalidStoreError
 
 TMP_DIR = "tmp"
 TMP_SUFFIX = ".mmtmp"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .lazy import kernels
+from mmreplay.kernels import compiled
 
 __all__ = ["SumTree"]
 
@@ -181,7 +181,7 @@ class SumTree:
         out = np.zeros(t.shape, dtype=np.int64)
         if self._levels:
             offsets, fanouts, _, _ = self._walk
-            kernels().tree_find(self._prefix, offsets, fanouts, t.reshape(-1), out.reshape(-1))
+            compiled().tree_find(self._prefix, offsets, fanouts, t.reshape(-1), out.reshape(-1))
         return out
 
     def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
@@ -193,7 +193,7 @@ class SumTree:
         weights = np.ones(u.size, dtype=np.float32)
         if self._levels:
             offsets, fanouts, _, _ = self._walk
-            kernels().tree_stratified(self._prefix, offsets, fanouts, self._leaf_sums,
+            compiled().tree_stratified(self._prefix, offsets, fanouts, self._leaf_sums,
                                       self.total(), self.min_nonzero(),
                                       np.asarray(u, dtype=np.float64), float(beta), slots,
                                       weights)
@@ -215,7 +215,7 @@ class SumTree:
             for level in reversed(self._levels):
                 self._rebuild(level)
             return
-        kernels().tree_set(self._sum, self._min, self._prefix, *self._walk, self._leaf0,
+        compiled().tree_set(self._sum, self._min, self._prefix, *self._walk, self._leaf0,
                            idx, np.ascontiguousarray(vals, dtype=np.float64))
 
     def set_all(self, values: npt.ArrayLike) -> None:

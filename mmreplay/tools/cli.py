@@ -1,4 +1,4 @@
-"""The ``mmreplay`` command: a thin terminal layer over `mmreplay.inspect` and the importers.
+"""The ``mmreplay`` command: a thin terminal layer over `tools.inspection` and the importers.
 
     mmreplay info PATH [--json]              config, counts, disk, RAM, sampler
     mmreplay episodes PATH [--sort K] [--limit N] [--json]
@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from . import inspect as ins
-from .cli_datasets import add_dataset_commands
-from .errors import MmreplayError
-from .verify import verify_store
+from mmreplay import __version__
+from mmreplay.errors import MmreplayError
+from mmreplay.tools import inspection as ins
+from mmreplay.tools.cli_datasets import add_dataset_commands
+from mmreplay.tools.verify import verify_store
 
 PROG = "mmreplay"
 

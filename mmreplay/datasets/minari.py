@@ -3,7 +3,7 @@
     export_minari(store, "breakout/random-v0", env_id="ALE/Breakout-v5")
     import_minari("breakout/random-v0", "runs/breakout")      # -> summary
 
-Export writes the store's finished, fully kept episodes (see `mmreplay.episodes`):
+Export writes the store's finished, fully kept episodes (see `mmreplay.datasets.episodes`):
 observations T+1 single frames per episode (not stacks), actions, rewards,
 terminations and truncations, streamed in batches of about `batch_frames` frames so
 memory stays bounded. Frames are stored raw (``jpeg_encoding=False``; Minari 0.5.4
@@ -15,7 +15,7 @@ store. A failed export removes the half-made dataset directory.
 Import takes any Minari dataset with a Box observation space (any frame shape and dtype
 a store can hold, e.g. hosted Atari datasets' 210x160x3 RGB frames) and a Discrete or
 Box action space, and records each episode with ``reset`` + ``add`` into a new
-one-env store built beside the target (see `mmreplay.staging`). minari is imported
+one-env store built beside the target (see `mmreplay.datasets.staging`). minari is imported
 only here (extra ``minari``).
 """
 
@@ -31,10 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from ..episodes import BATCH_FRAMES, Episode, check_episode, read_episodes, write_episode
-from ..errors import DatasetFormatError, InvalidInputError
-from ..staging import staged_store
-from ..store import ReplayStore
+from mmreplay.datasets.episodes import (
+    BATCH_FRAMES,
+    Episode,
+    check_episode,
+    read_episodes,
+    write_episode,
+)
+from mmreplay.datasets.staging import staged_store
+from mmreplay.errors import DatasetFormatError, InvalidInputError
+from mmreplay.store import ReplayStore
 
 try:
     import gymnasium as gym
@@ -42,7 +48,7 @@ try:
     from minari.data_collector import EpisodeBuffer
     from minari.storage import get_dataset_path
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError('mmreplay.integrations.minari needs minari: '
+    raise ImportError('mmreplay.datasets.minari needs minari: '
                       'pip install "mmreplay[minari]"') from exc
 
 META_KEY = "mmreplay"

@@ -16,16 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from .commit import LOCK, READERS
-from .errors import InvalidStoreError, MmreplayError
-from .frame_store import FRAMES, FrameStore
-from .inspect import ZARR_JSON, Progress, _files, kept_frames
-from .layout import check_zarr
-from .manifest import MANIFEST, check_root, committed_generation, read_manifest
-from .ring import StepRing, step_dtype
-from .safe_io import TMP_DIR, TMP_SUFFIX, load_npy
-from .spec import StoreSpec
-from .store import ReplayStore
+from mmreplay.errors import InvalidStoreError, MmreplayError
+from mmreplay.index.ring import StepRing, step_dtype
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.commit import LOCK, READERS
+from mmreplay.storage.frame_store import FRAMES, FrameStore
+from mmreplay.storage.layout import check_zarr
+from mmreplay.storage.manifest import MANIFEST, check_root, committed_generation, read_manifest
+from mmreplay.storage.safe_io import TMP_DIR, TMP_SUFFIX, load_npy
+from mmreplay.store import ReplayStore
+from mmreplay.tools.inspection import ZARR_JSON, Progress, _files, kept_frames
 
 
 # -- verify ----------------------------------------------------------------------------------

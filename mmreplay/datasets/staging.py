@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidInputError
-from .store import ReplayStore
+from mmreplay.errors import InvalidInputError
+from mmreplay.store import ReplayStore
 
 
 def check_target(target: str | os.PathLike[str]) -> Path:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import DatasetFormatError
-from .inspect import kept_frames
-from .store import ReplayStore
+from mmreplay.errors import DatasetFormatError
+from mmreplay.store import ReplayStore
+from mmreplay.tools.inspection import kept_frames
 
 BATCH_FRAMES = 4096
 

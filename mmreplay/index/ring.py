@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .lazy import kernels
-from .spec import StoreSpec
+from mmreplay.kernels import compiled
+from mmreplay.spec import StoreSpec
 
 
 def step_dtype(spec: StoreSpec) -> np.dtype:
@@ -318,7 +318,7 @@ class StepRing:
         next_obs = np.empty((size, spec.frame_stack), np.int64)
         ret, discount = np.empty(size), np.empty(size)
         term, trunc = np.empty(size, bool), np.empty(size, bool)
-        kernels().lookup(flat, self.written, self.S, spec.frame_stack, spec.n_step,
+        compiled().lookup(flat, self.written, self.S, spec.frame_stack, spec.n_step,
                          spec.stack_padding == "first", self._gamma_pow, cols["pos"],
                          cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
                          ret, term, trunc, discount)

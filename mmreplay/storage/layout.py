@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidStoreError
-from .frame_store import FRAMES, max_file_bytes
-from .manifest import STEP_DIRS, named_layout
-from .safe_io import (
+from mmreplay.errors import InvalidStoreError
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.frame_store import FRAMES, max_file_bytes
+from mmreplay.storage.manifest import STEP_DIRS, named_layout
+from mmreplay.storage.safe_io import (
     TMP_DIR,
     _check_npy_header,
     _is,
@@ -31,7 +32,6 @@ from .safe_io import (
     read_small,
     safe_path,
 )
-from .spec import StoreSpec
 
 ZARR_JSON = "zarr.json"
 MAX_ZARR_JSON_BYTES = 1 << 20

@@ -34,12 +34,12 @@ import numpy as np
 import zarr
 from zarr.codecs import Crc32cCodec
 
-from .codec import ChunkCodec, compressor, max_chunk_bytes
-from .errors import InvalidStoreError
-from .lazy import kernels
-from .safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
-from .shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
-from .spec import StoreSpec
+from mmreplay.errors import InvalidStoreError
+from mmreplay.kernels import compiled
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
+from mmreplay.storage.safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
+from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
 
 FRAMES = "frames"
 # With more decoded chunks cached than this, every chunk of a read is looked up in the cache
@@ -306,7 +306,7 @@ class FrameStore:
             return np.zeros(shape, self.spec.obs_dtype)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
-        count = kernels().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
+        count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
                                      self.num_chunks, self.next_slot, self.tail_fill, keys,
                                      rows_of)
         unique = keys[:count]
@@ -320,7 +320,7 @@ class FrameStore:
         if out is None or out.size < size:
             out = np.empty(size, np.uint8)
         dest = out[:size].reshape(flat.size, frame_bytes)
-        kernels().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
+        compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
@@ -363,7 +363,7 @@ class FrameStore:
             keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        status = kernels().decode_chunks(src, size, rows, dest, self.spec.codec == "zstd")
+        status = compiled().decode_chunks(src, size, rows, dest, self.spec.codec == "zstd")
         if status.any():
             bad = int(np.argmax(status != 0))
             env, chunk = divmod(int(keys[bad]), self.num_chunks)

@@ -17,9 +17,9 @@ import numcodecs
 import numpy as np
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from .errors import InvalidStoreError
-from .lazy import kernels
-from .spec import StoreSpec
+from mmreplay.errors import InvalidStoreError
+from mmreplay.kernels import compiled
+from mmreplay.spec import StoreSpec
 
 
 def compressor(spec: StoreSpec) -> BloscCodec | ZstdCodec:
@@ -61,7 +61,7 @@ class ChunkCodec:
         read path's one implementation of decoding; `InvalidStoreError` says what is wrong."""
         out = np.empty(self._shape, self._dtype)
         buf = np.frombuffer(data, np.uint8)  # alive for the call
-        status = kernels().decode_chunks(
+        status = compiled().decode_chunks(
             np.array([buf.ctypes.data], np.int64), np.array([buf.size], np.int64),
             out.reshape(1, -1).view(np.uint8), np.zeros(1, np.int64), not self._lz4)
         if status[0]:
@@ -70,7 +70,7 @@ class ChunkCodec:
 
     def damage(self, data: bytes, status: int, where: str) -> str:
         """What is wrong with a chunk the decode kernel refused with `status`."""
-        k = kernels()
+        k = compiled()
         if status == k.TOO_SHORT:
             return f"frame chunk {where} is truncated ({len(data)} bytes)"
         if status == k.BAD_CRC:

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidInputError
-from .frame_store import FRAMES
-from .ring import StepRing
-from .store import ReplayStore, StoreCounts
+from mmreplay.errors import InvalidInputError
+from mmreplay.index.ring import StepRing
+from mmreplay.storage.frame_store import FRAMES
+from mmreplay.store import ReplayStore, StoreCounts
 
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 SORT_KEYS = ("episode", "return", "length")

@@ -27,8 +27,8 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 
-from .errors import InvalidStoreError
-from .safe_io import open_bounded, read_at, read_small, write_atomic
+from mmreplay.errors import InvalidStoreError
+from mmreplay.storage.safe_io import open_bounded, read_at, read_small, write_atomic
 
 ABSENT = (1 << 64) - 1
 Key = tuple[int, int]  # (env, shard) or (env, chunk)

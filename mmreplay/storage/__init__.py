@@ -1,0 +1,12 @@
+"""The on-disk format: frame chunks and shards, their codec, step blocks, the manifest.
+
+Everything here knows files and bytes; nothing here knows episodes, sampling policy or torch.
+
+    frame_store   batched write(slots, frames) / read(slots) over a sharded zarr v3 array
+    shards        shard files: append, index, memory-mapped reads
+    codec         the chunk codec (lz4 / zstd through c-blosc) and its checks
+    commit        generations: copy-on-write step blocks, the writer lock, readers
+    manifest      the versioned manifest naming one generation; format checks
+    layout        which files a store may hold, checked before any is read
+    safe_io       bounded reads, atomic writes, fsync of files and folders
+"""
