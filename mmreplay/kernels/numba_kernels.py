@@ -37,8 +37,9 @@ from numba import types
 from numba.extending import intrinsic
 from numcodecs import blosc
 
+from mmreplay.kernels import BAD_CRC, BAD_HEADER, NO_DECODE, OK, TOO_SHORT
+
 BLOSC_HEADER = 16
-OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
 
 
 def _load_libraries() -> None:

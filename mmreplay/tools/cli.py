@@ -345,13 +345,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _progress_bar(items: Iterable[Any], total: int) -> Iterable[Any]:
-    """A tqdm bar on stderr over frame chunks, for stores big enough to wait on."""
+    """A tqdm bar on stderr over frame chunks, for stores big enough to wait on; none when
+    stderr is not a terminal (a log file would keep every redraw)."""
+    if total < 256 or not sys.stderr.isatty():
+        return items
     try:
         from tqdm import tqdm
     except ImportError:
         return items
-    return tqdm(items, total=total, desc="chunks", unit="chunk", file=sys.stderr,
-                disable=total < 256, leave=False)
+    return tqdm(items, total=total, desc="chunks", unit="chunk", file=sys.stderr, leave=False)
 
 
 # -- sample -----------------------------------------------------------------------------
