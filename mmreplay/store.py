@@ -28,8 +28,9 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from mmreplay import validate
+from mmreplay import lifecycle, validate
 from mmreplay.errors import (
+    ClosedStoreError,
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
@@ -42,7 +43,13 @@ from mmreplay.index.sequences import SequenceKey, sequence_priority
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader
 from mmreplay.spec import StoreSpec, make_spec
-from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
+from mmreplay.storage.commit import (
+    Committer,
+    readers_shared,
+    release_lock,
+    rng_from_state,
+    take_lock,
+)
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 from mmreplay.storage.layout import check_store_files
 from mmreplay.storage.manifest import (
@@ -141,6 +148,7 @@ class ReplayStore:
         store._rng = np.random.default_rng(seed)
         store._commits.open_readers()
         store.flush()
+        lifecycle.track(store)  # flushed at interpreter exit if never closed
         return store
 
     @classmethod
@@ -163,12 +171,14 @@ class ReplayStore:
                                     max_ram_bytes=max_ram_bytes)
         lock_fd = take_lock(root)
         try:
-            return cls._open_checked(root, writable=True, durable=durable,
-                                     cache_bytes=cache_bytes, lock_fd=lock_fd,
-                                     max_ram_bytes=max_ram_bytes)
+            store = cls._open_checked(root, writable=True, durable=durable,
+                                      cache_bytes=cache_bytes, lock_fd=lock_fd,
+                                      max_ram_bytes=max_ram_bytes)
         except BaseException:
-            os.close(lock_fd)
+            release_lock(lock_fd)
             raise
+        lifecycle.track(store)  # flushed at interpreter exit if never closed
+        return store
 
     @classmethod
     def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int | None,
@@ -293,6 +303,7 @@ class ReplayStore:
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
         """
+        self._check_open("sample")
         size = validate.batch_size(batch_size)
         beta = validate.beta(beta)
         for _ in range(READER_RETRIES):
@@ -316,6 +327,7 @@ class ReplayStore:
         thread makes them, so with concurrent ``add`` calls the exact sequence
         depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
+        self._check_open("batches")
         validate.batch_size(batch_size)
         validate.beta(beta)
         it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
@@ -344,6 +356,7 @@ class ReplayStore:
     @_locked
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
+        self._check_open("get")
         wanted = validate.transition_ids(ids)
         self._refresh()
         flat, found = self._ring.flat_of_ids(wanted)
@@ -367,6 +380,7 @@ class ReplayStore:
         (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
         episode, never padded. See README "Sequences".
         """
+        self._check_open("sample_sequences")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = self._sequence_key(length, cross_episodes, period)
         for _ in range(READER_RETRIES):
@@ -386,6 +400,7 @@ class ReplayStore:
                       period: int = 1) -> SequenceBatch:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
+        self._check_open("get_sequences")
         wanted = validate.transition_ids(ids)
         key = self._sequence_key(length, cross_episodes, period)
         self._refresh()
@@ -573,8 +588,13 @@ class ReplayStore:
                     self._commits.close()  # may fail to delete retired files: swept later
                 finally:
                     if self._lock_fd is not None:
-                        os.close(self._lock_fd)
+                        release_lock(self._lock_fd)
                         self._lock_fd = None
+
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran: every later read or write raises `ClosedStoreError`."""
+        return self._closed
 
     def __enter__(self) -> ReplayStore:
         return self
@@ -615,9 +635,13 @@ class ReplayStore:
             return None
         return cast(PrioritySampler, self._sampler)
 
-    def _check_writable(self, what: str) -> None:
+    def _check_open(self, what: str) -> None:
         if self._closed:
-            raise InvalidInputError(f"{what} on a closed store")
+            raise ClosedStoreError(f"{what} on a closed store ({self.path}): open it again "
+                                   f"with ReplayStore.open")
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open(what)
         if not self.writable:
             raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
