@@ -384,8 +384,10 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                      reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
 
     def size(self) -> int:
-        """How many transitions can be sampled now."""
-        return len(self.store)
+        """Positions filled per env, as SB3's ``ReplayBuffer.size()``: one per ``add`` (where
+        every env steps), at most ``buffer_size // n_envs``. ``len(buffer.store)`` is the
+        number of transitions that can be sampled now."""
+        return min(self.store.counts.transitions // self.n_envs, self.buffer_size)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""
