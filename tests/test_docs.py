@@ -150,7 +150,8 @@ def test_python_blocks_run(page, tmp_path):
 
 def test_readme_is_a_front_page_with_both_commands():
     text = README.read_text()
-    assert len(text.splitlines()) <= README_MAX_LINES, "README.md is a front page: move detail to docs/"
+    assert len(text.splitlines()) <= README_MAX_LINES, \
+        "README.md is a front page: move detail to docs/"
     shell = [b.code for b in blocks(text) if b.language == "bash"]
     for command in (MAIN_JOB, TEST_JOB):
         assert any(command in code.splitlines() for code in shell), \
