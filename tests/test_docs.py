@@ -139,13 +139,35 @@ def test_python_blocks_run(page, tmp_path):
             used |= matched
     unused = {old for old, _ in SMALL.get(name, [])} - used
     assert not unused, f"{name} no longer shows {unused}: update SMALL with the page"
+    proc = run_blocks(shrunk, tmp_path)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def run_blocks(shrunk: list[dict], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run blocks in a fresh process whose working directory is an empty temporary folder."""
     (tmp_path / "blocks.json").write_text(json.dumps(shrunk))
     work = tmp_path / "cwd"
     work.mkdir()
-    env = child_env(MINARI_DATASETS_PATH=str(tmp_path / "minari"), RAY_DEDUP_LOGS="0")
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")],
+    env = child_env(MINARI_DATASETS_PATH=str(tmp_path / "minari"))
+    return subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")],
                           cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def test_run_blocks_shares_a_namespace_and_reports_the_failing_line(tmp_path):
+    second = "assert x == 41\nraise ValueError(x)\n"
+    proc = run_blocks([{"page": "p.md", "line": 3, "code": "x = 41\n"},
+                       {"page": "p.md", "line": 9, "code": second}], tmp_path)
+    assert proc.returncode != 0
+    assert 'File "p.md", line 10' in proc.stderr and "ValueError: 41" in proc.stderr
+
+
+def test_missing_optional_package_fails_in_ci(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        skip_or_fail("needs x")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception):
+        skip_or_fail("needs x")
 
 
 def test_readme_is_a_front_page_with_both_commands():
@@ -182,11 +204,28 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
         text=True, timeout=300)
 
 
+# What each API reference page must show (mkdocstrings anchors).
+API_NAMES = {
+    "store": ["mmreplay.ReplayStore.create", "mmreplay.ReplayStore.sample_sequences"],
+    "spec": ["mmreplay.StoreSpec"],
+    "batch": ["mmreplay.Batch", "mmreplay.SequenceBatch"],
+    "errors": ["mmreplay.errors.InvalidInputError", "mmreplay.errors.InvalidStoreError"],
+    "sb3": ["mmreplay.integrations.sb3.FrameOnceReplayBuffer"],
+    "gymnasium": ["mmreplay.integrations.gymnasium.RecordToStore"],
+    "ray": ["mmreplay.integrations.ray.start_store_actor", "mmreplay.integrations.ray.BlockWriter",
+            "mmreplay.integrations.ray.RemoteBatches"],
+    "datasets": ["mmreplay.datasets.dopamine.import_dopamine",
+                 "mmreplay.datasets.minari.import_minari"],
+}
+
+
 def test_site_builds_strictly(tmp_path):
     proc = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert proc.returncode == 0, proc.stderr[-6000:]
-    api = (tmp_path / "site" / "api" / "store" / "index.html").read_text()
-    assert "sample_sequences" in api, "the API reference did not render ReplayStore's methods"
+    for page, names in API_NAMES.items():
+        html = (tmp_path / "site" / "api" / page / "index.html").read_text()
+        missing = [n for n in names if f'id="{n}"' not in html]
+        assert not missing, f"api/{page}.md did not render {missing}"
 
 
 def broken_copy(tmp_path: Path, addition: str) -> Path:
