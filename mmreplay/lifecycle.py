@@ -25,7 +25,8 @@ from typing import Protocol
 class Closable(Protocol):
     """What the exit hook needs of a store."""
 
-    path: os.PathLike[str] | str
+    @property
+    def path(self) -> os.PathLike[str] | str: ...
 
     @property
     def closed(self) -> bool: ...
@@ -48,20 +49,31 @@ def track(store: Closable) -> None:
         _open.add(store)
 
 
+def untrack(store: Closable) -> None:
+    """Leave `store` to an owner that closes it at exit itself (no warning for it)."""
+    with _guard:
+        _open.discard(store)
+
+
 def close_unclosed() -> list[str]:
     """Close every tracked store still open, warning for each; returns their paths."""
     closed = []
     for store in list(_open):
         if store.closed:
             continue
-        warnings.warn(f"mmreplay: the store at {store.path} was never closed; flushing it at "
-                      f"exit (call store.close() or use `with` to commit it yourself)",
-                      RuntimeWarning, stacklevel=1)
+        _warn(f"the store at {store.path} was never closed; flushing it at exit (call "
+              f"store.close() or use `with` to commit it yourself)")
         try:
             store.close()
         except Exception as exc:  # one store's failure must not keep the others unflushed
-            warnings.warn(f"mmreplay: flushing {store.path} at exit failed: {exc}",
-                          RuntimeWarning, stacklevel=1)
+            _warn(f"flushing {store.path} at exit failed: {exc}")
             continue
         closed.append(str(store.path))
     return closed
+
+
+def _warn(message: str) -> None:
+    """One stderr line, ``mmreplay: RuntimeWarning: ...`` (no source line: there is no
+    caller to point at during exit)."""
+    warnings.warn_explicit(message, RuntimeWarning, filename="mmreplay", lineno=0,
+                           module="mmreplay.lifecycle")

@@ -194,3 +194,20 @@ def test_readme_recorder_line_without_a_store_handle_keeps_the_steps(tmp_path: P
     assert proc.returncode == 0, proc.stderr
     with ReplayStore.open(tmp_path / "c8", mode="r") as reader:
         assert reader.counts.frames_written == 8 * 201
+
+
+def test_an_sb3_buffer_left_open_is_closed_by_its_owner_without_a_warning(tmp_path: Path) -> None:
+    pytest.importorskip("stable_baselines3")
+    proc = run_python(f"""
+        import numpy as np
+        from gymnasium import spaces
+        from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+        buf = FrameOnceReplayBuffer(100, spaces.Box(0, 255, (4, 5, 5), np.uint8),
+                                    spaces.Discrete(3), device="cpu",
+                                    path={str(tmp_path / "b")!r}, frame_stack=4)
+        obs = np.zeros((1, 4, 5, 5), np.uint8)
+        buf.add(obs, obs, np.array([1]), np.array([1.0]), np.array([False]), [{{}}])
+        """)
+    assert proc.returncode == 0 and "never closed" not in proc.stderr, proc.stderr
+    with ReplayStore.open(tmp_path / "b", mode="r") as reader:
+        assert reader.counts.transitions == 1  # closed, so flushed, by the buffer's finalizer

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmreplay import lifecycle
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import Batch
 
@@ -178,6 +179,7 @@ def _acquire(key: str, opener: Any) -> ReplayStore:
             _OPEN[key] = (store, refs + 1)
             return store
         store = opener()
+        lifecycle.untrack(store)  # the buffers' finalizers close it, at exit too (`_release`)
         _OPEN[key] = (store, 1)
         return store
 
