@@ -2,7 +2,9 @@
 
 ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``, the default) or ``bytes -> zstd ->
 crc32c``: what a chunk file holds (format 1) and what each chunk of a shard file holds
-(format 2). Decoding checks the crc32c and blosc's header sizes before trusting a byte.
+(format 2). Decoding checks the crc32c and blosc's header sizes before trusting a byte:
+through the compiled kernel on the read path (`decode`), through numcodecs in `verify`
+(`check`, the same checks and messages without loading numba).
 
 This module knows codecs only: no files, slots or shards.
 """
