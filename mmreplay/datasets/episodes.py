@@ -55,7 +55,7 @@ def episode_spans(store: ReplayStore) -> EpisodeSpans:
     """The finished, fully kept episodes with at least one step, by episode number."""
     ring = store._ring
     env, frames = kept_frames(ring)
-    cols = ring.steps[env, frames % ring.S]
+    cols = ring.steps[env, frames % ring.slots_per_env]
     order = np.lexsort((frames, cols["episode"]))
     env, frames, cols = env[order], frames[order], cols[order]
     cut = np.flatnonzero(np.r_[True, cols["episode"][1:] != cols["episode"][:-1], True])
@@ -69,7 +69,7 @@ def episode_spans(store: ReplayStore) -> EpisodeSpans:
     lengths = (stop - first)[done]
     return EpisodeSpans(env=env[first][done], number=cols["episode"][first][done],
                         starts=np.r_[0, np.cumsum(lengths)],
-                        slots=(env * ring.S + frames % ring.S)[keep])
+                        slots=(env * ring.slots_per_env + frames % ring.slots_per_env)[keep])
 
 
 def read_episodes(store: ReplayStore, *, batch_frames: int = BATCH_FRAMES

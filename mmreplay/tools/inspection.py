@@ -197,7 +197,7 @@ def kept_frames(ring: StepRing) -> tuple[np.ndarray, np.ndarray]:
     """(env, frame number) of every kept frame, env-major and in frame order."""
     oldest, counts = ring.oldest, ring.written - ring.oldest
     starts = np.cumsum(counts) - counts
-    env = np.repeat(np.arange(ring.E, dtype=np.int64), counts)
+    env = np.repeat(np.arange(ring.num_envs, dtype=np.int64), counts)
     frames = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts - oldest, counts)
     return env, frames
 
@@ -208,7 +208,7 @@ def episode_table(store: ReplayStore) -> tuple[EpisodeRow, ...]:
     env, frames = kept_frames(ring)
     if env.size == 0:
         return ()
-    cols = ring.steps[env, frames % ring.S]
+    cols = ring.steps[env, frames % ring.slots_per_env]
     order = np.argsort(cols["episode"], kind="stable")  # an episode's frames stay in order
     env, cols = env[order], cols[order]
     starts = np.flatnonzero(np.r_[True, cols["episode"][1:] != cols["episode"][:-1]])
@@ -241,7 +241,7 @@ def _episode_row(values: dict[str, Any], status: str) -> EpisodeRow:
 def _episode_status(ring: StepRing, env: np.ndarray, episode: np.ndarray,
                     terminated: np.ndarray) -> list[str]:
     """Ended by termination, still running (its env's current episode) or else truncated."""
-    newest = ring.steps["episode"][np.arange(ring.E), (ring.written - 1) % ring.S]
+    newest = ring.steps["episode"][np.arange(ring.num_envs), (ring.written - 1) % ring.slots_per_env]
     running = ring.running[env] & (newest[env] == episode)
     return np.where(terminated, "terminated",
                     np.where(running, "running", "truncated")).tolist()
@@ -287,7 +287,7 @@ def episode_frames(store: ReplayStore, episode: int) -> np.ndarray:
     """The kept frames of `episode` in order, ``(T, *obs_shape)``."""
     ring = store._ring
     env, frames = kept_frames(ring)
-    flat = env * ring.S + frames % ring.S
+    flat = env * ring.slots_per_env + frames % ring.slots_per_env
     mine = flat[ring.steps["episode"].reshape(-1)[flat] == episode]
     if mine.size == 0:
         raise InvalidInputError(f"episode {episode} has no kept frame in this store "
@@ -358,7 +358,7 @@ class Distributions:
 def distributions(store: ReplayStore) -> Distributions:
     ring = store._ring
     env, frames = kept_frames(ring)
-    cols = ring.steps[env, frames % ring.S]
+    cols = ring.steps[env, frames % ring.slots_per_env]
     done = [r for r in episode_table(store) if r.fully_kept and r.status != "running"]
     sampler = store._priority_sampler()
     return Distributions(

@@ -244,12 +244,12 @@ def _check_open_store(root: Path, problems: list[str], *, report_failure: bool) 
 def ring_problems(ring: StepRing) -> list[str]:
     """Invariants of the kept step columns that `StepRing.check_valid` does not cover."""
     env, f = kept_frames(ring)
-    if (ring.written - ring.oldest > ring.S).any():
-        return [f"cursors keep more than {ring.S} frames per env: written {ring.written}, "
+    if (ring.written - ring.oldest > ring.slots_per_env).any():
+        return [f"cursors keep more than {ring.slots_per_env} frames per env: written {ring.written}, "
                 f"oldest {ring.oldest}"]
-    c = ring.steps[env, f % ring.S]
+    c = ring.steps[env, f % ring.slots_per_env]
     has_next = f + 1 < ring.written[env]
-    n = ring.steps[env, (f + 1) % ring.S]
+    n = ring.steps[env, (f + 1) % ring.slots_per_env]
     cont = has_next & (n["pos"] == c["pos"] + 1) & (n["episode"] == c["episode"])
     ended = c["has_step"] & (c["terminated"] | c["truncated"])
     checks = [
