@@ -111,7 +111,8 @@ class StepRing:
     @property
     def oldest(self) -> np.ndarray:
         """First kept frame number per env."""
-        return np.minimum(np.maximum(self.kept_from, self.written - self.slots_per_env), self.written)
+        lowest = np.maximum(self.kept_from, self.written - self.slots_per_env)
+        return np.minimum(lowest, self.written)
 
     def frame_at(self, flat: np.ndarray) -> np.ndarray:
         """Frame number currently in each flat slot (negative: never written)."""

@@ -241,7 +241,8 @@ def _episode_row(values: dict[str, Any], status: str) -> EpisodeRow:
 def _episode_status(ring: StepRing, env: np.ndarray, episode: np.ndarray,
                     terminated: np.ndarray) -> list[str]:
     """Ended by termination, still running (its env's current episode) or else truncated."""
-    newest = ring.steps["episode"][np.arange(ring.num_envs), (ring.written - 1) % ring.slots_per_env]
+    last = (ring.written - 1) % ring.slots_per_env
+    newest = ring.steps["episode"][np.arange(ring.num_envs), last]
     running = ring.running[env] & (newest[env] == episode)
     return np.where(terminated, "terminated",
                     np.where(running, "running", "truncated")).tolist()

@@ -245,8 +245,8 @@ def ring_problems(ring: StepRing) -> list[str]:
     """Invariants of the kept step columns that `StepRing.check_valid` does not cover."""
     env, f = kept_frames(ring)
     if (ring.written - ring.oldest > ring.slots_per_env).any():
-        return [f"cursors keep more than {ring.slots_per_env} frames per env: written {ring.written}, "
-                f"oldest {ring.oldest}"]
+        return [f"cursors keep more than {ring.slots_per_env} frames per env: "
+                f"written {ring.written}, oldest {ring.oldest}"]
     c = ring.steps[env, f % ring.slots_per_env]
     has_next = f + 1 < ring.written[env]
     n = ring.steps[env, (f + 1) % ring.slots_per_env]
