@@ -68,6 +68,55 @@ class Lookup:
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
 
 
+@dataclass(frozen=True)
+class StepColumns:
+    """A read-only view of a ring's step columns and cursors, for tools that read a store.
+
+    The arrays are the ring's own, marked read-only (no copy): they reflect later writes,
+    so take a fresh view after recording. ``steps[e, f % slots_per_env]`` is the record of
+    frame ``f`` of env ``e`` (see the module doc); flat slot = ``e * slots_per_env + slot``.
+    """
+
+    steps: np.ndarray      # (num_envs, slots_per_env) records of `step_dtype`
+    written: np.ndarray    # (num_envs,) frames ever written per env
+    oldest: np.ndarray     # (num_envs,) first kept frame number per env
+    running: np.ndarray    # (num_envs,) the env's episode accepts steps
+    valid: np.ndarray      # (num_envs * slots_per_env,) sampleable transition per flat slot
+    next_id: int
+    next_episode: int
+
+    @property
+    def num_envs(self) -> int:
+        return int(self.steps.shape[0])
+
+    @property
+    def slots_per_env(self) -> int:
+        return int(self.steps.shape[1])
+
+    def kept_frames(self) -> tuple[np.ndarray, np.ndarray]:
+        """(env, frame number) of every kept frame, env-major and in frame order."""
+        return kept_frames(self.written, self.oldest)
+
+    def flat(self, env: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """Flat slots of frame numbers `frames` of `env`."""
+        return env * self.slots_per_env + frames % self.slots_per_env
+
+
+def kept_frames(written: np.ndarray, oldest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(env, frame number) of every kept frame ``oldest[e] <= f < written[e]``, env-major."""
+    counts = written - oldest
+    starts = np.cumsum(counts) - counts
+    env = np.repeat(np.arange(written.size, dtype=np.int64), counts)
+    frames = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts - oldest, counts)
+    return env, frames
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 class StepRing:
     """Per-env cursors, step columns, episode bounds and the validity mask."""
 
@@ -113,6 +162,24 @@ class StepRing:
         """First kept frame number per env."""
         lowest = np.maximum(self.kept_from, self.written - self.slots_per_env)
         return np.minimum(lowest, self.written)
+
+    def kept_frames(self) -> tuple[np.ndarray, np.ndarray]:
+        """(env, frame number) of every kept frame, env-major and in frame order."""
+        return kept_frames(self.written, self.oldest)
+
+    def columns(self) -> StepColumns:
+        """A read-only view of the step columns and cursors (see `StepColumns`)."""
+        return StepColumns(
+            steps=_read_only(self.steps), written=_read_only(self.written),
+            oldest=_read_only(self.oldest), running=_read_only(self.running),
+            valid=_read_only(self.valid), next_id=self.next_id, next_episode=self.next_episode)
+
+    def index_nbytes(self) -> int:
+        """Bytes of the RAM index besides the step columns (mask, id map, cursors)."""
+        arrays = (self.valid, self._id_loc, self.written, self.kept_from, self.running,
+                  self._dirty_lo, self._refreshed_oldest, self.ord_of_frame, self.frame_of_ord,
+                  self.step_count)
+        return sum(a.nbytes for a in arrays)
 
     def frame_at(self, flat: np.ndarray) -> np.ndarray:
         """Frame number currently in each flat slot (negative: never written)."""

@@ -81,7 +81,7 @@ class SequenceIndex:
         ring = self.ring
         if self._rebuilds != ring.rebuilds:
             self._rebuilds = ring.rebuilds
-            env, frames = _kept_frames(ring)
+            env, frames = ring.kept_frames()
             self.valid[:] = False
         elif np.array_equal(self._lo, ring.written) and np.array_equal(self._oldest, ring.oldest):
             return
@@ -103,7 +103,7 @@ class SequenceIndex:
     def check_valid(self) -> None:
         """Raise RuntimeError if the incremental starts differ from a full recompute."""
         self.refresh()
-        env, frames = _kept_frames(self.ring)
+        env, frames = self.ring.kept_frames()
         flat = env * self.ring.slots_per_env + frames % self.ring.slots_per_env
         full = np.zeros_like(self.valid)
         full[flat] = self.starts_valid(env, frames)
@@ -155,13 +155,6 @@ class SequenceIndex:
         in_running = ring.running[env] & (
             cols["episode"] == ring.steps["episode"][env, newest % ring.slots_per_env])
         return ok & (~in_running | (t + key.length - 1 <= newest - 1))
-
-
-def _kept_frames(ring: StepRing) -> tuple[np.ndarray, np.ndarray]:
-    oldest = ring.oldest
-    frames = [np.arange(oldest[e], ring.written[e]) for e in range(ring.num_envs)]
-    envs = [np.full(f.size, e, np.int64) for e, f in enumerate(frames)]
-    return np.concatenate(envs), np.concatenate(frames).astype(np.int64)
 
 
 def windows(ring: StepRing, flat: np.ndarray, key: SequenceKey) -> SequenceWindows:
