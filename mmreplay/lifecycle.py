@@ -19,7 +19,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class Closable(Protocol):
@@ -39,14 +39,19 @@ _guard = threading.Lock()
 _registered = False
 
 
-def track(store: Closable) -> None:
-    """Flush and close `store` at interpreter exit unless the program closed it first."""
+S = TypeVar("S", bound=Closable)
+
+
+def track(store: S) -> S:
+    """Flush and close `store` at interpreter exit unless the program closed it first;
+    returns `store`."""
     global _registered
     with _guard:
         if not _registered:  # registered after zarr/numcodecs: atexit runs it before theirs
             atexit.register(close_unclosed)
             _registered = True
         _open.add(store)
+    return store
 
 
 def untrack(store: Closable) -> None:

@@ -80,6 +80,30 @@ def _locked(method: F) -> F:
     return cast(F, wrapper)
 
 
+def _reading(method: F) -> F:
+    """`_locked`, and refused on a closed store (`ClosedStoreError`), not answered from RAM."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReplayStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            _refuse_closed(self, method.__name__)
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+def _refuse_closed(store: ReplayStore, what: str) -> None:
+    if store.closed:
+        raise ClosedStoreError(f"{what} on a closed store ({store.path}): open it again with "
+                               f"ReplayStore.open")
+
+
+def _check_writable(store: ReplayStore, what: str) -> None:
+    _refuse_closed(store, what)
+    if not store.writable:
+        raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
+
+
 @dataclass(frozen=True)
 class StoreCounts:
     """Totals since creation (written, transitions, episodes) and what is kept now."""
@@ -149,8 +173,7 @@ class ReplayStore:
                     lock_fd=take_lock(root))
         store.reseed(seed)
         store.flush()
-        lifecycle.track(store)  # flushed at interpreter exit if never closed
-        return store
+        return lifecycle.track(store)  # flushed at interpreter exit if never closed
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
@@ -177,12 +200,10 @@ class ReplayStore:
             return _open_read_only(root, lambda manifest: opened(manifest, None))
         lock_fd = take_lock(root)
         try:
-            store = opened(read_manifest(root), lock_fd)
+            return lifecycle.track(opened(read_manifest(root), lock_fd))  # flushed at exit
         except BaseException:
             release_lock(lock_fd)
             raise
-        lifecycle.track(store)  # flushed at interpreter exit if never closed
-        return store
 
     # -- recording ----------------------------------------------------------------
     @_locked
@@ -191,7 +212,7 @@ class ReplayStore:
 
         A running episode in a listed env ends as truncated at its last step.
         """
-        self._check_writable("reset")
+        _check_writable(self, "reset")
         self._recorder.reset(obs, env_ids)
 
     @_locked
@@ -201,7 +222,7 @@ class ReplayStore:
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`."""
-        self._check_writable("add")
+        _check_writable(self, "add")
         self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
                            extras)
 
@@ -210,18 +231,17 @@ class ReplayStore:
         """Record many ``add`` calls at once: row ``t`` of every array in `rows` is one
         ``add(..., env_ids=rows.env_ids)``. Every row is checked (shapes, dtypes, values,
         episode order) before the first is recorded, so a bad block changes nothing."""
-        self._check_writable("add")
+        _check_writable(self, "add")
         self._recorder.add_rows(rows)
 
     # -- reading ------------------------------------------------------------------
-    @_locked
+    @_reading
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
         """
-        self._check_open("sample")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         return self._reader.sample(self._rng, size, beta)
 
@@ -234,7 +254,7 @@ class ReplayStore:
         thread makes them, so with concurrent ``add`` calls the exact sequence
         depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
-        self._check_open("batches")
+        _refuse_closed(self, "batches")
         validate.batch_size(batch_size)
         validate.beta(beta)
         it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
@@ -248,7 +268,7 @@ class ReplayStore:
         Ids no longer (or not yet) sampleable are ignored; for duplicates the last value
         wins; NaN, inf or negative priorities raise and change nothing.
         """
-        self._check_writable("update_priorities")
+        _check_writable(self, "update_priorities")
         wanted = validate.transition_ids(ids)
         values = validate.priorities(priorities, wanted.size)
         self._priorities.require("update_priorities", ("prioritized", "rank"))
@@ -256,13 +276,12 @@ class ReplayStore:
         flat, found = self._ring.flat_of_ids(wanted)
         return self._priorities.set(flat[found], values[found])
 
-    @_locked
+    @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
-        self._check_open("get")
         return self._reader.get(validate.transition_ids(ids))
 
-    @_locked
+    @_reading
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
         """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
@@ -273,17 +292,15 @@ class ReplayStore:
         (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
         episode, never padded. See README "Sequences".
         """
-        self._check_open("sample_sequences")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = sequence_key(self.spec, length, cross_episodes, period)
         return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
 
-    @_locked
+    @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
                       period: int = 1) -> SequenceBatch:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
-        self._check_open("get_sequences")
         wanted = validate.transition_ids(ids)
         key = sequence_key(self.spec, length, cross_episodes, period)
         return _sequence_batch(self._sequences.get(key, wanted))
@@ -307,7 +324,7 @@ class ReplayStore:
         Sequences whose start is no longer a valid start are ignored; for duplicate starts
         the last value wins; NaN or inf TD errors raise and change nothing.
         """
-        self._check_writable("update_sequence_priorities")
+        _check_writable(self, "update_sequence_priorities")
         rows, errors = validate.sequence_priorities(ids, td_errors)
         eta = validate.unit_interval("eta", eta)
         self._priorities.require("update_sequence_priorities", ("prioritized",))
@@ -356,7 +373,7 @@ class ReplayStore:
     @_locked
     def flush(self) -> None:
         """Commit everything recorded so far; writes only what changed since the last flush."""
-        self._check_writable("flush")
+        _check_writable(self, "flush")
         self._reader.refresh()  # new transitions get their priorities before they are saved
         if self.durable:
             self._frames.sync()
@@ -396,16 +413,6 @@ class ReplayStore:
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise ClosedStoreError(f"{what} on a closed store ({self.path}): open it again "
-                                   f"with ReplayStore.open")
-
-    def _check_writable(self, what: str) -> None:
-        self._check_open(what)
-        if not self.writable:
-            raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
