@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from mmreplay.errors import (
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, make_sampler
 from mmreplay.index.sequences import SequenceKey, sequence_priority
+from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader
 from mmreplay.spec import StoreSpec, make_spec
@@ -54,12 +57,16 @@ from mmreplay.storage.manifest import (
     parse_spec,
     read_manifest,
 )
+from mmreplay.storage.objects import is_url, open_objects
+from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.transfer import Pusher, PushReport
 from mmreplay.torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
 
 READER_RETRIES = 5
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
+FetchHook = Callable[[np.ndarray], None]
 
 
 def _locked(method: F) -> F:
@@ -89,7 +96,8 @@ class ReplayStore:
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None) -> None:
+                 cache_bytes: int | None, lock_fd: int | None,
+                 fetch: FetchHook | None = None) -> None:
         self.path = root
         self.spec = spec
         self.writable = writable
@@ -101,7 +109,7 @@ class ReplayStore:
         self._scalar_step = validate.scalar_step_checker(spec)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
-                                  before_chunk_write=self._before_chunk_write)
+                                  before_chunk_write=self._before_chunk_write, fetch=fetch)
         self._sampler = make_sampler(spec)
         self._sequences = SequenceReader(
             self._ring, self._frames, lambda: make_sampler(spec),
@@ -112,6 +120,8 @@ class ReplayStore:
         self._lock = threading.RLock()
         self._manifest_key: tuple[int, int, int] | None = None
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
+        self._mirror: Mirror | None = None
+        self.remote: RemoteChunks | None = None  # a store read from a bucket fetches here
         self._closed = False
 
     @classmethod
@@ -120,11 +130,15 @@ class ReplayStore:
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
+               mirror: str | None = None, storage_options: dict[str, str] | None = None,
                **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        `mirror` (``s3://bucket/prefix`` or ``file://dir``) pushes every flush there in
+        the background (see docs/object-storage.md); `storage_options` holds its
+        credentials and endpoint where the AWS environment variables do not.
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -141,22 +155,72 @@ class ReplayStore:
         store._rng = np.random.default_rng(seed)
         store._commits.open_readers()
         store.flush()
+        if mirror is not None:
+            store._start_mirror(mirror, storage_options)
         return store
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int | None = None,
-             max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
+             mirror: str | None = None, storage_options: dict[str, str] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None,
+             take_over: bool = False) -> ReplayStore:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
         Any problem raises `InvalidStoreError`.
+
+        `path` may be a URL (``s3://bucket/prefix``, ``file://dir``) with ``mode="r"``: the
+        store is read from the bucket, its frames fetched on demand into `cache_dir`
+        (a temp directory if None), at most `cache_bytes` of them. A writable open may
+        `mirror` into a URL (see `create`); `take_over` takes the prefix from a writer
+        known to be gone.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
-        root = Path(path)
+        if is_url(path):
+            return cls._open_url(str(path), mode, cache_dir=cache_dir, cache_bytes=cache_bytes,
+                                 storage_options=storage_options, max_ram_bytes=max_ram_bytes)
+        if mirror is not None and mode == "r":
+            raise InvalidInputError("mirror= needs a writable open (mode='r+')")
+        store = cls._open_path(Path(path), mode, durable=durable, cache_bytes=cache_bytes,
+                               max_ram_bytes=max_ram_bytes)
+        if mirror is not None:
+            try:
+                store._start_mirror(mirror, storage_options, take_over=take_over)
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    @classmethod
+    def _open_url(cls, url: str, mode: str, *, cache_dir: str | os.PathLike[str] | None,
+                  cache_bytes: int | None, storage_options: dict[str, str] | None,
+                  max_ram_bytes: int) -> ReplayStore:
+        """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
+        if mode != "r":
+            raise InvalidInputError(
+                f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
+                f"open DIR with mirror={url!r}")
+        objects = open_objects(url, storage_options)
+        root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
+        try:
+            remote = open_remote(objects, root, budget_bytes=cache_bytes)
+            store = cls._open_reader(root, durable=False, cache_bytes=None,
+                                     max_ram_bytes=max_ram_bytes, fetch=remote.ensure)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        remote.bind(store._frames.forget_shard)
+        store.remote = remote
+        weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
+        return store
+
+    @classmethod
+    def _open_path(cls, root: Path, mode: str, *, durable: bool, cache_bytes: int | None,
+                   max_ram_bytes: int) -> ReplayStore:
         check_root(root)
         if mode == "r":
             return cls._open_reader(root, durable=durable, cache_bytes=cache_bytes,
@@ -172,7 +236,7 @@ class ReplayStore:
 
     @classmethod
     def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int | None,
-                     max_ram_bytes: int) -> ReplayStore:
+                     max_ram_bytes: int, fetch: FetchHook | None = None) -> ReplayStore:
         """Open read-only beside a possibly live writer.
 
         A writer deletes the files of the generation it replaced after it commits,
@@ -190,7 +254,8 @@ class ReplayStore:
                 try:
                     return cls._open_checked(root, writable=False, durable=durable,
                                              cache_bytes=cache_bytes, lock_fd=None,
-                                             max_ram_bytes=max_ram_bytes, manifest=manifest)
+                                             max_ram_bytes=max_ram_bytes, manifest=manifest,
+                                             fetch=fetch)
                 except InvalidStoreError:
                     if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
                         raise
@@ -200,7 +265,8 @@ class ReplayStore:
     def _open_checked(cls, root: Path, *, writable: bool, durable: bool,
                       cache_bytes: int | None,
                       lock_fd: int | None, max_ram_bytes: int,
-                      manifest: dict[str, Any] | None = None) -> ReplayStore:
+                      manifest: dict[str, Any] | None = None,
+                      fetch: FetchHook | None = None) -> ReplayStore:
         if manifest is None:
             manifest = read_manifest(root)
         spec = parse_spec(manifest)
@@ -208,7 +274,7 @@ class ReplayStore:
         check_manifest(manifest, spec)
         check_store_files(root, manifest, spec)  # all before the first allocation
         store = cls(root, spec, writable=writable, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=None)
+                    lock_fd=None, fetch=fetch)
         try:
             store._load(manifest)
             if writable:
@@ -538,9 +604,20 @@ class ReplayStore:
         """Number of the last committed manifest."""
         return self._commits.generation
 
+    def flush(self, *, wait_mirror: bool = False) -> None:
+        """Commit everything recorded so far; writes only what changed since the last flush.
+
+        With a mirror the commit is pushed in the background; `wait_mirror` waits until it
+        is in the bucket (e.g. before a checkpoint that must survive this machine).
+        """
+        self._commit()
+        if self._mirror is not None:
+            self._mirror.notify(self.generation)
+            if wait_mirror:
+                self._mirror.wait()
+
     @_locked
-    def flush(self) -> None:
-        """Commit everything recorded so far; writes only what changed since the last flush."""
+    def _commit(self) -> None:
         self._check_writable("flush")
         self._refresh()  # new transitions get their priorities before they are saved
         if self.durable:
@@ -566,6 +643,8 @@ class ReplayStore:
             try:
                 if self.writable:
                     self.flush()
+                if self._mirror is not None:
+                    self._mirror.close()
             finally:
                 self._closed = True
                 self._frames.close()
@@ -575,6 +654,29 @@ class ReplayStore:
                     if self._lock_fd is not None:
                         os.close(self._lock_fd)
                         self._lock_fd = None
+
+    def push(self, url: str, *, storage_options: dict[str, str] | None = None,
+             take_over: bool = False) -> PushReport:
+        """Commit (if writable), then upload the committed generation to `url` (only what the
+        bucket lacks or what changed; the manifest last). See docs/object-storage.md."""
+        if self.writable:
+            self.flush()
+        pusher = Pusher(self.path, open_objects(url, storage_options))
+        try:
+            return pusher.push(take_over=take_over)
+        finally:
+            pusher.close()
+
+    @property
+    def mirror(self) -> Mirror | None:
+        """The background mirror (``mirror=`` at create/open), or None."""
+        return self._mirror
+
+    def _start_mirror(self, url: str, storage_options: dict[str, str] | None, *,
+                      take_over: bool = False) -> None:
+        self._mirror = Mirror(self.path, open_objects(url, storage_options),
+                              take_over=take_over)
+        self._mirror.notify(self.generation)
 
     def __enter__(self) -> ReplayStore:
         return self
