@@ -654,6 +654,8 @@ class ReplayStore:
                     if self._lock_fd is not None:
                         os.close(self._lock_fd)
                         self._lock_fd = None
+                    if self.remote is not None:  # the cache of a store read from a bucket
+                        shutil.rmtree(self.path, ignore_errors=True)
 
     def push(self, url: str, *, storage_options: dict[str, str] | None = None,
              take_over: bool = False) -> PushReport:

@@ -23,7 +23,10 @@ from mmreplay.storage.transfer import pull
 from mmreplay.tools.cli import main as cli
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3_server import FaultProxy, S3Server, s3, s3_proxy, s3_session  # noqa: E402,F401
+pytest.register_assert_rewrite("s3_server")
+from s3_server import FaultProxy, S3Server  # noqa: E402
+
+pytest_plugins = ["s3_server"]  # the fixtures s3, s3_proxy, s3_session
 
 OBS = (24, 24)
 
@@ -213,25 +216,35 @@ def test_server_killed_mid_push_keeps_last_generation(s3: S3Server, tmp_path: Pa
         store.push(url)
         for round_ in range(2):  # each restart of weed takes ~18 s
             fill(store, 600, seed=10 + round_)
-            pusher = threading.Thread(target=_push_ignoring_errors, args=(store, url))
-            pusher.start()
-            threading.Event().wait(0.05)
-            s3.kill()
-            pusher.join(60)
-            s3.start()
+            store.flush()
             before = _bucket_generation(url)
+            slow = FaultProxy(s3.ports[3], bandwidth=100_000)  # ~1 s per push
+            errors: list[BaseException] = []
+            pusher = threading.Thread(target=_push, args=(store, url, s3.options(
+                slow.endpoint), errors))
+            pusher.start()
+            threading.Event().wait(0.3)
+            s3.kill()
+            pusher.join(120)
+            slow.close()
+            assert errors, "the push finished before the server was killed"
+            s3.start()
+            assert _bucket_generation(url) in (before, store.generation)
             with ReplayStore.open(url, "r", cache_dir=tmp_path) as remote:
-                remote.get(remote.valid_ids()[::40])  # every claimed frame is there
-            report = store.push(url, take_over=True)  # our own dead push's lease
-            assert report.generation >= before
-        assert _bucket_generation(url) == store.generation
+                ids = remote.valid_ids()
+                with ReplayStore.open(tmp_path / "a", "r") as local:  # 0 wrong frames
+                    np.testing.assert_array_equal(np.asarray(remote.get(ids[::7]).obs),
+                                                  np.asarray(local.get(ids[::7]).obs))
+            store.push(url, take_over=True)  # the dead push's lease is still in the bucket
+            assert _bucket_generation(url) == store.generation
 
 
-def _push_ignoring_errors(store: ReplayStore, url: str) -> None:
+def _push(store: ReplayStore, url: str, options: dict[str, str],
+          errors: list[BaseException]) -> None:
     try:
-        store.push(url)
-    except Exception:  # noqa: BLE001,S110 -- the server was killed under it
-        pass
+        store.push(url, storage_options=options)
+    except Exception as exc:  # noqa: BLE001 -- the server was killed under it
+        errors.append(exc)
 
 
 def _bucket_generation(url: str) -> int:

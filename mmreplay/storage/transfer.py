@@ -37,6 +37,7 @@ from typing import Any
 
 from mmreplay.errors import InvalidStoreError, ObjectStoreError, StoreLockedError
 from mmreplay.storage.codec import max_chunk_bytes
+from mmreplay.storage.commit import readers_shared
 from mmreplay.storage.frame_store import FRAMES, max_file_bytes
 from mmreplay.storage.layout import ZARR_JSON, check_store_files
 from mmreplay.storage.manifest import (
@@ -161,10 +162,11 @@ class Pusher:
         self.lease.acquire(take_over=take_over)
         if self._known is None:
             self._known = self._load_known()
-        manifest = read_manifest(self.root)
-        self._kept_seen = list(manifest["kept_from"])
-        self._check_lineage(manifest)
-        self._upload_named(manifest)
+        with readers_shared(self.root):  # the writer keeps the files this manifest names
+            manifest = read_manifest(self.root)
+            self._kept_seen = list(manifest["kept_from"])
+            self._check_lineage(manifest)
+            self._upload_named(manifest)
         self._upload_meta()
         self._upload_frames(manifest)
         deleted = self._publish(manifest)
