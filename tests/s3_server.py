@@ -203,6 +203,7 @@ class FaultProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         self._loop.run_forever()
+        self._loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -217,10 +218,25 @@ class FaultProxy:
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *,
                     up: bool) -> None:
+        """Copy one direction: each read is delivered `latency_s / 2` after it arrived (a
+        queue keeps reads in flight, as a long link does), no faster than `bandwidth`."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        sender = asyncio.ensure_future(self._deliver(queue, dst, up=up))
         try:
-            while data := await src.read(16384):
-                if self.latency_s:
-                    await asyncio.sleep(self.latency_s / 2)
+            while data := await src.read(65536):
+                queue.put_nowait((self._loop.time() + self.latency_s / 2, data))
+        finally:
+            queue.put_nowait((0.0, b""))
+            await asyncio.gather(sender, return_exceptions=True)
+
+    async def _deliver(self, queue: asyncio.Queue[tuple[float, bytes]],
+                       dst: asyncio.StreamWriter, *, up: bool) -> None:
+        try:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    return
+                await asyncio.sleep(max(0.0, due - self._loop.time()))
                 if self.bandwidth:
                     await asyncio.sleep(len(data) / self.bandwidth)
                 if up:
@@ -246,10 +262,20 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(self._cut_now)
 
     def close(self) -> None:
-        self.cut()
-        self._loop.call_soon_threadsafe(self._server.close)
+        """Abort every connection, stop every task, stop the loop."""
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    async def _shutdown(self) -> None:
+        self._server.close()
+        self._cut_now()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture(scope="session")

@@ -269,11 +269,8 @@ def test_hostile_truncated_frame_object(pushed: str, tmp_path: Path) -> None:
         pull(objects, tmp_path / "p")
     assert cli(["pull", pushed, str(tmp_path / "q")]) == 2
     assert not (tmp_path / "q").exists()
-    env, shard = (int(x) for x in key.split(".")[1:3])
-    with ReplayStore.open(pushed, "r", cache_dir=tmp_path) as remote:
-        ids = remote.valid_ids()  # transitions whose frames lie in that shard
-        with pytest.raises(InvalidStoreError, match="index|checksum"):
-            remote.get(ids[:2000:7])
+    with pytest.raises(InvalidStoreError, match="index"):  # indexes are read at open
+        ReplayStore.open(pushed, "r", cache_dir=tmp_path)
 
 
 def test_hostile_manifest_names_missing_object(pushed: str, tmp_path: Path) -> None:

@@ -55,6 +55,10 @@ class ObjectMissingError(ObjectStoreError, FileNotFoundError):
     """The key names no object."""
 
 
+class ObjectChangedError(ObjectStoreError):
+    """The object was replaced since the etag a conditional read named."""
+
+
 def is_url(path: Any) -> bool:
     """Whether `path` is a URL mmreplay opens as object storage (``s3://``, ``file://``)."""
     return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
@@ -101,6 +105,15 @@ class Objects:
         raise NotImplementedError
 
     def get_ranges(self, key: str, starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        raise NotImplementedError
+
+    def get_suffix(self, key: str, size: int) -> tuple[bytes, ObjectInfo]:
+        """The last `size` bytes of an object (all of it if shorter), and its size and etag."""
+        raise NotImplementedError
+
+    def get_range_if(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes ``start:end`` of the object if its etag is still `etag`; else
+        `ObjectChangedError`."""
         raise NotImplementedError
 
     def put(self, key: str, data: bytes) -> str | None:
@@ -165,7 +178,22 @@ class LocalObjects(Objects):
         except FileNotFoundError:
             raise ObjectMissingError(f"{self.url}/{key} does not exist") from None
 
+    def get_suffix(self, key: str, size: int) -> tuple[bytes, ObjectInfo]:
+        with self._exclusive():  # size, etag and bytes of one version
+            data = self.get(key)
+            return data[-size:] if size else b"", ObjectInfo(len(data), self._etag(key))
+
+    def get_range_if(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        with self._exclusive():
+            if etag is not None and self._etag(key) != etag:
+                raise ObjectChangedError(f"{self.url}/{key} changed while it was read")
+            return self.get_ranges(key, [start], [end])[0]
+
     def put(self, key: str, data: bytes) -> str | None:
+        with self._exclusive():
+            return self._put(key, data)
+
+    def _put(self, key: str, data: bytes) -> str | None:
         path = self._write_tmp(key, data)
         os.replace(path, self._path(key))
         return self._etag(key)
@@ -184,7 +212,7 @@ class LocalObjects(Objects):
         with self._exclusive():
             if self._etag(key) != etag:
                 return False
-            self.put(key, data)
+            self._put(key, data)
             return True
 
     def delete(self, key: str) -> None:
@@ -299,6 +327,25 @@ class S3Objects(Objects):
                     raise
                 time.sleep(0.05 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    def get_suffix(self, key: str, size: int) -> tuple[bytes, ObjectInfo]:
+        def read() -> tuple[bytes, ObjectInfo]:
+            result = self._ob.get(self._store, check_key(key), options={"range": {
+                "suffix": size}})
+            meta = result.meta
+            return bytes(result.bytes()), ObjectInfo(int(meta["size"]), _etag(meta["e_tag"]))
+
+        return self._retried("get the end of", key, read)  # type: ignore[no-any-return]
+
+    def get_range_if(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        options: dict[str, Any] = {"range": (start, end)}
+        if etag is not None:
+            options["if_match"] = f'"{etag}"'
+        try:
+            return self._retried("get a range of", key, lambda: bytes(self._ob.get(
+                self._store, check_key(key), options=options).bytes()))  # type: ignore[arg-type]
+        except self._ob.exceptions.PreconditionError:
+            raise ObjectChangedError(f"{self.url}/{key} changed while it was read") from None
 
     def put(self, key: str, data: bytes) -> str | None:
         with self._errors("put", key):

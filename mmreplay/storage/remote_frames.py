@@ -4,18 +4,19 @@ A store read from object storage keeps, in its cache directory, a *sparse* copy 
 shard file it has touched: the file has the object's size, its index (the last bytes,
 fetched once) and exactly the chunks a read has needed, written at their offsets; the
 rest is holes. `ShardFiles` maps these files as it maps local ones and asks `ensure`
-first, so a batch fetches only the inner chunks it touches (one coalesced ranged request
-per shard, shards concurrently)::
+first, so a batch fetches only the inner chunks it touches: every shard's index is read
+at open, then a batch costs one round trip (a ranged request per run of nearby chunks,
+all concurrently)::
 
     bucket  frames/c.0.3.0.0  [chunk 0][chunk 1]...[chunk 511][index|crc]
     cache   frames/c.0.3.0.0  [ hole  ][chunk 1]...[  hole   ][index|crc]
 
-Every fetched chunk is checked against its own crc32c before it is kept. A mismatch means
-the object was replaced by a newer push since its index was read (or is damaged): the
-shard is dropped and fetched again once, then the error is raised. After each fetch the
-bucket's manifest is read again (`after_fetch`), so frames a writer gave up since the
-open are dropped before a read of them is believed. When the fetched bytes exceed the
-budget, whole shard files are evicted, least recently used first.
+Chunk reads are conditional on the etag the index was read with, and every chunk is
+checked against its own crc32c before it is kept. A changed object (a newer push) or a
+mismatch drops the shard and fetches it again once; then the error is raised. After a
+newer index is read, the bucket's manifest is checked again (`after_fetch`), so frames a
+writer gave up since the open are dropped before a read of them is believed. When the
+fetched bytes exceed the budget, whole shard files are evicted, least recently used first.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import numpy as np
@@ -35,12 +37,13 @@ from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import max_chunk_bytes
 from mmreplay.storage.frame_store import FRAMES
-from mmreplay.storage.manifest import parse_spec
-from mmreplay.storage.objects import ObjectMissingError, Objects
+from mmreplay.storage.manifest import MANIFEST, parse_spec
+from mmreplay.storage.objects import ObjectChangedError, Objects
 from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
 from mmreplay.storage.transfer import follow_bucket, pull
 
-CONCURRENCY = 8
+CONCURRENCY = 32  # requests in flight
+MAX_GAP = 16 << 10  # chunks of one shard this close are read in one request
 Shard = tuple[int, int]  # (env, shard)
 
 
@@ -55,14 +58,15 @@ class RemoteChunks:
         self._num_chunks, self._k = spec.num_chunks, spec.shard_chunks
         self._max_chunk = max_chunk_bytes(spec)
         self._have = np.zeros(spec.num_envs * spec.num_chunks, bool)
-        self._index: dict[Shard, np.ndarray] = {}
+        self._index: dict[Shard, tuple[np.ndarray, str | None]] = {}  # index, etag
         self._held: OrderedDict[Shard, int] = OrderedDict()  # shard -> bytes fetched, LRU
-        self._sizes: dict[str, int] = {k: i.size for k, i in objects.list(f"{FRAMES}/c.").items()}
+        self._listed = sorted(objects.list(f"{FRAMES}/c."))
         self._after_fetch = after_fetch
         self._forget: Callable[[int, int], None] = lambda env, shard: None
         self._lock = threading.Lock()
         self._book = threading.Lock()
-        self.bytes_fetched = 0
+        self.bytes_fetched = 0  # chunks and shard indexes
+        self.chunk_bytes = 0  # chunks only: what the reads needed
         self.requests = 0
 
     def bind(self, forget: Callable[[int, int], None]) -> None:
@@ -80,18 +84,83 @@ class RemoteChunks:
         """Make the chunks ``keys`` (``env * num_chunks + chunk``) present in their files."""
         with self._lock:
             missing = np.unique(keys[~self._have[keys]])
-            if missing.size == 0:
+            if missing.size:
+                self._fetch(missing)
+                self._evict(self._shards(keys))
+            else:
                 self._touch(keys)
-                return
-            env, chunk = np.divmod(missing, self._num_chunks)
-            want: dict[Shard, list[int]] = {}
-            for e, c in zip(env.tolist(), chunk.tolist(), strict=True):
-                want.setdefault((e, c // self._k), []).append(c % self._k)
-            with ThreadPoolExecutor(min(CONCURRENCY, len(want))) as pool:
-                list(pool.map(lambda item: self._fetch_shard(*item), want.items()))
-            self._evict(self._shards(keys))
-        if self._after_fetch is not None:
-            self._after_fetch()
+
+    def fetch_indexes(self) -> None:
+        """Read the index of every shard file in the bucket now (one request each,
+        concurrently), so a read's chunks then cost one round trip."""
+        with self._lock:
+            shards = [_shard_of(k) for k in self._listed]
+            self._pool_map(self._fetch_index, [s for s in shards if s not in self._index])
+            self._follow()
+
+    def _fetch(self, missing: np.ndarray) -> None:
+        env, chunk = np.divmod(missing, self._num_chunks)
+        want: dict[Shard, list[int]] = {}
+        for e, c in zip(env.tolist(), chunk.tolist(), strict=True):
+            want.setdefault((e, c // self._k), []).append(c % self._k)
+        changed = self._fetch_shards(want)
+        if changed:  # replaced since their index was read: read the new index, once
+            for shard in changed:
+                self._drop(shard)
+            again = self._fetch_shards({shard: want[shard] for shard in changed})
+            if again:
+                raise InvalidStoreError(f"{self.objects.url}/{self.key(*sorted(again)[0])} "
+                                        f"keeps changing or is damaged: its chunks fail their "
+                                        f"crc32c checksum")
+
+    def _fetch_shards(self, want: dict[Shard, list[int]]) -> set[Shard]:
+        """Fetch indexes, then chunk runs; returns the shards found changed."""
+        new = [shard for shard in want if shard not in self._index]
+        self._pool_map(self._fetch_index, new)
+        if new:
+            self._follow()  # a newer file may hold frames the bucket gave up since
+        runs = [(shard, run) for shard, positions in want.items()
+                for run in self._runs(shard, sorted(positions))]
+        results = self._pool_map(lambda item: self._fetch_run(*item), runs)
+        return {shard for (shard, _), ok in zip(runs, results, strict=True) if not ok}
+
+    def _runs(self, shard: Shard, positions: list[int]) -> list[list[int]]:
+        """Positions grouped so each group is one ranged request (gaps under MAX_GAP)."""
+        index = self._index[shard][0]
+        where = f"{self.objects.url}/{self.key(*shard)}"
+        runs: list[list[int]] = []
+        for j in positions:
+            if index[j, 0] < 0:
+                raise InvalidStoreError(f"frame chunk {j} of {where} is absent")
+            prev = runs[-1][-1] if runs else None
+            if prev is not None and 0 <= index[j, 0] - index[prev].sum() <= MAX_GAP:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        return runs
+
+    def _fetch_run(self, shard: Shard, run: list[int]) -> bool:
+        """One ranged read of chunks `run` of a shard, each checked; False if the object
+        changed (or a chunk fails its checksum)."""
+        index, etag = self._index[shard]
+        lo, hi = int(index[run[0], 0]), int(index[run[-1]].sum())
+        try:
+            data = self.objects.get_range_if(self.key(*shard), lo, hi, etag)
+        except ObjectChangedError:
+            return False
+        self.requests += 1
+        parts = [data[index[j, 0] - lo:index[j].sum() - lo] for j in run]
+        if len(data) != hi - lo or not all(_crc_ok(part) for part in parts):
+            return False
+        fd = os.open(self._path(shard), os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, lo)
+        finally:
+            os.close(fd)
+        first = shard[0] * self._num_chunks + shard[1] * self._k
+        self._have[[first + j for j in run]] = True
+        self._count(shard, hi - lo, chunks=sum(len(p) for p in parts))
+        return True
 
     def _shards(self, keys: np.ndarray) -> set[Shard]:
         env, chunk = np.divmod(np.unique(keys), self._num_chunks)
@@ -102,78 +171,39 @@ class RemoteChunks:
             if shard in self._held:
                 self._held.move_to_end(shard)
 
-    def _fetch_shard(self, shard: Shard, positions: list[int]) -> None:
-        """Fetch chunks of one shard; on a checksum mismatch drop the shard and retry once."""
-        try:
-            self._fetch_chunks(shard, positions)
-        except _Changed:
-            self._drop(shard)
-            self._sizes.pop(self.key(*shard), None)
-            try:
-                self._fetch_chunks(shard, positions)
-            except _Changed as exc:
-                raise InvalidStoreError(str(exc)) from None
-
-    def _fetch_chunks(self, shard: Shard, positions: list[int]) -> None:
-        index = self._index.get(shard)
-        if index is None:
-            index = self._fetch_index(shard)
-        where = f"{self.objects.url}/{self.key(*shard)}"
-        offsets, sizes = index[positions, 0], index[positions, 1]
-        if (offsets < 0).any():
-            j = positions[int(np.argmax(offsets < 0))]
-            raise InvalidStoreError(f"frame chunk {j} of {where} is absent")
-        datas = self.objects.get_ranges(self.key(*shard), offsets.tolist(),
-                                        (offsets + sizes).tolist())
-        self.requests += 1
-        for j, data, size in zip(positions, datas, sizes.tolist(), strict=True):
-            if len(data) != size or not _crc_ok(data):
-                raise _Changed(f"{where}: chunk {j} fails its crc32c checksum (truncated, "
-                               f"damaged or replaced while it was read)")
-        fd = os.open(self._path(shard), os.O_WRONLY)
-        try:
-            for data, offset in zip(datas, offsets.tolist(), strict=True):
-                os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
-        first = shard[0] * self._num_chunks + shard[1] * self._k
-        self._have[[first + j for j in positions]] = True
-        self._count(shard, int(sizes.sum()))
-
-    def _count(self, shard: Shard, fetched: int) -> None:
+    def _count(self, shard: Shard, fetched: int, *, chunks: int = 0) -> None:
         with self._book:  # fetch threads of one read share the counters
             self._held[shard] = self._held.get(shard, 0) + fetched
             self._held.move_to_end(shard)
             self.bytes_fetched += fetched
+            self.chunk_bytes += chunks
 
-    def _fetch_index(self, shard: Shard) -> np.ndarray:
-        """Read a shard's index (its last bytes) and create its sparse local file."""
-        key = self.key(*shard)
+    def _pool_map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with ThreadPoolExecutor(min(CONCURRENCY, len(items))) as pool:
+            return list(pool.map(fn, items))
+
+    def _fetch_index(self, shard: Shard) -> None:
+        """Read a shard's index (its last bytes, one request) and create its sparse file."""
+        key, n = self.key(*shard), index_size(self._k)
         where = f"{self.objects.url}/{key}"
-        size = self._sizes.get(key)
-        if size is None:
-            info = self.objects.head(key)
-            if info is None:
-                raise ObjectMissingError(f"{where} does not exist")
-            size = self._sizes[key] = info.size
-        limit = max_shard_bytes(self._k, self._max_chunk)
-        if size > limit:
-            raise InvalidStoreError(f"{where} is {size} bytes, more than a frame file can be "
-                                    f"({limit})")
-        n = index_size(self._k)
-        tail = self.objects.get_ranges(key, [max(size - n, 0)], [size])[0] if size else b""
+        tail, info = self.objects.get_suffix(key, n)
         self.requests += 1
-        try:
-            index = parse_index(tail, size, self._k, self._max_chunk, where)
-        except InvalidStoreError as exc:
-            raise _Changed(str(exc)) from None
-        path = self._path(shard)
-        with open(path, "wb") as f:
-            f.truncate(size)
-            os.pwrite(f.fileno(), tail, size - len(tail))
-        self._index[shard] = index
+        limit = max_shard_bytes(self._k, self._max_chunk)
+        if info.size > limit:
+            raise InvalidStoreError(f"{where} is {info.size} bytes, more than a frame file "
+                                    f"can be ({limit})")
+        index = parse_index(tail, info.size, self._k, self._max_chunk, where)
+        with open(self._path(shard), "wb") as f:
+            f.truncate(info.size)
+            os.pwrite(f.fileno(), tail, info.size - len(tail))
+        self._index[shard] = (index, info.etag)
         self._count(shard, len(tail))
-        return index
+
+    def _follow(self) -> None:
+        if self._after_fetch is not None:
+            self._after_fetch()
 
     def _path(self, shard: Shard) -> Path:
         return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
@@ -196,8 +226,10 @@ class RemoteChunks:
                 self._drop(shard)
 
 
-class _Changed(Exception):
-    """Fetched bytes do not match what the index promised (replaced, or damaged)."""
+def _shard_of(key: str) -> Shard:
+    """(env, shard) of a frame key ``frames/c.<env>.<shard>.0...``."""
+    parts = key.split("/")[-1].split(".")
+    return int(parts[1]), int(parts[2])
 
 
 def _crc_ok(data: bytes) -> bool:
@@ -218,6 +250,21 @@ def open_remote(objects: Objects, root: Path, *,
     if spec.shard_chunks == 1:
         raise InvalidStoreError(f"{objects.url} is a format-1 store (a file per chunk); it "
                                 f"cannot be read from the bucket: mmreplay pull it first")
-    return RemoteChunks(objects, root, spec, after_fetch=lambda: follow_bucket(objects, root),
-                        budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
-                        else budget_bytes)
+    remote = RemoteChunks(objects, root, spec, after_fetch=_follower(objects, root),
+                          budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
+                          else budget_bytes)
+    remote.fetch_indexes()
+    return remote
+
+
+def _follower(objects: Objects, root: Path) -> Callable[[], None]:
+    """`follow_bucket`, skipped while the bucket's manifest keeps its etag (a HEAD)."""
+    seen: list[str | None] = [None]
+
+    def follow() -> None:
+        info = objects.head(MANIFEST)
+        if info is None or info.etag is None or info.etag != seen[0]:
+            follow_bucket(objects, root)
+            seen[0] = None if info is None else info.etag
+
+    return follow
