@@ -367,6 +367,8 @@ class ReplayStore:
                 raise EmptyStoreError(
                     "cannot sample: the store holds no sampleable transition yet")
             draw = self._sampler.sample(self._rng, size, beta)
+            if self.remote is not None:  # fetch without the lock: prefetch workers overlap
+                self._fetch_outside_lock(draw.slots)
             batch = self._batch(draw.slots, draw.weights)
             if self._still_valid(draw.slots):
                 return batch
@@ -384,7 +386,9 @@ class ReplayStore:
         """
         validate.batch_size(batch_size)
         validate.beta(beta)
-        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
+        workers = min(prefetch, 8) if self.remote is not None else 1  # overlap round trips
+        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta,
+                             workers=workers)
         self._prefetchers.add(it)
         return it
 
@@ -589,6 +593,18 @@ class ReplayStore:
     def _still_valid(self, flat: np.ndarray) -> bool:
         """After a read: False if a writer gave up any of these transitions meanwhile."""
         return not self._follow_writer() or bool(self._ring.valid[flat].all())
+
+    def _fetch_outside_lock(self, flat: np.ndarray) -> None:
+        """A bucket store: fetch the chunks of these transitions with the lock released
+        (the caller holds it exactly once: `sample` under `_locked`)."""
+        assert self.remote is not None
+        look = self._ring.lookup(flat)
+        keys = self._frames.chunk_keys(np.stack([look.obs_slots, look.next_obs_slots]))
+        self._lock.release()
+        try:
+            self.remote.ensure(keys, reader_locked=False)
+        finally:
+            self._lock.acquire()
 
     def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
         look = self._ring.lookup(flat)

@@ -63,8 +63,9 @@ class RemoteChunks:
         self._listed = sorted(objects.list(f"{FRAMES}/c."))
         self._after_fetch = after_fetch
         self._forget: Callable[[int, int], None] = lambda env, shard: None
-        self._lock = threading.Lock()
-        self._book = threading.Lock()
+        self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
+        self._cond = threading.Condition()  # guards _have, _inflight, eviction
+        self._book = threading.Lock()  # guards _index, _held and the counters
         self.bytes_fetched = 0  # chunks and shard indexes
         self.chunk_bytes = 0  # chunks only: what the reads needed
         self.requests = 0
@@ -75,38 +76,55 @@ class RemoteChunks:
 
     @property
     def cached_bytes(self) -> int:
-        return sum(self._held.values())
+        """Fetched bytes the cache directory holds now."""
+        with self._book:
+            return sum(self._held.values())
 
     def key(self, env: int, shard: int) -> str:
         return f"{FRAMES}/c.{env}.{shard}{self._suffix}"
 
-    def ensure(self, keys: np.ndarray) -> None:
-        """Make the chunks ``keys`` (``env * num_chunks + chunk``) present in their files."""
-        with self._lock:
+    def ensure(self, keys: np.ndarray, *, reader_locked: bool = True) -> None:
+        """Make the chunks ``keys`` (``env * num_chunks + chunk``) present in their files.
+
+        Several threads may call it at once (prefetch workers): each fetches the chunks no
+        other is fetching, without holding the lock over the network, then waits for the
+        rest. Only a caller that holds the reader's lock (no decode can be running) may
+        unmap files: evict, or replace a changed shard; others leave that to the next."""
+        keys = keys[keys < self._have.size]  # the zero chunk and RAM tails are not fetched
+        with self._cond:
             missing = np.unique(keys[~self._have[keys]])
-            if missing.size:
-                self._fetch(missing)
-                self._evict(self._shards(keys))
-            else:
+            mine = missing[~self._inflight[missing]]
+            self._inflight[mine] = True
+        try:
+            if mine.size:
+                self._fetch(mine, may_unmap=reader_locked)
+        finally:
+            with self._cond:
+                self._inflight[mine] = False
+                self._cond.notify_all()
+                while (self._inflight[missing] & ~self._have[missing]).any():
+                    self._cond.wait()
+                if reader_locked:
+                    self._evict(self._shards(keys))
                 self._touch(keys)
 
     def fetch_indexes(self) -> None:
         """Read the index of every shard file in the bucket now (one request each,
         concurrently), so a read's chunks then cost one round trip."""
-        with self._lock:
-            shards = [_shard_of(k) for k in self._listed]
-            self._pool_map(self._fetch_index, [s for s in shards if s not in self._index])
-            self._follow()
+        shards = [_shard_of(k) for k in self._listed]
+        self._pool_map(self._fetch_index, [s for s in shards if s not in self._index])
+        self._follow()
 
-    def _fetch(self, missing: np.ndarray) -> None:
+    def _fetch(self, missing: np.ndarray, *, may_unmap: bool) -> None:
         env, chunk = np.divmod(missing, self._num_chunks)
         want: dict[Shard, list[int]] = {}
         for e, c in zip(env.tolist(), chunk.tolist(), strict=True):
             want.setdefault((e, c // self._k), []).append(c % self._k)
         changed = self._fetch_shards(want)
-        if changed:  # replaced since their index was read: read the new index, once
-            for shard in changed:
-                self._drop(shard)
+        if changed and may_unmap:  # replaced since their index was read: read it again
+            with self._cond:
+                for shard in changed:
+                    self._drop(shard)
             again = self._fetch_shards({shard: want[shard] for shard in changed})
             if again:
                 raise InvalidStoreError(f"{self.objects.url}/{self.key(*sorted(again)[0])} "
@@ -158,7 +176,8 @@ class RemoteChunks:
         finally:
             os.close(fd)
         first = shard[0] * self._num_chunks + shard[1] * self._k
-        self._have[[first + j for j in run]] = True
+        with self._cond:
+            self._have[[first + j for j in run]] = True
         self._count(shard, hi - lo, chunks=sum(len(p) for p in parts))
         return True
 
@@ -167,9 +186,10 @@ class RemoteChunks:
         return set(zip(env.tolist(), (chunk // self._k).tolist(), strict=True))
 
     def _touch(self, keys: np.ndarray) -> None:
-        for shard in self._shards(keys):
-            if shard in self._held:
-                self._held.move_to_end(shard)
+        with self._book:
+            for shard in self._shards(keys):
+                if shard in self._held:
+                    self._held.move_to_end(shard)
 
     def _count(self, shard: Shard, fetched: int, *, chunks: int = 0) -> None:
         with self._book:  # fetch threads of one read share the counters
@@ -198,7 +218,8 @@ class RemoteChunks:
         with open(self._path(shard), "wb") as f:
             f.truncate(info.size)
             os.pwrite(f.fileno(), tail, info.size - len(tail))
-        self._index[shard] = (index, info.etag)
+        with self._book:
+            self._index[shard] = (index, info.etag)
         self._count(shard, len(tail))
 
     def _follow(self) -> None:
@@ -209,20 +230,24 @@ class RemoteChunks:
         return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
 
     def _drop(self, shard: Shard) -> None:
-        """Forget a shard: unmap, delete its local file, mark its chunks absent."""
+        """Forget a shard: unmap, delete its local file, mark its chunks absent (caller
+        holds the condition)."""
         self._forget(*shard)
         self._path(shard).unlink(missing_ok=True)
         first = shard[0] * self._num_chunks + shard[1] * self._k
         self._have[first:first + self._k] = False
-        self._index.pop(shard, None)
-        self._held.pop(shard, None)
+        with self._book:
+            self._index.pop(shard, None)
+            self._held.pop(shard, None)
 
     def _evict(self, keep: set[Shard]) -> None:
-        """Drop least recently used shards (never those of this read) beyond the budget."""
+        """Drop least recently used shards (never those of this read, nor one being
+        fetched) beyond the budget (caller holds the condition)."""
         for shard in list(self._held):
             if self.cached_bytes <= self.budget:
                 return
-            if shard not in keep:
+            first = shard[0] * self._num_chunks + shard[1] * self._k
+            if shard not in keep and not self._inflight[first:first + self._k].any():
                 self._drop(shard)
 
 
