@@ -10,16 +10,17 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mmreplay import InvalidStoreError, ReplayStore, StoreLockedError
+from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore, StoreLockedError
 from mmreplay.errors import ObjectStoreError
-from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import pull
+from mmreplay.storage.objects import ObjectChangedError, ObjectMissingError, open_objects
+from mmreplay.storage.transfer import Lease, pull
 from mmreplay.tools.cli import main as cli
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -87,6 +88,43 @@ def test_file_url_round_trip_and_no_obstore_import(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_local_objects_conditional_operations(tmp_path: Path) -> None:
+    objects = open_objects(f"file://{tmp_path}/b")
+    assert objects.put_if_absent("a/x", b"one")
+    assert not objects.put_if_absent("a/x", b"two")
+    info = objects.head("a/x")
+    assert info is not None and info.size == 3
+    assert not objects.put_if_match("a/x", b"three", "stale-etag")
+    assert objects.put_if_match("a/x", b"four", info.etag or "")
+    tail, now = objects.get_suffix("a/x", 2)
+    assert tail == b"ur" and now.size == 4
+    assert objects.get_range_if("a/x", 1, 3, now.etag) == b"ou"
+    objects.put("a/x", b"fives")
+    with pytest.raises(ObjectChangedError):
+        objects.get_range_if("a/x", 1, 3, now.etag)
+    for bad in ("../x", "/abs", "a//b", "a/./b", ""):
+        with pytest.raises(InvalidInputError, match="invalid object key"):
+            objects.get(bad)
+    with pytest.raises(ObjectMissingError):
+        objects.get("nothing")
+    with pytest.raises(InvalidInputError, match="s3:// or file://"):
+        open_objects("gs://bucket/x")
+
+
+def test_lease_refuses_a_second_writer_until_it_expires(tmp_path: Path) -> None:
+    objects = open_objects(f"file://{tmp_path}/b")
+    first, second = Lease(objects, ttl_s=0.3), Lease(objects)
+    first.acquire()
+    with pytest.raises(StoreLockedError, match="another writer"):
+        second.acquire()
+    time.sleep(0.4)  # the first writer stopped renewing: its lease expired
+    second.acquire()
+    with pytest.raises(StoreLockedError):
+        first.acquire()  # and the first learns it lost the prefix
+    second.release()
+    assert objects.head("lease.json") is None
 
 
 # -- push / pull / resume --------------------------------------------------------------
