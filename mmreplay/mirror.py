@@ -19,12 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-from mmreplay.errors import ObjectStoreError, StoreLockedError
+from mmreplay.errors import InvalidStoreError, ObjectStoreError, StoreLockedError
 from mmreplay.storage.objects import Objects
 from mmreplay.storage.transfer import LEASE_TTL_S, Pusher, PushReport
 
 MAX_LAG = 2  # generations the bucket may trail the directory before a flush waits
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+GIVE_UP_AFTER = 4  # consecutive failed pushes after which a waiting caller gets the error
 
 
 class Mirror:
@@ -41,6 +42,7 @@ class Mirror:
         self.pushed = 0  # newest generation in the bucket
         self.reports: list[PushReport] = []
         self.error: BaseException | None = None
+        self.failures = 0  # consecutive failed pushes
         self._fatal: BaseException | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="mmreplay-mirror", daemon=True)
@@ -58,6 +60,7 @@ class Mirror:
             self._wanted = max(self._wanted, generation)
             self._cond.notify_all()
             while self._wanted - self.pushed > self.max_lag and self._fatal is None:
+                self._raise_failing()
                 self._cond.wait(0.5)
             self._raise_fatal()
 
@@ -71,6 +74,7 @@ class Mirror:
                 if left is not None and left <= 0:
                     raise ObjectStoreError(f"mirror to {self.objects.url} is {self.lag} "
                                            f"generations behind: {self.error}")
+                self._raise_failing()
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
             self._raise_fatal()
 
@@ -85,11 +89,22 @@ class Mirror:
                 self._cond.notify_all()
             self._thread.join()
             if self._fatal is None:
-                self._pusher.close()
+                try:
+                    self._pusher.close()
+                except ObjectStoreError:
+                    pass  # the bucket is unreachable: the lease expires by itself
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal
+
+    def _raise_failing(self) -> None:
+        """A waiting caller gets the push error once pushes keep failing (the thread goes
+        on retrying: a later wait may succeed)."""
+        if self.failures >= GIVE_UP_AFTER and self.error is not None:
+            raise ObjectStoreError(f"mirror to {self.objects.url} is {self.lag} generations "
+                                   f"behind after {self.failures} failed pushes: "
+                                   f"{self.error}") from self.error
 
     def _run(self) -> None:
         failures = 0
@@ -110,18 +125,20 @@ class Mirror:
                 self._pusher.lease.acquire()
                 return 0
             report = self._pusher.push()
-        except StoreLockedError as exc:
+        except (StoreLockedError, InvalidStoreError) as exc:  # retrying cannot help
             with self._cond:
                 self._fatal = exc
                 self._cond.notify_all()
             return failures
         except Exception as exc:  # noqa: BLE001 -- any failure: keep the error, retry later
-            self.error = exc
+            with self._cond:
+                self.error, self.failures = exc, failures + 1
+                self._cond.notify_all()
             time.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
             return failures + 1
         with self._cond:
             self.pushed = max(self.pushed, report.generation)
             self.reports.append(report)
-            self.error = None
+            self.error, self.failures = None, 0
             self._cond.notify_all()
         return 0

@@ -188,6 +188,21 @@ def test_mirror_pushes_every_flush_in_the_background(s3: S3Server, tmp_path: Pat
         assert_same(a, b)
 
 
+def test_mirror_that_cannot_reach_the_bucket_raises_when_waited_on(
+        s3: S3Server, tmp_path: Path) -> None:
+    proxy = FaultProxy(s3.ports[3])
+    url = s3.url(f"gone-{uuid.uuid4().hex[:8]}")
+    store = make(tmp_path / "a", mirror=url, storage_options=s3.options(proxy.endpoint))
+    store.flush(wait_mirror=True)
+    proxy.close()  # the network is gone
+    fill(store, 200)
+    with pytest.raises(ObjectStoreError, match="failed pushes"):
+        store.flush(wait_mirror=True)
+    with pytest.raises(ObjectStoreError):
+        store.close()  # the last generation never reached the bucket: said, not hidden
+    assert store._closed  # noqa: SLF001 -- and the store is closed all the same
+
+
 # -- reading from the bucket ----------------------------------------------------------------
 def test_read_from_bucket_fetches_only_needed_chunks(s3: S3Server, tmp_path: Path) -> None:
     url = s3.url(f"read-{uuid.uuid4().hex[:8]}")
