@@ -677,6 +677,9 @@ class ReplayStore:
              take_over: bool = False) -> PushReport:
         """Commit (if writable), then upload the committed generation to `url` (only what the
         bucket lacks or what changed; the manifest last). See docs/object-storage.md."""
+        if self.remote is not None:
+            raise InvalidInputError("a store read from a bucket holds only the chunks it "
+                                    "fetched; pull it (mmreplay pull) before pushing it")
         if self.writable:
             self.flush()
         pusher = Pusher(self.path, open_objects(url, storage_options))

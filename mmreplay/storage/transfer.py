@@ -118,14 +118,18 @@ class Lease:
     def _read(self) -> dict[str, Any]:
         try:
             data = json.loads(self.objects.get(LEASE)[:4096])
-        except (ObjectMissingError, ValueError):
+        except (ObjectMissingError, ValueError):  # gone, or not JSON: nobody's lease
             return {}
         return data if isinstance(data, dict) else {}
 
     def release(self) -> None:
-        """Delete the lease if it is still this writer's."""
-        if self.held and self._read().get("writer") == self.writer_id:
-            self.objects.delete(LEASE)
+        """Delete the lease if it is still this writer's (an unreachable bucket keeps it
+        until it expires)."""
+        try:
+            if self.held and self._read().get("writer") == self.writer_id:
+                self.objects.delete(LEASE)
+        except ObjectStoreError:
+            pass
         self.held = False
 
 
