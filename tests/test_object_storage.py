@@ -222,6 +222,16 @@ def test_read_from_bucket_fetches_only_needed_chunks(s3: S3Server, tmp_path: Pat
         assert batch.obs.shape[0] == 16
     assert cli(["info", url]) == 0
     assert cli(["verify", url]) == 0
+    # the bucket is a plain zarr v3 group too
+    import zarr
+    from obstore.store import S3Store
+
+    prefix = url.split("/", 3)[3]
+    bucket = zarr.storage.ObjectStore(S3Store(s3.bucket, prefix=prefix, config=s3.options()),
+                                      read_only=True)
+    local = zarr.open_group(str(tmp_path / "a"), mode="r")["frames"]
+    np.testing.assert_array_equal(zarr.open_group(bucket, mode="r")["frames"][0, :200],
+                                  local[0, :200])
 
 
 def test_cache_is_bounded(s3: S3Server, tmp_path: Path) -> None:
