@@ -206,11 +206,14 @@ class ReplayStore:
                 f"open DIR with mirror={url!r}")
         objects = open_objects(url, storage_options)
         root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
+        remote: RemoteChunks | None = None
         try:
             remote = open_remote(objects, root, budget_bytes=cache_bytes)
             store = cls._open_reader(root, durable=False, cache_bytes=None,
                                      max_ram_bytes=max_ram_bytes, fetch=remote.ensure)
         except BaseException:
+            if remote is not None:
+                remote.close()
             shutil.rmtree(root, ignore_errors=True)
             raise
         remote.bind(store._frames.forget_shard)
@@ -671,6 +674,7 @@ class ReplayStore:
                         os.close(self._lock_fd)
                         self._lock_fd = None
                     if self.remote is not None:  # the cache of a store read from a bucket
+                        self.remote.close()
                         shutil.rmtree(self.path, ignore_errors=True)
 
     def push(self, url: str, *, storage_options: dict[str, str] | None = None,

@@ -212,9 +212,13 @@ class FaultProxy:
             writer.close()
             return
         self._writers.update((writer, up_w))
-        await asyncio.gather(self._pipe(reader, up_w, up=True),
-                             self._pipe(up_r, writer, up=False), return_exceptions=True)
-        self._writers.difference_update((writer, up_w))
+        try:
+            await asyncio.gather(self._pipe(reader, up_w, up=True),
+                                 self._pipe(up_r, writer, up=False), return_exceptions=True)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing
+        finally:
+            self._writers.difference_update((writer, up_w))
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *,
                     up: bool) -> None:

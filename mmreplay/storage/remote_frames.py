@@ -63,6 +63,7 @@ class RemoteChunks:
         self._listed = sorted(objects.list(f"{FRAMES}/c."))
         self._after_fetch = after_fetch
         self._forget: Callable[[int, int], None] = lambda env, shard: None
+        self._pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="mmreplay-fetch")
         self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
         self._cond = threading.Condition()  # guards _have, _inflight, eviction
         self._book = threading.Lock()  # guards _index, _held and the counters
@@ -201,8 +202,11 @@ class RemoteChunks:
     def _pool_map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         if len(items) <= 1:
             return [fn(item) for item in items]
-        with ThreadPoolExecutor(min(CONCURRENCY, len(items))) as pool:
-            return list(pool.map(fn, items))
+        return list(self._pool.map(fn, items))  # one pool: no threads started per batch
+
+    def close(self) -> None:
+        """Stop the request threads."""
+        self._pool.shutdown(wait=True)
 
     def _fetch_index(self, shard: Shard) -> None:
         """Read a shard's index (its last bytes, one request) and create its sparse file."""
@@ -278,7 +282,11 @@ def open_remote(objects: Objects, root: Path, *,
     remote = RemoteChunks(objects, root, spec, after_fetch=_follower(objects, root),
                           budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
                           else budget_bytes)
-    remote.fetch_indexes()
+    try:
+        remote.fetch_indexes()
+    except BaseException:
+        remote.close()
+        raise
     return remote
 
 
