@@ -53,8 +53,9 @@ class Mirror:
         """Generations committed locally and not yet in the bucket."""
         return self._wanted - self.pushed
 
-    def notify(self, generation: int) -> None:
-        """A generation was committed; waits only while the mirror lags by > `max_lag`."""
+    def notify(self, generation: int, *, wait: bool = False) -> None:
+        """A generation was committed; waits only while the mirror lags by > `max_lag`, or
+        (`wait`) until it is in the bucket."""
         with self._cond:
             self._raise_fatal()
             self._wanted = max(self._wanted, generation)
@@ -63,6 +64,8 @@ class Mirror:
                 self._raise_failing()
                 self._cond.wait(0.5)
             self._raise_fatal()
+        if wait:
+            self.wait()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the newest committed generation is in the bucket; raises the last

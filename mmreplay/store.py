@@ -45,6 +45,7 @@ from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
+from mmreplay.remote import BucketMethods
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
@@ -61,13 +62,11 @@ from mmreplay.storage.manifest import (
 from mmreplay.storage.objects import is_url, open_objects
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
-from mmreplay.storage.transfer import Pusher, PushReport
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
-FetchHook = Callable[[np.ndarray], None]
 
 
 def _locked(method: F) -> F:
@@ -92,13 +91,13 @@ class StoreCounts:
     sampleable: int
 
 
-class ReplayStore:
+class ReplayStore(BucketMethods):
     """A disk-backed replay memory that keeps every frame once (see README)."""
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None,
-                 manifest: dict[str, Any] | None = None, fetch: FetchHook | None = None) -> None:
+                 cache_bytes: int | None, lock_fd: int | None, remote: RemoteChunks | None = None,
+                 manifest: dict[str, Any] | None = None) -> None:
         """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
         self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
         self._lock_fd: int | None = None
@@ -107,7 +106,8 @@ class ReplayStore:
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
                                   before_chunk_write=functools.partial(
-                                      self._commits.give_up_chunks, self._ring), fetch=fetch)
+                                      self._commits.give_up_chunks, self._ring),
+                                  fetch=None if remote is None else remote.ensure)
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
@@ -119,8 +119,6 @@ class ReplayStore:
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
-        self._mirror: Mirror | None = None
-        self.remote: RemoteChunks | None = None  # a store read from a bucket fetches here
         self._closed = False
         rng = _start(manifest, writable, self._commits, self._ring, self._frames,
                      self._priorities, self._reader)
@@ -139,9 +137,8 @@ class ReplayStore:
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
-        `mirror` (``s3://bucket/prefix`` or ``file://dir``) pushes every flush there in
-        the background (see docs/object-storage.md); `storage_options` holds its
-        credentials and endpoint where the AWS environment variables do not.
+        `mirror` (a URL) pushes every flush there in the background, with `storage_options`
+        (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -156,91 +153,30 @@ class ReplayStore:
                     lock_fd=take_lock(root))
         store.reseed(seed)
         store.flush()
-        if mirror is not None:
-            store._start_mirror(mirror, storage_options)
-        return store
+        return store.attach_mirror(mirror, storage_options, False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
-             cache_dir: str | os.PathLike[str] | None = None,
-             take_over: bool = False) -> ReplayStore:
+             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
         Any problem raises `InvalidStoreError`.
 
-        `path` may be a URL (``s3://bucket/prefix``, ``file://dir``) with ``mode="r"``: the
-        store is read from the bucket, its frames fetched on demand into `cache_dir`
-        (a temp directory if None), at most `cache_bytes` of them. A writable open may
-        `mirror` into a URL (see `create`); `take_over` takes the prefix from a writer
-        known to be gone.
+        A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
+        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
         if is_url(path):
-            return cls._open_url(str(path), mode, cache_dir=cache_dir, cache_bytes=cache_bytes,
-                                 storage_options=storage_options, max_ram_bytes=max_ram_bytes)
-        if mirror is not None and mode == "r":
-            raise InvalidInputError("mirror= needs a writable open (mode='r+')")
-        store = cls._open_path(Path(path), mode, durable=durable, cache_bytes=cache_bytes,
-                               max_ram_bytes=max_ram_bytes)
-        if mirror is not None:
-            try:
-                store._start_mirror(mirror, storage_options, take_over=take_over)
-            except BaseException:
-                store.close()
-                raise
-        return store
-
-    @classmethod
-    def _open_url(cls, url: str, mode: str, *, cache_dir: str | os.PathLike[str] | None,
-                  cache_bytes: int | None, storage_options: dict[str, str] | None,
-                  max_ram_bytes: int) -> ReplayStore:
-        """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
-        if mode != "r":
-            raise InvalidInputError(
-                f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
-                f"open DIR with mirror={url!r}")
-        objects = open_objects(url, storage_options)
-        root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
-        remote: RemoteChunks | None = None
-        try:
-            remote = open_remote(objects, root, budget_bytes=cache_bytes)
-            store = cls._open_path(root, "r", durable=False, cache_bytes=None,
-                                   max_ram_bytes=max_ram_bytes, fetch=remote.ensure)
-        except BaseException:
-            if remote is not None:
-                remote.close()
-            shutil.rmtree(root, ignore_errors=True)
-            raise
-        remote.bind(store._frames.forget_shard)
-        store.remote = remote
-        weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
-        return store
-
-    @classmethod
-    def _open_path(cls, root: Path, mode: str, *, durable: bool, cache_bytes: int | None,
-                   max_ram_bytes: int, fetch: FetchHook | None = None) -> ReplayStore:
-        check_root(root)
-
-        def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
-            spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
-            return cls(root, spec, writable=lock_fd is not None, durable=durable,
-                       cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest,
-                       fetch=fetch)
-
-        if mode == "r":
-            return _open_read_only(root, lambda manifest: opened(manifest, None))
-        lock_fd = take_lock(root)
-        try:
-            return opened(read_manifest(root), lock_fd)
-        except BaseException:
-            os.close(lock_fd)
-            raise
+            return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
+                             max_ram_bytes)
+        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        return store.attach_mirror(mirror, storage_options, take_over)
 
     # -- recording ----------------------------------------------------------------
     @_locked
@@ -407,16 +343,10 @@ class ReplayStore:
         return self._commits.generation
 
     def flush(self, *, wait_mirror: bool = False) -> None:
-        """Commit everything recorded so far; writes only what changed since the last flush.
-
-        With a mirror the commit is pushed in the background; `wait_mirror` waits until it
-        is in the bucket (e.g. before a checkpoint that must survive this machine).
-        """
+        """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
         self._commit()
-        if self._mirror is not None:
-            self._mirror.notify(self.generation)
-            if wait_mirror:
-                self._mirror.wait()
+        if self.mirror is not None:
+            self.mirror.notify(self.generation, wait=wait_mirror)
 
     @_locked
     def _commit(self) -> None:
@@ -441,41 +371,10 @@ class ReplayStore:
             try:
                 if self.writable:
                     self.flush()
-                if self._mirror is not None:
-                    self._mirror.close()
             finally:
                 self._closed = True
                 lock_fd, self._lock_fd = self._lock_fd, None
-                _close_parts(self._frames, self._commits, lock_fd)
-                if self.remote is not None:  # the cache of a store read from a bucket
-                    self.remote.close()
-                    shutil.rmtree(self.path, ignore_errors=True)
-
-    def push(self, url: str, *, storage_options: dict[str, str] | None = None,
-             take_over: bool = False) -> PushReport:
-        """Commit (if writable), then upload the committed generation to `url` (only what the
-        bucket lacks or what changed; the manifest last). See docs/object-storage.md."""
-        if self.remote is not None:
-            raise InvalidInputError("a store read from a bucket holds only the chunks it "
-                                    "fetched; pull it (mmreplay pull) before pushing it")
-        if self.writable:
-            self.flush()
-        pusher = Pusher(self.path, open_objects(url, storage_options))
-        try:
-            return pusher.push(take_over=take_over)
-        finally:
-            pusher.close()
-
-    @property
-    def mirror(self) -> Mirror | None:
-        """The background mirror (``mirror=`` at create/open), or None."""
-        return self._mirror
-
-    def _start_mirror(self, url: str, storage_options: dict[str, str] | None, *,
-                      take_over: bool = False) -> None:
-        self._mirror = Mirror(self.path, open_objects(url, storage_options),
-                              take_over=take_over)
-        self._mirror.notify(self.generation)
+                _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
 
     def __enter__(self) -> ReplayStore:
         return self
@@ -552,9 +451,20 @@ def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
         raise
 
 
-def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None) -> None:
-    """Close the frame store, the committer (it may fail to delete retired files: they are
-    swept later) and the writer lock, each whatever the one before raised."""
+def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None,
+                 remote: RemoteChunks | None = None, mirror: Mirror | None = None) -> None:
+    """Close the mirror (pushing the last generation), the frame store, the committer (it
+    may fail to delete retired files: they are swept later), the writer lock and a bucket
+    store's cache, whatever the one before raised."""
+    try:
+        if mirror is not None:
+            mirror.close()
+    finally:
+        _close_files(frames, commits, lock_fd, remote)
+
+
+def _close_files(frames: FrameStore, commits: Committer, lock_fd: int | None,
+                 remote: RemoteChunks | None) -> None:
     try:
         frames.close()
     finally:
@@ -563,6 +473,9 @@ def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = N
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)
+            if remote is not None:  # a store read from a bucket: its cache goes
+                remote.close()
+                shutil.rmtree(commits.root, ignore_errors=True)
 
 
 def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: FrameStore,
@@ -579,3 +492,47 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
                      float(manifest["max_priority"]), ring.valid)
     commits.committed = manifest
     return rng_from_state(manifest["rng"])
+
+
+def _open_url(cls: type[ReplayStore], url: str, mode: str,
+              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None,
+              storage_options: dict[str, str] | None, max_ram_bytes: int) -> ReplayStore:
+    """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
+    if mode != "r":
+        raise InvalidInputError(
+            f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
+            f"open DIR with mirror={url!r}")
+    objects = open_objects(url, storage_options)
+    root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
+    remote: RemoteChunks | None = None
+    try:
+        remote = open_remote(objects, root, budget_bytes=cache_bytes)
+        store = _open_path(cls, root, "r", False, None, max_ram_bytes, remote=remote)
+    except BaseException:
+        if remote is not None:
+            remote.close()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    store.remote = remote
+    weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
+    return store
+
+
+def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
+               cache_bytes: int | None, max_ram_bytes: int,
+               remote: RemoteChunks | None = None) -> ReplayStore:
+    check_root(root)
+
+    def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
+        spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
+        return cls(root, spec, writable=lock_fd is not None, durable=durable,
+                   cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
+
+    if mode == "r":
+        return _open_read_only(root, lambda manifest: opened(manifest, None))
+    lock_fd = take_lock(root)
+    try:
+        return opened(read_manifest(root), lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise

@@ -160,7 +160,7 @@ class FrameStore:
 
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
                  cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None,
-                 fetch: Callable[[np.ndarray], None] | None = None):
+                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None):
         self.spec = spec
         self._dir = Path(root) / FRAMES
         self._dir_str = str(self._dir)
@@ -344,17 +344,6 @@ class FrameStore:
         dest = out[:size].reshape(flat.size, frame_bytes)
         compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
-
-    def chunk_keys(self, flat_slots: np.ndarray) -> np.ndarray:
-        """The distinct chunk keys (``env * num_chunks + chunk``) a `read` of these slots
-        takes from files or RAM; keys ``>= num_envs * num_chunks`` are tails or zeros."""
-        flat = np.asarray(flat_slots, dtype=np.int64).reshape(-1)
-        keys = np.empty(flat.size, np.int64)
-        rows_of = np.empty(flat.size, np.int64)
-        count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
-                                     self.num_chunks, self.next_slot, self.tail_fill, keys,
-                                     rows_of)
-        return keys[:count]
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns

@@ -71,10 +71,6 @@ class RemoteChunks:
         self.chunk_bytes = 0  # chunks only: what the reads needed
         self.requests = 0
 
-    def bind(self, forget: Callable[[int, int], None]) -> None:
-        """`forget(env, shard)` unmaps a shard file (`ShardFiles.forget`) before it changes."""
-        self._forget = forget
-
     @property
     def cached_bytes(self) -> int:
         """Fetched bytes the cache directory holds now."""
@@ -84,13 +80,16 @@ class RemoteChunks:
     def key(self, env: int, shard: int) -> str:
         return f"{FRAMES}/c.{env}.{shard}{self._suffix}"
 
-    def ensure(self, keys: np.ndarray, *, reader_locked: bool = True) -> None:
+    def ensure(self, keys: np.ndarray, forget: Callable[[int, int], None] | None = None, *,
+               reader_locked: bool = True) -> None:
         """Make the chunks ``keys`` (``env * num_chunks + chunk``) present in their files.
 
         Several threads may call it at once (prefetch workers): each fetches the chunks no
         other is fetching, without holding the lock over the network, then waits for the
         rest. Only a caller that holds the reader's lock (no decode can be running) may
         unmap files: evict, or replace a changed shard; others leave that to the next."""
+        if forget is not None:  # `ShardFiles.forget`: unmap a file before it is replaced
+            self._forget = forget
         keys = keys[keys < self._have.size]  # the zero chunk and RAM tails are not fetched
         with self._cond:
             missing = np.unique(keys[~self._have[keys]])
