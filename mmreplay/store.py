@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,10 +40,12 @@ from mmreplay.errors import ClosedStoreError, InvalidInputError, InvalidStoreErr
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
+from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
+from mmreplay.remote import BucketMethods
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.commit import (
@@ -61,6 +65,8 @@ from mmreplay.storage.manifest import (
     parse_spec,
     read_manifest,
 )
+from mmreplay.storage.objects import is_url, open_objects
+from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews
@@ -115,12 +121,12 @@ class StoreCounts:
     sampleable: int
 
 
-class ReplayStore:
+class ReplayStore(BucketMethods):
     """A disk-backed replay memory that keeps every frame once (see README)."""
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None,
+                 cache_bytes: int | None, lock_fd: int | None, remote: RemoteChunks | None = None,
                  manifest: dict[str, Any] | None = None) -> None:
         """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
         self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
@@ -130,7 +136,8 @@ class ReplayStore:
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
                                   before_chunk_write=functools.partial(
-                                      self._commits.give_up_chunks, self._ring))
+                                      self._commits.give_up_chunks, self._ring),
+                                  fetch=None if remote is None else remote.ensure)
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
@@ -154,11 +161,14 @@ class ReplayStore:
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
+               mirror: str | None = None, storage_options: dict[str, str] | None = None,
                **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        `mirror` (a URL) pushes every flush there in the background, with `storage_options`
+        (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -173,37 +183,31 @@ class ReplayStore:
                     lock_fd=take_lock(root))
         store.reseed(seed)
         store.flush()
-        return lifecycle.track(store)  # flushed at interpreter exit if never closed
+        lifecycle.track(store)  # flushed at interpreter exit if never closed
+        return store.attach_mirror(mirror, storage_options, False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int | None = None,
-             max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
+             mirror: str | None = None, storage_options: dict[str, str] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
         Any problem raises `InvalidStoreError`.
+
+        A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
+        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
-        root = Path(path)
-        check_root(root)
-
-        def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
-            spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
-            return cls(root, spec, writable=lock_fd is not None, durable=durable,
-                       cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest)
-
-        if mode == "r":
-            return _open_read_only(root, lambda manifest: opened(manifest, None))
-        lock_fd = take_lock(root)
-        try:
-            return lifecycle.track(opened(read_manifest(root), lock_fd))  # flushed at exit
-        except BaseException:
-            release_lock(lock_fd)
-            raise
+        if is_url(path):
+            return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
+                             max_ram_bytes)
+        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        return store.attach_mirror(mirror, storage_options, take_over)
 
     # -- recording ----------------------------------------------------------------
     @_locked
@@ -370,9 +374,14 @@ class ReplayStore:
         """Number of the last committed manifest."""
         return self._commits.generation
 
+    def flush(self, *, wait_mirror: bool = False) -> None:
+        """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
+        self._commit()
+        if self.mirror is not None:
+            self.mirror.notify(self.generation, wait=wait_mirror)
+
     @_locked
-    def flush(self) -> None:
-        """Commit everything recorded so far; writes only what changed since the last flush."""
+    def _commit(self) -> None:
         _check_writable(self, "flush")
         self._reader.refresh()  # new transitions get their priorities before they are saved
         if self.durable:
@@ -397,7 +406,7 @@ class ReplayStore:
             finally:
                 self._closed = True
                 lock_fd, self._lock_fd = self._lock_fd, None
-                _close_parts(self._frames, self._commits, lock_fd)
+                _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
 
     @property
     def closed(self) -> bool:
@@ -473,9 +482,20 @@ def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
         raise
 
 
-def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None) -> None:
-    """Close the frame store, the committer (it may fail to delete retired files: they are
-    swept later) and the writer lock, each whatever the one before raised."""
+def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None,
+                 remote: RemoteChunks | None = None, mirror: Mirror | None = None) -> None:
+    """Close the mirror (pushing the last generation), the frame store, the committer (it
+    may fail to delete retired files: they are swept later), the writer lock and a bucket
+    store's cache, whatever the one before raised."""
+    try:
+        if mirror is not None:
+            mirror.close()
+    finally:
+        _close_files(frames, commits, lock_fd, remote)
+
+
+def _close_files(frames: FrameStore, commits: Committer, lock_fd: int | None,
+                 remote: RemoteChunks | None) -> None:
     try:
         frames.close()
     finally:
@@ -484,6 +504,9 @@ def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = N
         finally:
             if lock_fd is not None:
                 release_lock(lock_fd)
+            if remote is not None:  # a store read from a bucket: its cache goes
+                remote.close()
+                shutil.rmtree(commits.root, ignore_errors=True)
 
 
 def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: FrameStore,
@@ -500,3 +523,47 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
                      float(manifest["max_priority"]), ring.valid)
     commits.committed = manifest
     return rng_from_state(manifest["rng"])
+
+
+def _open_url(cls: type[ReplayStore], url: str, mode: str,
+              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None,
+              storage_options: dict[str, str] | None, max_ram_bytes: int) -> ReplayStore:
+    """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
+    if mode != "r":
+        raise InvalidInputError(
+            f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
+            f"open DIR with mirror={url!r}")
+    objects = open_objects(url, storage_options)
+    root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
+    remote: RemoteChunks | None = None
+    try:
+        remote = open_remote(objects, root, budget_bytes=cache_bytes)
+        store = _open_path(cls, root, "r", False, None, max_ram_bytes, remote=remote)
+    except BaseException:
+        if remote is not None:
+            remote.close()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    store.remote = remote
+    weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
+    return store
+
+
+def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
+               cache_bytes: int | None, max_ram_bytes: int,
+               remote: RemoteChunks | None = None) -> ReplayStore:
+    check_root(root)
+
+    def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
+        spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
+        return cls(root, spec, writable=lock_fd is not None, durable=durable,
+                   cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
+
+    if mode == "r":
+        return _open_read_only(root, lambda manifest: opened(manifest, None))
+    lock_fd = take_lock(root)
+    try:
+        return lifecycle.track(opened(read_manifest(root), lock_fd))  # flushed at exit
+    except BaseException:
+        release_lock(lock_fd)
+        raise

@@ -73,8 +73,9 @@ class StepColumns:
     """A read-only view of a ring's step columns and cursors, for tools that read a store.
 
     The arrays are the ring's own, marked read-only (no copy): they reflect later writes,
-    so take a fresh view after recording (``oldest`` is computed: a snapshot). ``steps[e, f % slots_per_env]`` is the record of
-    frame ``f`` of env ``e`` (see the module doc); flat slot = ``e * slots_per_env + slot``.
+    so take a fresh view after recording (``oldest`` is computed: a snapshot).
+    ``steps[e, f % slots_per_env]`` is the record of frame ``f`` of env ``e`` (see the module
+    doc); flat slot = ``e * slots_per_env + slot``.
     """
 
     steps: np.ndarray      # (num_envs, slots_per_env) records of `step_dtype`

@@ -164,7 +164,8 @@ class FrameStore:
     """
 
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
-                 cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None):
+                 cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None,
+                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None):
         self.spec = spec
         self._dir = Path(root) / FRAMES
         self._dir_str = str(self._dir)
@@ -191,12 +192,18 @@ class FrameStore:
         if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
                                       self._max_bytes, num_envs=spec.num_envs,
-                                      num_chunks=self.num_chunks, max_open=MAX_MAPPED)
+                                      num_chunks=self.num_chunks, max_open=MAX_MAPPED,
+                                      fetch=fetch)
             self._read_chunk = self._shards.chunk
             if writable:
                 self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
                                                  self.num_chunks, before_chunk_write,
                                                  durable=durable)
+
+    def forget_shard(self, env: int, shard: int) -> None:
+        """Unmap a shard file about to be replaced by someone else (a bucket's cache)."""
+        if self._shards is not None:
+            self._shards.forget(env, shard)
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:

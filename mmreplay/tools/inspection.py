@@ -23,6 +23,7 @@ import numpy as np
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepColumns
 from mmreplay.storage.frame_store import FRAMES
+from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore, StoreCounts
 
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
@@ -32,8 +33,9 @@ ZARR_JSON = "zarr.json"
 
 # -- opening ----------------------------------------------------------------------------
 def open_readonly(path: str | os.PathLike[str]) -> ReplayStore:
-    """Open a store read-only (`ReplayStore.open` retries opens that race a commit)."""
-    return ReplayStore.open(Path(path), mode="r")
+    """Open a store read-only (`ReplayStore.open` retries opens that race a commit); a URL
+    (``s3://``, ``file://``) is read from object storage."""
+    return ReplayStore.open(path if is_url(path) else Path(path), mode="r")
 
 
 # -- info -------------------------------------------------------------------------------
