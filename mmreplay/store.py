@@ -183,8 +183,7 @@ class ReplayStore(BucketMethods):
                     lock_fd=take_lock(root))
         store.reseed(seed)
         store.flush()
-        lifecycle.track(store)  # flushed at interpreter exit if never closed
-        return store.attach_mirror(mirror, storage_options, False)
+        return lifecycle.track(store).attach_mirror(mirror, storage_options, False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
