@@ -162,7 +162,7 @@ def test_resume_after_sigkill(tmp_path: Path) -> None:
     assert len(ckpt["episodes"]["return"]) > len(matching[0]["episodes"]["return"])
 
 
-def test_sigint_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
+def test_sigint_checkpoints_and_exits_130(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         command(*CARTPOLE, "--total-timesteps", "1000000", "--checkpoint-every", "1000",
@@ -174,7 +174,8 @@ def test_sigint_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
         _, stderr = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 130, stderr[-3000:]  # 128 + SIGINT: a scheduler can tell
+    assert f"--resume --run-dir {run_dir}" in stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] and 1000 <= summary["global_step"] < 1_000_000
     ckpt = load(run_dir / "checkpoint.pt")
