@@ -251,17 +251,18 @@ def is_atari(env_id: str) -> bool:
     return "ale_py" in str(gym.spec(env_id).entry_point)
 
 
-def make_env(env_id: str, *, terminal_on_life_loss: bool = False) -> gym.Env:
+def make_env(env_id: str, *, terminal_on_life_loss: bool = False, **ale_kwargs: Any) -> gym.Env:
     """`env_id` as the scripts train on it: an ALE game with DQN preprocessing (84x84
     grayscale, frame skip 4 with max-pooling, up to 30 no-op starts, no env-side frame
-    stacking: the store stacks), anything else as `gym.make` builds it."""
+    stacking: the store stacks), anything else as `gym.make` builds it. `ale_kwargs` go to
+    the ALE env (``obs_type="grayscale"`` spares it an RGB copy per skipped frame)."""
     import gymnasium as gym
 
     if not is_atari(env_id):
         return gym.make(env_id)
     from gymnasium.wrappers import AtariPreprocessing
 
-    env = gym.make(env_id, frameskip=1)
+    env = gym.make(env_id, frameskip=1, **ale_kwargs)
     return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
                               terminal_on_life_loss=terminal_on_life_loss, grayscale_obs=True)
 
