@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 from ale_frames import record_frames
-from common import dir_bytes, parse_args
+from common import dir_bytes, parse_args, run_main
 from numpy.lib import format as npy_format
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def timed_child(args: list[str], env: dict[str, str] | None = None) -> dict[str,
     return {"seconds": round(wall, 1), "peak_rss_mib": round(peak_kib / 1024, 1)}
 
 
-if __name__ == "__main__":
+def main() -> None:
     args = parse_args(Args, description=__doc__)
     work = ROOT / args.workdir
     shutil.rmtree(work, ignore_errors=True)
@@ -155,3 +155,7 @@ if __name__ == "__main__":
     Path(ROOT / args.out).parent.mkdir(parents=True, exist_ok=True)
     (ROOT / args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    run_main(main)
