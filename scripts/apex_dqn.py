@@ -44,6 +44,7 @@ from common import (
     is_atari,
     linear_schedule,
     make_env,
+    on_interrupt,
     parse_args,
     prepare_run_dir,
     push_frames,
@@ -425,6 +426,8 @@ def main() -> int:
         Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}"),
         resume=args.resume, overwrite=args.overwrite)
     stop = StopFlag()
+    on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "
+                                       f"{resume_command(run_dir)}")  # on a second Ctrl-C
     start_ray(args)
     try:
         torch.manual_seed(args.seed)
