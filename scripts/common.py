@@ -90,13 +90,13 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's examples as written (the module docstrings are laid out)."""
 
 
-def _value_type(hint: Any) -> tuple[type, bool]:
-    """(the type a flag converts its value to, whether None is allowed) for a field's hint."""
+def _value_type(hint: Any) -> type:
+    """The type a flag converts its value to, for a field's type hint (``int | None``: int,
+    the field keeps its None default unless the flag is given)."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return hint, False
+        return next(a for a in args if a is not type(None))
+    return hint
 
 
 def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
         if f.default is MISSING:
             raise TypeError(f"{cls.__name__}.{f.name} needs a default to become a flag")
         flag, default = "--" + f.name.replace("_", "-"), f.default
-        kind, optional = _value_type(hints[f.name])
+        kind = _value_type(hints[f.name])
         shown = "none" if default is None else repr(default) if kind is str else default
         text = f"{docs.get(f.name, '')} (default: {shown})".strip()
         if kind is bool:
@@ -116,7 +116,7 @@ def build_parser(cls: type, description: str | None = None) -> argparse.Argument
                                 help=text.replace("%", "%%"))
             continue
         parser.add_argument(flag, type=kind, default=default, dest=f.name,
-                            metavar=kind.__name__.upper() + ("|none" if optional else ""),
+                            metavar=kind.__name__.upper(),
                             help=text.replace("%", "%%"))
     return parser
 
@@ -182,7 +182,7 @@ def _interrupted() -> int:
         cleanup, message = _on_interrupt.pop()
         try:
             cleanup()
-        except Exception as exc:  # noqa: BLE001 - report and go on with the others
+        except Exception as exc:  # report it and go on with the others
             print(f"interrupted; cleaning up failed: {exc}", file=sys.stderr)
         if message:
             print(message, file=sys.stderr)
@@ -231,12 +231,13 @@ class StopFlag:
         return bool(self.signals)
 
     def exit_status(self, resume: str | None = None) -> int:
-        """130 after a signal (printing `resume`, the way to continue), else 0."""
+        """128 + the signal's number after one (130 for Ctrl-C, 143 for SIGTERM), printing
+        `resume`, the way to continue; else 0."""
         if not self.signals:
             return 0
         print(f"interrupted; to continue: {resume}" if resume else "interrupted",
               file=sys.stderr, flush=True)
-        return INTERRUPTED
+        return 128 + self.signals[0]
 
 
 # -- environments and networks -----------------------------------------------------------------
@@ -248,7 +249,10 @@ def is_atari(env_id: str) -> bool:
     import gymnasium as gym
 
     gym.register_envs(ale_py)
-    return "ale_py" in str(gym.spec(env_id).entry_point)
+    try:
+        return "ale_py" in str(gym.spec(env_id).entry_point)
+    except gym.error.Error as exc:
+        raise UsageError(f"unknown environment id {env_id!r} ({exc})") from None
 
 
 def make_env(env_id: str, *, terminal_on_life_loss: bool = False, **ale_kwargs: Any) -> gym.Env:

@@ -379,9 +379,9 @@ def finish(run: Run, solved_at: int | None, interrupted: bool, started: tuple[fl
 
 def main() -> int:
     args = parse_args(Args, description=__doc__)
+    frame_stack = 4 if is_atari(args.env) else 1
     run_dir = prepare_run_dir(Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-"
                                    f"{args.seed}"), resume=args.resume, overwrite=args.overwrite)
-    frame_stack = 4 if is_atari(args.env) else 1
     stop = StopFlag()
     torch.manual_seed(args.seed)
     if args.torch_threads:

@@ -172,6 +172,13 @@ def test_train_dqn_resume_of_a_missing_run_is_one_line(in_process, tmp_path: Pat
     assert not (tmp_path / "none").exists()
 
 
+def test_an_unknown_env_id_is_one_line(in_process, tmp_path: Path) -> None:
+    outcome = in_process("train_dqn.py", "--env", "NoSuchGame-v0", "--run-dir",
+                         str(tmp_path / "run"))
+    assert_one_line(outcome, "unknown environment id 'NoSuchGame-v0'")
+    assert not (tmp_path / "run").exists()
+
+
 def test_apex_dqn_checks_the_run_dir_before_starting_ray(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     (tmp_path / "checkpoint.pt").write_bytes(b"a run")
