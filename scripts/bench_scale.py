@@ -68,7 +68,7 @@ class Args:
     cache_dir: str = str(CACHE_DIR)
     """where recorded frames are cached as .npz"""
     steady_malloc: bool = True
-    """pin glibc's mmap/trim thresholds, as bench.py does (see bench.steady_malloc)"""
+    """pin glibc's mmap/trim thresholds, as bench.py does (see benchlib.harness.steady_malloc)"""
 
 
 def fill(store: ReplayStore, rec: AleFrames, args: Args) -> dict[str, Any]:
