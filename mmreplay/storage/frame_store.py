@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,15 @@ def max_file_bytes(spec: StoreSpec) -> int:
     if spec.shard_chunks == 1:
         return max_chunk_bytes(spec)
     return max_shard_bytes(spec.shard_chunks, max_chunk_bytes(spec))
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The decoded-chunk cache now: its byte budget, bytes held and chunks held."""
+
+    budget_bytes: int
+    nbytes: int
+    chunks: int
 
 
 class ChunkCache:
@@ -200,6 +210,11 @@ class FrameStore:
 
     def _chunk_file(self, env: int, chunk: int) -> str:
         return f"{self._dir_str}/c.{env}.{chunk}{self._key_suffix}"
+
+    def cache_stats(self) -> CacheStats:
+        """Budget and fill of the decoded-chunk cache."""
+        return CacheStats(budget_bytes=self._cache.budget, nbytes=self._cache.nbytes,
+                          chunks=len(self._cache))
 
     def chunk_slots(self, chunk: int) -> int:
         """Real slots in `chunk`; the last chunk of the ring may be short."""
