@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import frame
 from PIL import Image
 
 from mmreplay import ReplayStore
@@ -38,10 +39,6 @@ class Recorded:
     first_id: tuple[int, ...]
 
 
-def frame(n: int) -> np.ndarray:
-    return np.full(OBS, n % 256, np.uint8)
-
-
 def record(path: Path, **kw: object) -> Recorded:
     """Five episodes, 45 frames into 40 slots: episode 0 is partly evicted.
 
@@ -54,11 +51,11 @@ def record(path: Path, **kw: object) -> Recorded:
     for e, (steps, end) in enumerate(EPISODES):
         firsts.append(n)
         ids.append(tid)
-        store.reset(frame(n))
+        store.reset(frame(n, OBS))
         for t in range(steps):
             n, tid = n + 1, tid + 1
             last = t == steps - 1
-            store.add(t % 3, e + 1.0, frame(n), last and end == "terminated",
+            store.add(t % 3, e + 1.0, frame(n, OBS), last and end == "terminated",
                       last and end == "truncated")
         n += 1
     store.close()
@@ -342,16 +339,16 @@ def test_commands_safe_while_a_writer_holds_the_store(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = record(tmp_path / "live").path
     with ReplayStore.open(path) as writer:  # holds the writer lock throughout
-        writer.reset(frame(1))
+        writer.reset(frame(1, OBS))
         for i in range(30):  # writes chunks past the committed generation
-            writer.add(0, 1.0, frame(i), False, False)
+            writer.add(0, 1.0, frame(i, OBS), False, False)
         assert run(capsys, "verify", path)[0] == 0
         writer.flush()
         code, out, _ = run(capsys, "info", path, "--json")
         assert code == 0 and json.loads(out)["counts"]["frames_written"] == 45 + 31
         assert run(capsys, "verify", path)[0] == 0
         assert run(capsys, "sample", path, "--seed", 0)[0] == 0
-        writer.add(0, 1.0, frame(0), False, False)  # still writable: no lock was taken
+        writer.add(0, 1.0, frame(0, OBS), False, False)  # still writable: no lock was taken
 
 
 # -- errors --------------------------------------------------------------------------------
