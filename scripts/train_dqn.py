@@ -67,6 +67,7 @@ from common import (
 from tqdm import tqdm
 
 from mmreplay import ReplayStore
+from mmreplay.lifecycle import untrack
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the Agg backend)
@@ -204,6 +205,12 @@ class Run:
         default_factory=lambda: {"step": [], "return": [], "length": []})
     global_step: int = 0
     saved_at: int = -1
+
+    def __post_init__(self) -> None:
+        # The store commits only together with a checkpoint (two-phase, `save_checkpoint`):
+        # an exit flush of steps past the last checkpoint would leave a store no checkpoint
+        # matches, so this run, not the library's exit hook, decides when the store commits.
+        untrack(self.store)
 
     def checkpoint(self) -> None:
         self.saved_at = self.global_step
