@@ -7,6 +7,7 @@
     mmreplay plot PATH [--out F]             histograms (priorities, rewards, episodes)
     mmreplay verify PATH                     every checksum and invariant; exit 1 if damaged
     mmreplay sample PATH [--batch-size B] [--seed S]
+    mmreplay view PATH [--port N] [--host 127.0.0.1]   a local web viewer (read-only)
     mmreplay import-dopamine DIR STORE [--checkpoints 0-3]   Dopamine replay logs -> store
     mmreplay export-minari STORE DATASET_ID                  store -> Minari dataset
     mmreplay import-minari DATASET_ID STORE                  Minari dataset -> store
@@ -68,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "written).")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample):
+    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample,
+                _add_view):
         add(sub)
     add_dataset_commands(sub, positive_int=_positive_int)
     return parser
@@ -371,6 +373,31 @@ def cmd_sample(args: argparse.Namespace) -> int:
         fields = ins.sample_summary(store, args.batch_size, seed=args.seed, beta=args.beta)
     rows = [[f.name, str(f.shape), f.dtype, f"{f.min:.6g}", f"{f.max:.6g}"] for f in fields]
     print(_table(("field", "shape", "dtype", "min", "max"), rows))
+    return 0
+
+
+# -- view ---------------------------------------------------------------------------------
+def _add_view(sub: Any) -> None:
+    cmd = _command(sub, "view", "a local web viewer of the store (read-only; follows a "
+                   "store being written)", cmd_view)
+    cmd.add_argument("--port", type=int, default=8765,
+                     help="port (default 8765; 0 picks a free one)")
+    cmd.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default 127.0.0.1: this machine only)")
+    cmd.add_argument("--log", action="store_true", help="log each request on stderr")
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from mmreplay.tools.view import make_server
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    server = make_server(args.path, host=args.host, port=args.port, log=args.log)
+    print(f"serving {args.path} at {server.url} (read-only; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
     return 0
 
 
