@@ -331,3 +331,16 @@ def test_view_command_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
                          timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert out.stderr.startswith("mmreplay: error:")
+
+
+def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "viewer.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_viewer.py"),
+                           "--frames", "2000", "--envs", "2", "--no-browser", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert figures["frames_kept"] == 2000 and figures["episodes"] >= 2
+    assert set(figures["http"]) >= {"status", "episodes page (sorted by return)", "frame png"}
+    assert all(v["cold_ms"] > 0 and v["warm_ms"] > 0 for v in figures["http"].values())
