@@ -56,6 +56,7 @@ class StoreData:
         self._store: ReplayStore | None = None
         self.follow_error: str | None = None
         self._failed: int | None = None  # the newest generation that could not be opened
+        self._closed = False
         self._new_caches()
 
     def _new_caches(self) -> None:
@@ -67,6 +68,8 @@ class StoreData:
     def store(self) -> ReplayStore:
         """The open store at the newest committed generation it could open."""
         with self._lock:
+            if self._closed:
+                raise InvalidInputError("the viewer's store was closed")
             on_disk = ins.committed_generation(self.path)
             if self._store is None:
                 self._open()
@@ -94,6 +97,7 @@ class StoreData:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._store is not None:
                 self._store.close()
                 self._store = None
@@ -115,7 +119,7 @@ class StoreData:
                 if first[0]["first_id"] is not None:
                     self.stack_png(first[0]["first_id"], "obs")
         except (MmreplayError, OSError, ValueError):
-            return
+            return  # includes a store closed meanwhile
 
     # -- overview and status ----------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,15 +80,20 @@ class ViewerServer(ThreadingHTTPServer):
 
 def make_server(path: str | Path, *, host: str = "127.0.0.1", port: int = 0,
                 log: bool = False) -> ViewerServer:
-    """A server for the store at `path` (opened now: a bad store raises here)."""
+    """A server for the store at `path` (opened now: a bad store raises here).
+
+    A background thread then builds the episode table and draws a first frame
+    (`StoreData.warm`), so the first page opened finds them ready.
+    """
     data = StoreData(path)
     data.store()
     try:
-        data.warm()
-        return ViewerServer(data, host, port, log=log)
+        server = ViewerServer(data, host, port, log=log)
     except BaseException:
         data.close()
         raise
+    threading.Thread(target=data.warm, name="mmreplay-view-warm", daemon=True).start()
+    return server
 
 
 # -- routes ----------------------------------------------------------------------------------
