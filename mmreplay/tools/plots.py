@@ -13,6 +13,7 @@ backend, no global state).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ def _panels(store: ReplayStore, bins: int) -> tuple[list[Panel], tuple[str, ...]
                          ("episode length (complete episodes)", dist.episode_lengths),
                          ("episode return (complete episodes)", dist.episode_returns)):
         candidates.append((name, f"{name}, n={values.size}", values.size > 0,
-                           lambda ax, v=values: _hist(ax, v, bins)))
+                           functools.partial(_hist, data=values, bins=bins)))
     panels = [Panel(title, draw) for _, title, has, draw in candidates if has]
     return panels, tuple(name for name, _, has, _ in candidates if not has)
 

@@ -14,11 +14,14 @@ generation, like ``mmreplay episodes``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mmreplay.errors import InvalidInputError, InvalidStoreError, MmreplayError, UnknownIdError
 from mmreplay.store import ReplayStore
@@ -182,8 +185,7 @@ class StoreData:
 
             def make() -> bytes:
                 view = ins.transition(store, tid)
-                stack = view.obs if which == "obs" else view.next_obs
-                return render.png_bytes(ins.tile(ins.as_images(stack), cols=len(stack)))
+                return _stack_png(view.obs if which == "obs" else view.next_obs)
 
             return self._png.get((which, tid), make)
 
@@ -198,9 +200,8 @@ class StoreData:
             batch = ins.draw_batch(store, batch_size, seed=seed, beta=beta)
             if ins.is_image_shape(store.spec.obs_shape):
                 for i, tid in enumerate(batch.ids.tolist()):  # the PNGs the page asks next
-                    stack = batch.obs[i].numpy()
-                    self._png.get(("obs", tid), lambda s=stack: render.png_bytes(
-                        ins.tile(ins.as_images(s), cols=len(s))))
+                    self._png.get(("obs", tid), functools.partial(_stack_png,
+                                                                  batch.obs[i].numpy()))
             return {**out, "batch": tables.batch_json(batch, out["next_id"])}
 
     @staticmethod
@@ -218,3 +219,8 @@ def _known(read: Callable[[ReplayStore, int], Any], store: ReplayStore, episode:
         return read(store, episode)
     except InvalidInputError as exc:
         raise UnknownIdError(str(exc)) from None
+
+
+def _stack_png(stack: np.ndarray) -> bytes:
+    """A stacked state ``(frame_stack, *obs_shape)`` as one PNG, oldest frame left."""
+    return render.png_bytes(ins.tile(ins.as_images(stack), cols=len(stack)))

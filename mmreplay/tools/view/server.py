@@ -71,7 +71,8 @@ class ViewerServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}/"
+        name = host.decode() if isinstance(host, bytes) else host
+        return f"http://{name}:{port}/"
 
     def server_close(self) -> None:
         super().server_close()
