@@ -210,6 +210,25 @@ def test_error_panel_for_a_missing_episode(browser: Any, numbered: Path) -> None
         assert not browser.find_element("id", "error").is_displayed()
 
 
+def test_vector_store_views_have_no_frames_and_no_errors(browser: Any, tmp_path: Path) -> None:
+    path = tmp_path / "vec"
+    with ReplayStore.create(path, capacity=64, obs_shape=(4,), obs_dtype=np.float32,
+                            extras={"value": ((2,), np.float32)}) as store:
+        store.reset(np.zeros(4, np.float32))
+        for t in range(12):
+            store.add(t % 2, 0.5, np.full(4, t, np.float32), t == 11, False,
+                      extras={"value": np.array([t, -t], np.float32)})
+    with serving(path) as server:
+        for view, fragment in VIEWS[:2] + (("episode", "#/episode/0?t=3"), VIEWS[3]):
+            open_view(browser, server.url + fragment, view)
+            time.sleep(0.2)
+            assert console_errors(browser) == [], view
+        open_view(browser, server.url + "#/episode/0?t=3", "episode")
+        text = browser.find_element("id", "player").text
+        assert "not images" in text and "value" in text  # the extra, as its mean
+        assert browser.find_elements("id", "frame") == []
+
+
 @pytest.mark.parametrize("target", [
     "/static/../../etc/passwd", "/static/%2e%2e/%2e%2e/etc/passwd", "/%2e%2e/%2e%2e/etc/passwd",
     "/static/..%2f..%2fetc%2fpasswd", "/../../etc/passwd", "/static//etc/passwd",

@@ -228,6 +228,7 @@ def sampling_json(store: ReplayStore) -> dict[str, Any]:
     view = ins.sampling_view(store)
     n = view.ids.size
     out: dict[str, Any] = {"sampler": view.sampler, "sampleable": int(n),
+                           "images": ins.is_image_shape(store.spec.obs_shape),
                            "next_id": view.next_id,
                            "effective_sample_size": view.effective_sample_size}
     if n == 0:

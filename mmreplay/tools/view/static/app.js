@@ -233,6 +233,8 @@ async function episodesView(main) {
 }
 
 // -- episode player ----------------------------------------------------------------------
+// One episode: the frame at the scrubber, the step taken from it, its stacked and n-step
+// states, and a timeline of the episode's columns. `p.t` is the frame shown.
 async function playerView(main, episode, t0) {
   if (episode === null) {
     const page = await api("/api/episodes?limit=1");
@@ -240,25 +242,66 @@ async function playerView(main, episode, t0) {
     episode = page.rows[0].episode;
   }
   const ep = await api(`/api/episode/${episode}`);
-  const n = ep.frames;
-  const p = { t: Math.min(Math.max(t0, 0), n - 1), timer: null, fps: 15 };
-  const frame = el("img", { class: "frame", id: "frame", alt: "frame" });
-  const scrub = el("input", { id: "scrub", type: "range", min: "0", max: String(n - 1), value: "0" });
-  const playBtn = el("button", { id: "play", type: "button", text: "▶ play" });
-  const label = el("span", { id: "tlabel", class: "dim" });
-  const fields = el("div");
-  const stacks = el("div", { id: "stacks" });
-  const timeline = el("canvas", { id: "timeline" });
-  const toggles = el("div", { class: "toggles" });
+  const p = { ep, episode, n: ep.frames, t: 0, timer: null, fps: 15, shown: seriesShown(ep) };
+  const ui = playerLayout(main, p);
+  const set = (t) => {
+    p.t = Math.min(Math.max(t, 0), p.n - 1);
+    ui.scrub.value = String(p.t);
+    ui.label.textContent = `t = ${p.t} / ${p.n - 1}`;
+    if (ep.images) {
+      ui.frame.dataset.want = String(p.t);
+      ui.frame.src = `/api/episode/${episode}/frame/${p.t}.png`;
+    }
+    history.replaceState(null, "", `#/episode/${episode}?t=${p.t}`);
+    stepFields(ui.fields, ep, p.t);
+    stackImages(ui.stacks, ep, p.t);
+    drawTimeline(ui.timeline, p, set);
+  };
+  const play = () => {
+    ui.playBtn.textContent = "❚❚ pause";
+    p.timer = setInterval(() => {
+      if (ep.images && !ui.frame.complete) return; // keep frames and fields in step
+      if (p.t >= p.n - 1) { stop(); return; }
+      set(p.t + 1);
+    }, 1000 / p.fps);
+  };
+  const stop = () => { clearInterval(p.timer); p.timer = null; ui.playBtn.textContent = "▶ play"; };
+  const toggle = () => (p.timer ? stop() : play());
+  ui.frame.addEventListener("load", () => { ui.frame.dataset.t = ui.frame.dataset.want; });
+  ui.frame.addEventListener("error", () => showError(`frame ${ui.frame.dataset.want} failed to load`));
+  ui.playBtn.addEventListener("click", toggle);
+  ui.scrub.addEventListener("input", () => set(Number(ui.scrub.value)));
+  ui.fps.addEventListener("change", (ev) => { p.fps = Number(ev.target.value);
+    if (p.timer) { stop(); play(); } });
+  ui.toggles.addEventListener("change", (ev) => {
+    p.shown[ev.target.dataset.series] = ev.target.checked; drawTimeline(ui.timeline, p, set); });
+  const keys = playerKeys(p, set, toggle);
+  document.addEventListener("keydown", keys);
+  set(t0);
+  return { leave: () => { stop(); document.removeEventListener("keydown", keys); }, seek: set };
+}
+
+function seriesShown(ep) {
   const shown = { reward: true, action: true, priority: ep.priority.some((v) => v !== null),
     done: true };
   Object.keys(ep.extras).forEach((k) => { shown[`extra:${k}`] = true; });
-  Object.keys(shown).forEach((k) => toggles.append(el("label", {}, el("input", {
-    type: "checkbox", "data-series": k, ...(shown[k] ? { checked: "" } : {}),
-    onchange: (ev) => { shown[k] = ev.target.checked; draw(); } }), ` ${k}`)));
-  const fpsSel = el("select", { id: "fps", onchange: (ev) => { p.fps = Number(ev.target.value);
-    if (p.timer) { stop(); play(); } } }, ...[5, 15, 30, 60].map((f) => el("option", {
-    value: String(f), text: `${f} fps`, ...(f === 15 ? { selected: "" } : {}) })));
+  return shown;
+}
+
+function playerLayout(main, p) {
+  const { ep, episode, n } = p;
+  const ui = {
+    frame: el("img", { class: "frame", id: "frame", alt: "frame" }),
+    scrub: el("input", { id: "scrub", type: "range", min: "0", max: String(n - 1), value: "0" }),
+    playBtn: el("button", { id: "play", type: "button", text: "▶ play" }),
+    label: el("span", { id: "tlabel", class: "dim" }), fields: el("div"),
+    stacks: el("div", { id: "stacks" }), timeline: el("canvas", { id: "timeline" }),
+    toggles: el("div", { class: "toggles" }),
+    fps: el("select", { id: "fps" }, ...[5, 15, 30, 60].map((f) => el("option", {
+      value: String(f), text: `${f} fps`, ...(f === 15 ? { selected: "" } : {}) }))),
+  };
+  Object.keys(p.shown).forEach((k) => ui.toggles.append(el("label", {}, el("input", {
+    type: "checkbox", "data-series": k, ...(p.shown[k] ? { checked: "" } : {}) }), ` ${k}`)));
   const gif = el("a", { id: "gif", href: `/api/episode/${episode}.gif?fps=15&scale=2`,
     download: `episode_${episode}.gif`, text: "export GIF" });
   const status = ep.terminated.some(Boolean) ? "terminated" : ep.truncated.some(Boolean)
@@ -267,96 +310,74 @@ async function playerView(main, episode, t0) {
     el("span", { class: "dim", text: ` · env ${ep.env} · ${n} kept frames · ${status} · ` +
       `stack ${ep.frame_stack} · n-step ${ep.n_step} · ` }), gif),
   el("div", { class: "player", id: "player" },
-    el("div", {}, ep.images ? frame : el("p", { class: "dim", text:
+    el("div", {}, ep.images ? ui.frame : el("p", { class: "dim", text:
       "Observations are not images: no frames to draw." }),
-    el("div", { class: "controls" }, playBtn, fpsSel, label), scrub,
+    el("div", { class: "controls" }, ui.playBtn, ui.fps, ui.label), ui.scrub,
     el("p", { class: "dim", text: "space: play/pause · ←/→: step · shift: ×10 · home/end" })),
-    el("div", {}, card("step", fields), card("stacked state → n-step next state", stacks))),
-  el("h3", { text: "timeline" }), toggles, timeline);
+    el("div", {}, card("step", ui.fields), card("stacked state → n-step next state", ui.stacks))),
+  el("h3", { text: "timeline" }), ui.toggles, ui.timeline);
+  return ui;
+}
 
-  function draw() {
-    const x = ep.pos;
-    const series = [];
-    if (shown.reward) series.push({ name: "reward", color: "#7bd88f", y: ep.reward, bars: true });
-    if (shown.action) series.push({ name: "action", color: "#5aa9ff",
-      y: ep.action.map((a) => (Array.isArray(a) ? a[0] : a)) });
-    if (shown.priority) series.push({ name: "priority", color: "#ffb454", y: ep.priority });
-    if (shown.done) series.push({ name: "terminated/truncated", color: "#ff6b6b", bars: true,
-      y: ep.terminated.map((v, i) => (v ? 1 : ep.truncated[i] ? 0.5 : 0)) });
-    Object.entries(ep.extras).forEach(([k, e]) => {
-      if (shown[`extra:${k}`]) series.push({ name: `${k}${e.summary === "mean" ? " (mean)" : ""}`,
-        color: "#c792ea", y: e.values });
-    });
-    if (!series.length) { setupCanvas(timeline, 40); return; }
-    const plot = plotXY(timeline, x, series, { height: 40 + 46 * series.length,
-      title: "episode position", cursor: ep.pos[p.t] });
-    timeline.onclick = (ev) => {
-      const pos = Math.round(plot.xOf(ev.offsetX));
-      const i = ep.pos.findIndex((v) => v >= pos);
-      set(i < 0 ? n - 1 : i);
-    };
-  }
+function drawTimeline(canvas, p, seek) {
+  const { ep, shown } = p;
+  const series = [];
+  if (shown.reward) series.push({ name: "reward", color: "#7bd88f", y: ep.reward, bars: true });
+  if (shown.action) series.push({ name: "action", color: "#5aa9ff",
+    y: ep.action.map((a) => (Array.isArray(a) ? a[0] : a)) });
+  if (shown.priority) series.push({ name: "priority", color: "#ffb454", y: ep.priority });
+  if (shown.done) series.push({ name: "terminated/truncated", color: "#ff6b6b", bars: true,
+    y: ep.terminated.map((v, i) => (v ? 1 : ep.truncated[i] ? 0.5 : 0)) });
+  Object.entries(ep.extras).forEach(([k, e]) => {
+    if (shown[`extra:${k}`]) series.push({ name: `${k}${e.summary === "mean" ? " (mean)" : ""}`,
+      color: "#c792ea", y: e.values });
+  });
+  if (!series.length) { setupCanvas(canvas, 40); return; }
+  const plot = plotXY(canvas, ep.pos, series, { height: 40 + 46 * series.length,
+    title: "episode position", cursor: ep.pos[p.t] });
+  canvas.onclick = (ev) => {
+    const pos = Math.round(plot.xOf(ev.offsetX));
+    const i = ep.pos.findIndex((v) => v >= pos);
+    seek(i < 0 ? p.n - 1 : i);
+  };
+}
 
-  function showFields() {
-    const t = p.t, id = ep.ids[t];
-    const extras = Object.entries(ep.extras).map(([k, e]) => [k, e.values[t]]);
-    fields.replaceChildren(kvTable([["frame", `${t} of ${n} (position ${ep.pos[t]})`],
-      ["transition id", id < 0 ? "none (no step from this frame)" : id],
-      ["action", id < 0 ? null : ep.action[t]], ["reward", id < 0 ? null : ep.reward[t]],
-      ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
-      ["priority", ep.priority[t]], ["sampleable", ep.sampleable[t]], ...extras]));
-    if (!ep.images) return;
-    if (id < 0 || !ep.sampleable[t]) {
-      stacks.replaceChildren(el("p", { class: "dim", text: id < 0 ? "No transition starts here."
-        : "Not sampleable (too close to the ring's oldest frame or the writer's cursor)." }));
-      return;
-    }
-    stacks.replaceChildren(el("div", { class: "dim", text: "obs (oldest … newest)" }),
-      el("img", { class: "stack", id: "obs-stack", alt: "stacked state",
-        src: `/api/transition/${id}/obs.png` }),
-      el("div", { class: "dim", text: `next obs (${ep.n_step} step${ep.n_step > 1 ? "s" : ""} on)` }),
-      el("img", { class: "stack", id: "next-stack", alt: "next state",
-        src: `/api/transition/${id}/next.png` }));
-  }
+function stepFields(box, ep, t) {
+  const id = ep.ids[t];
+  const extras = Object.entries(ep.extras).map(([k, e]) => [k, e.values[t]]);
+  box.replaceChildren(kvTable([["frame", `${t} of ${ep.frames} (position ${ep.pos[t]})`],
+    ["transition id", id < 0 ? "none (no step from this frame)" : id],
+    ["action", id < 0 ? null : ep.action[t]], ["reward", id < 0 ? null : ep.reward[t]],
+    ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
+    ["priority", ep.priority[t]], ["sampleable", ep.sampleable[t]], ...extras]));
+}
 
-  function set(t) {
-    p.t = Math.min(Math.max(t, 0), n - 1);
-    scrub.value = String(p.t);
-    label.textContent = `t = ${p.t} / ${n - 1}`;
-    if (ep.images) {
-      frame.dataset.want = String(p.t);
-      frame.src = `/api/episode/${episode}/frame/${p.t}.png`;
-    }
-    history.replaceState(null, "", `#/episode/${episode}?t=${p.t}`);
-    showFields();
-    draw();
+function stackImages(box, ep, t) {
+  if (!ep.images) return;
+  const id = ep.ids[t];
+  if (id < 0 || !ep.sampleable[t]) {
+    box.replaceChildren(el("p", { class: "dim", text: id < 0 ? "No transition starts here."
+      : "Not sampleable (too close to the ring's oldest frame or the writer's cursor)." }));
+    return;
   }
-  frame.addEventListener("load", () => { frame.dataset.t = frame.dataset.want; });
-  frame.addEventListener("error", () => showError(`frame ${frame.dataset.want} failed to load`));
+  box.replaceChildren(el("div", { class: "dim", text: "obs (oldest … newest)" }),
+    el("img", { class: "stack", id: "obs-stack", alt: "stacked state",
+      src: `/api/transition/${id}/obs.png` }),
+    el("div", { class: "dim", text: `next obs (${ep.n_step} step${ep.n_step > 1 ? "s" : ""} on)` }),
+    el("img", { class: "stack", id: "next-stack", alt: "next state",
+      src: `/api/transition/${id}/next.png` }));
+}
 
-  function play() {
-    playBtn.textContent = "❚❚ pause";
-    p.timer = setInterval(() => {
-      if (ep.images && !frame.complete) return; // keep frames and fields in step
-      if (p.t >= n - 1) { stop(); return; }
-      set(p.t + 1);
-    }, 1000 / p.fps);
-  }
-  function stop() { clearInterval(p.timer); p.timer = null; playBtn.textContent = "▶ play"; }
-  playBtn.addEventListener("click", () => (p.timer ? stop() : play()));
-  scrub.addEventListener("input", () => set(Number(scrub.value)));
-  const keys = (ev) => {
+function playerKeys(p, set, toggle) {
+  return (ev) => {
     if (ev.target instanceof HTMLInputElement && ev.target.type !== "range") return;
     const step = ev.shiftKey ? 10 : 1;
-    if (ev.key === " ") { ev.preventDefault(); if (p.timer) stop(); else play(); }
+    if (ev.key === " ") { ev.preventDefault(); toggle(); }
     else if (ev.key === "ArrowRight") { ev.preventDefault(); set(p.t + step); }
     else if (ev.key === "ArrowLeft") { ev.preventDefault(); set(p.t - step); }
     else if (ev.key === "Home") set(0);
-    else if (ev.key === "End") set(n - 1);
+    else if (ev.key === "End") set(p.n - 1);
   };
-  document.addEventListener("keydown", keys);
-  set(p.t);
-  return { leave: () => { stop(); document.removeEventListener("keydown", keys); }, seek: set };
 }
 
 // -- sampling ----------------------------------------------------------------------------
@@ -394,7 +415,8 @@ async function samplingView(main) {
     histogram(ages, s.ages.edges, s.ages.probability, { title: "age (0 = newest)" });
     const b = s.batch;
     grid.replaceChildren(...b.ids.map((id, i) => el("div", { class: "item", "data-id": id },
-      el("img", { src: `/api/transition/${id}/obs.png`, alt: `transition ${id}` }),
+      s.images ? el("img", { src: `/api/transition/${id}/obs.png`, alt: `transition ${id}` })
+        : null,
       el("div", { text: `id ${id} · age ${b.age[i]} · IS weight ${fmt(b.weights[i], 3)}` }),
       el("div", { class: "dim", text: `action ${fmt(b.action[i])} · reward ${fmt(b.reward[i])}` +
         ` · discount ${fmt(b.discount[i], 3)}${b.terminated[i] ? " · terminated" : ""}` +
