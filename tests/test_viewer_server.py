@@ -203,6 +203,29 @@ def test_errors_are_json_with_a_status(server: Any, target: str, status: int,
     assert says in get_json(server, target, status)["error"]
 
 
+@pytest.mark.parametrize(("host", "status"), [
+    ("evil.example", 403), ("evil.example:{port}", 403), ("127.0.0.1:1", 403), ("", 403),
+    ("127.0.0.1:{port}", 200), ("localhost:{port}", 200), ("LOCALHOST:{port}", 200)])
+def test_only_this_machine_s_names_are_answered(server: Any, host: str, status: int) -> None:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    try:
+        conn.putrequest("GET", "/api/status", skip_host=True)
+        if host:
+            conn.putheader("Host", host.format(port=server.server_address[1]))
+        conn.endheaders()
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    assert response.status == status, body[:200]
+    assert (b"generation" in body) == (status == 200)
+
+
+def test_too_many_query_parameters_is_a_bad_request(server: Any) -> None:
+    target = "/api/episodes?" + "&".join(f"k{i}=1" for i in range(40))
+    assert "at most 32" in get_json(server, target, 400)["error"]
+
+
 def test_methods_and_static(server: Any) -> None:
     code, kind, body = get(server, "/")
     assert code == 200 and kind.startswith("text/html") and b"/static/app.js" in body

@@ -17,8 +17,9 @@ Routes, all GET (HEAD too); nothing else is served::
 
 No part of a URL becomes a file path: static files are read once, from the package, into a
 dict keyed by name, and every other route is a pattern over integers. Errors are JSON
-``{"error": ...}`` with 400 (bad request), 404 (unknown route, id or episode) or 500 (the
-store could not be read), which the page shows in its error panel.
+``{"error": ...}`` with 400 (bad request), 404 (unknown route, id or episode), 403 (a Host
+header that does not name this machine, on a loopback address) or 500 (the store could not
+be read), which the page shows in its error panel.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
          ".svg": "image/svg+xml"}
 CSP = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'"
 Reply = tuple[int, str, bytes]
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def load_static() -> dict[str, tuple[str, bytes]]:
@@ -67,6 +69,16 @@ class ViewerServer(ThreadingHTTPServer):
                  log: bool = False) -> None:
         self.data, self.static, self.log = data, load_static(), log
         super().__init__((host, port), Handler)
+
+    def host_allowed(self, host: str) -> bool:
+        """On a loopback address, only requests naming this machine (``Host: 127.0.0.1:N``,
+        ``localhost:N``): a web page whose name a DNS trick pointed here cannot read the
+        store. A server bound elsewhere (``--host``) answers any name."""
+        bound, port = str(self.server_address[0]), self.server_address[1]
+        if bound not in LOOPBACK:
+            return True
+        return host.lower() in {f"{name}:{port}" for name in ("127.0.0.1", "localhost",
+                                                               "[::1]", bound)}
 
     @property
     def url(self) -> str:
@@ -157,10 +169,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def _reply(self) -> Reply:
         parts = urlsplit(self.path)
+        if not self.server.host_allowed(self.headers.get("Host", "")):
+            return _error(HTTPStatus.FORBIDDEN, "this server answers only to the address it "
+                                                "printed (Host header refused)")
         try:
             if not parts.path.startswith("/api/"):
                 return self._static(parts.path)
-            query = dict(parse_qsl(parts.query, max_num_fields=32))
+            query = _query(parts.query)
             for pattern, handle in ROUTES:
                 match = pattern.fullmatch(parts.path)
                 if match:
@@ -195,6 +210,13 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (base signature)
         if self.server.log:
             sys.stderr.write(f"{self.address_string()} {format % args}\n")
+
+
+def _query(text: str) -> dict[str, str]:
+    try:
+        return dict(parse_qsl(text, max_num_fields=32))
+    except ValueError:
+        raise InvalidInputError("at most 32 query parameters") from None
 
 
 def _error(status: int, message: str) -> Reply:
