@@ -315,6 +315,10 @@ def test_store_data_caches_per_generation(tmp_path: Path) -> None:
         assert data.episodes({}) == first
         png = data.frame_png(0, 1)
         assert data.frame_png(0, 1) is png  # cached
+        table = data.cached("table", lambda s: None)
+        for i in range(300):  # more per-item entries than any cache holds
+            data.cached(("episode-like", i), lambda s, i=i: i, item=True)
+        assert data.cached("table", lambda s: None) is table  # items never evict the table
         record_episodes(writer, [2], first_frame=10)
         writer.flush()
         assert data.episodes({})["total"] == 2 and data.frame_png(0, 1) is not png

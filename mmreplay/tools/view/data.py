@@ -63,7 +63,8 @@ class StoreData:
         self._new_caches()
 
     def _new_caches(self) -> None:
-        self._derived = LRU(64)  # tables, sort orders, overview, sampling view
+        self._derived = LRU(16)  # the episode table, series, overview, sampling view
+        self._items = LRU(256)  # episodes' steps, transitions' fields
         self._frames = LRU(EPISODE_CACHE)
         self._png = LRU(PNG_CACHE)
 
@@ -105,11 +106,13 @@ class StoreData:
                 self._store.close()
                 self._store = None
 
-    def cached(self, key: Any, make: Callable[[ReplayStore], Any]) -> Any:
-        """`make(store)` once per generation (and per `key`)."""
+    def cached(self, key: Any, make: Callable[[ReplayStore], Any], *,
+               item: bool = False) -> Any:
+        """`make(store)` once per generation (and per `key`). Per-episode or per-id results
+        (`item`) have a cache of their own, so browsing many never evicts the tables."""
         with self._lock:
             store = self.store()
-            return self._derived.get(key, lambda: make(store))
+            return (self._items if item else self._derived).get(key, lambda: make(store))
 
     def warm(self) -> None:
         """Draw one frame and one stacked state now, so that the first page a user opens
@@ -149,7 +152,7 @@ class StoreData:
     def episode(self, episode: int) -> dict[str, Any]:
         return self.cached(("episode", episode),
                            lambda s: tables.episode_json(s, _known(ins.episode_steps, s,
-                                                                   episode)))
+                                                                   episode)), item=True)
 
     def frame_png(self, episode: int, t: int) -> bytes:
         with self._lock:
@@ -176,7 +179,7 @@ class StoreData:
     # -- transitions and sampling ---------------------------------------------------------
     def transition(self, tid: int) -> dict[str, Any]:
         return self.cached(("transition", tid),
-                           lambda s: tables.transition_json(ins.transition(s, tid)))
+                           lambda s: tables.transition_json(ins.transition(s, tid)), item=True)
 
     def stack_png(self, tid: int, which: str) -> bytes:
         with self._lock:
