@@ -49,3 +49,15 @@ class UnknownIdError(MmreplayError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message with quotes
         return str(self.args[0]) if self.args else ""
+
+
+class RateLimitTimeoutError(MmreplayError, TimeoutError):
+    """A rate limiter kept an insert or a sample waiting longer than its timeout.
+
+    Nothing was inserted or sampled; the message says which side waited, for how long,
+    and where the samples-per-insert error stood against its buffer.
+    """
+
+
+class RateLimiterClosedError(MmreplayError, RuntimeError):
+    """An insert or sample waited on (or asked) a rate limiter that was shut down."""

@@ -40,6 +40,7 @@ from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, make_sampler
 from mmreplay.index.sequences import SequenceKey, sequence_priority
 from mmreplay.prefetch import BatchPrefetcher
+from mmreplay.rate_limit import RateLimiter, steps_in_call
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
@@ -60,6 +61,7 @@ from mmreplay.torch_batch import Batch, SequenceBatch, make_batch, make_sequence
 READER_RETRIES = 5
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _locked(method: F) -> F:
@@ -112,6 +114,7 @@ class ReplayStore:
         self._lock = threading.RLock()
         self._manifest_key: tuple[int, int, int] | None = None
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
+        self._limiter: RateLimiter | None = None
         self._closed = False
 
     @classmethod
@@ -120,11 +123,12 @@ class ReplayStore:
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
-               **options: Any) -> ReplayStore:
+               rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        `rate_limiter`: see `set_rate_limiter`.
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -140,18 +144,19 @@ class ReplayStore:
                     lock_fd=take_lock(root))
         store._rng = np.random.default_rng(seed)
         store._commits.open_readers()
+        store.set_rate_limiter(rate_limiter)
         store.flush()
         return store
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int | None = None,
-             max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
+             rate_limiter: RateLimiter | None = None) -> ReplayStore:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
-        Any problem raises `InvalidStoreError`.
+        Any problem raises `InvalidStoreError`. `rate_limiter`: see `set_rate_limiter`.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
@@ -163,12 +168,14 @@ class ReplayStore:
                                     max_ram_bytes=max_ram_bytes)
         lock_fd = take_lock(root)
         try:
-            return cls._open_checked(root, writable=True, durable=durable,
-                                     cache_bytes=cache_bytes, lock_fd=lock_fd,
-                                     max_ram_bytes=max_ram_bytes)
+            store = cls._open_checked(root, writable=True, durable=durable,
+                                      cache_bytes=cache_bytes, lock_fd=lock_fd,
+                                      max_ram_bytes=max_ram_bytes)
         except BaseException:
             os.close(lock_fd)
             raise
+        store.set_rate_limiter(rate_limiter)
+        return store
 
     @classmethod
     def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int | None,
@@ -239,13 +246,30 @@ class ReplayStore:
         slots = self._ring.begin_episodes(envs)
         self._frames.append(envs, slots, frames)
 
-    @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any = None, env_ids: Any = None, *, extras: Any = None) -> None:
         """Record one step of every env, or of the listed `env_ids` (each at most once;
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
-        exactly the declared ones) belong to this step, like `action`."""
+        exactly the declared ones) belong to this step, like `action`. With a rate
+        limiter, waits first until the learners let these steps in."""
+        limiter = self._limiter
+        if limiter is None:
+            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
+                             env_ids, extras)
+        count = self.spec.num_envs if env_ids is None else int(np.size(env_ids))
+        steps = steps_in_call(count, autoreset)
+        limiter.await_insert(steps)
+        try:
+            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
+                             env_ids, extras)
+        except BaseException:
+            limiter.cancel_insert(steps)
+            raise
+
+    @_locked
+    def _add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
+             autoreset: Any, env_ids: Any, extras: Any) -> None:
         self._check_writable("add")
         if self._scalar_step is not None and autoreset is None and env_ids is None \
                 and extras is None and not self.spec.extras and self._ring.running[0]:
@@ -285,14 +309,56 @@ class ReplayStore:
         self._frames.append(envs[step], slots, frames[step])
         self._frames.append(envs[again], self._ring.begin_episodes(envs[again]), frames[again])
 
+    # -- rate limiting ------------------------------------------------------------
+    def set_rate_limiter(self, limiter: RateLimiter | None) -> None:
+        """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`,
+        `batches`, `sample_sequences` on its samples; None removes it.
+
+        The limiter takes the counters this store committed (so a resumed run keeps its
+        ratio) and counts this store's steps as inserts; every flush commits its counters
+        (``mmreplay info`` shows them). Only a writable store takes one, and `close`
+        closes it (waiters wake with `RateLimiterClosedError`).
+        """
+        if limiter is not None:
+            self._check_writable("set_rate_limiter")
+            if limiter.min_size_to_sample > self.spec.capacity:
+                raise InvalidInputError(
+                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
+                    f"capacity {self.spec.capacity}: samples would wait forever")
+            with self._lock:
+                limiter.attach(self._commits.committed.get("rate_limiter"),
+                               inserts=self._ring.next_id)
+        self._limiter = limiter
+
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        """The rate limiter in use, if any (see `set_rate_limiter`)."""
+        return self._limiter
+
     # -- reading ------------------------------------------------------------------
-    @_locked
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
+        With a rate limiter, waits first until the writers let `batch_size` samples out.
         """
+        return self._admitted(_items(batch_size), self._sample, batch_size, beta)
+
+    def _admitted(self, samples: int, draw: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`draw(...)` once the rate limiter (if any) lets `samples` samples out."""
+        limiter = self._limiter
+        if limiter is None:
+            return draw(*args, **kwargs)
+        limiter.await_sample(samples)
+        try:
+            return draw(*args, **kwargs)
+        except BaseException:
+            limiter.cancel_sample(samples)
+            raise
+
+    @_locked
+    def _sample(self, batch_size: int, beta: float) -> Batch:
         size = validate.batch_size(batch_size)
         beta = validate.beta(beta)
         for _ in range(READER_RETRIES):
@@ -356,7 +422,6 @@ class ReplayStore:
                                  "while they were read")
         return batch
 
-    @_locked
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
         """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
@@ -365,8 +430,15 @@ class ReplayStore:
         ``cross_episodes=False`` (R2D2): a sequence stays in one episode, padded and masked
         past its end; starts at episode positions divisible by `period`. ``True``
         (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
-        episode, never padded. See README "Sequences".
+        episode, never padded. See README "Sequences". With a rate limiter, waits first
+        until the writers let ``batch_size * length`` samples (steps) out.
         """
+        return self._admitted(_items(batch_size) * _items(length), self._sample_sequences,
+                              batch_size, length, cross_episodes, period, beta)
+
+    @_locked
+    def _sample_sequences(self, batch_size: int, length: int, cross_episodes: bool,
+                          period: int, beta: float) -> SequenceBatch:
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = self._sequence_key(length, cross_episodes, period)
         for _ in range(READER_RETRIES):
@@ -552,12 +624,16 @@ class ReplayStore:
             self._ring, self._frames.tail_frames(), self._rng.bit_generator.state,
             priorities=None if sampler is None else sampler.priorities(),
             max_priority=1.0 if sampler is None else sampler.max_priority(),
-            prio_dirty=self._prio_dirty)
+            prio_dirty=self._prio_dirty,
+            rate_limiter=self._commits.committed.get("rate_limiter") if self._limiter is None
+            else self._limiter.state())
         self._ring.dirty_blocks.clear()
         self._prio_dirty.clear()
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
+        if self._limiter is not None:
+            self._limiter.close()  # wakes prefetch threads waiting on it
         for it in list(self._prefetchers):
             it.close()  # before taking the lock: their threads may be waiting for it
         with self._lock:
@@ -620,6 +696,11 @@ class ReplayStore:
             raise InvalidInputError(f"{what} on a closed store")
         if not self.writable:
             raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
+
+
+def _items(value: Any) -> int:
+    """A count the rate limiter can take (0 for what the argument checks will refuse)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
