@@ -303,13 +303,8 @@ class RateLimiter:
                 self._rebase()
 
     def stats(self) -> dict[str, Any]:
-        """`state` plus what a person reads: the achieved samples per insert since
-        `min_size_to_sample` and Reverb's error (`diff` less its value at min size)."""
-        out = self.state()
-        past = out["inserts"] - self.min_size_to_sample
-        out["achieved_samples_per_insert"] = out["samples"] / past if past > 0 else None
-        out["error"] = self._diff() - self.samples_per_insert * self.min_size_to_sample
-        return out
+        """`state` with what a person reads added (see `summary`)."""
+        return summary(self.state())
 
     def check_valid(self) -> None:
         """Internal invariants (tests call it after operations)."""
@@ -321,6 +316,16 @@ class RateLimiter:
         return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, "
                 f"min_size_to_sample={self.min_size_to_sample}, min_diff={self.min_diff:g}, "
                 f"max_diff={self.max_diff:g})")
+
+
+def summary(state: dict[str, Any]) -> dict[str, Any]:
+    """A `state` dict plus the achieved samples per insert since `min_size_to_sample`
+    (None before) and Reverb's error: `diff` less its value at min size."""
+    spi, min_size = state["samples_per_insert"], state["min_size_to_sample"]
+    past = state["inserts"] - min_size
+    diff = state["inserts"] * spi - state["samples"] - state.get("offset", 0.0)
+    return {**state, "achieved_samples_per_insert": state["samples"] / past if past > 0
+            else None, "error": diff - spi * min_size}
 
 
 def steps_in_call(count: int, autoreset: Any) -> int:

@@ -335,6 +335,13 @@ class ReplayStore:
         """The rate limiter in use, if any (see `set_rate_limiter`)."""
         return self._limiter
 
+    def rate_limiter_state(self) -> dict[str, Any] | None:
+        """The limiter's counters: live if one is attached, else as last committed."""
+        if self._limiter is not None:
+            return self._limiter.state()
+        saved = self._commits.committed.get("rate_limiter")
+        return None if saved is None else dict(saved)
+
     # -- reading ------------------------------------------------------------------
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.

@@ -226,7 +226,7 @@ class LimiterMachine(RuleBasedStateMachine):
         self.band: Band | None = None
 
     @rule(spi=st.sampled_from([0.25, 1.0, 3.0, 8.0]), min_size=st.integers(1, 20),
-          extra=st.floats(0.0, 20.0))
+          extra=st.sampled_from([0.0, 0.25, 1.0, 3.0, 10.0]))
     def start(self, spi: float, min_size: int, extra: float) -> None:
         half = max(1.0, spi) + extra
         self.lim = RateLimiter.sample_to_insert_ratio(spi, min_size, half)
