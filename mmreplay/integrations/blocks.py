@@ -32,6 +32,7 @@ from numcodecs import blosc
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError, RateLimitTimeoutError
+from mmreplay.index.sum_tree import SumTree
 from mmreplay.store import ReplayStore
 
 
@@ -243,6 +244,13 @@ class BlockTaker:
             return left
 
 
+def warm_up_kernels() -> None:
+    """Load the compiled kernels a flush uses (numba's cache takes seconds to load in a
+    fresh process), so that the first timed flush keeps its deadline."""
+    tree = SumTree(4)
+    tree.set(np.array([1]), np.array([1.0]))
+
+
 class FlushTimer:
     """A thread that keeps the time promise of `FlushSchedule.every_s` when no block
     arrives: it flushes `every_s` after the first step not yet flushed, so at most
@@ -259,8 +267,9 @@ class FlushTimer:
         self._thread.start()
 
     def _run(self) -> None:
+        warm_up_kernels()  # a process's first flush would load them: seconds, not ms
         every = self.taker.schedule.every_s
-        wait: float | None = every
+        wait: float | None = self.taker.flush_if_old()
         while not self._stop.wait(every if wait is None else max(wait, 0.001)):
             try:
                 wait = self.taker.flush_if_old()

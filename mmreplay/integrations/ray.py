@@ -37,6 +37,7 @@ from mmreplay.integrations.blocks import (
     StepBlock,
     compress_frames,
     make_block,
+    warm_up_kernels,
 )
 from mmreplay.integrations.ray_learner import RemoteBatches, to_batch
 from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
@@ -99,6 +100,7 @@ class StoreActor:
         self.incarnation = uuid.uuid4().hex
         self.taker = BlockTaker(self.store, incarnation=self.incarnation,
                                 schedule=FlushSchedule(flush_every_steps, flush_every_s))
+        warm_up_kernels()  # before the first block: the timer's first flush keeps its time
         self.timer = FlushTimer(self.taker)
 
     def add_block(self, block: StepBlock, timeout_s: float | None = None) -> BlockAck:
