@@ -44,7 +44,9 @@ import torch.nn.functional as F
 from gymnasium.wrappers import AtariPreprocessing
 from tqdm import tqdm
 
+from mmreplay.errors import RateLimitTimeoutError
 from mmreplay.integrations.ray import BlockWriter, RemoteBatches, start_store_actor
+from mmreplay.rate_limit import RateLimiter
 
 gym.register_envs(ale_py)
 
@@ -89,6 +91,9 @@ class Args:
     """sampleable transitions in the store before the first gradient step"""
     train_frequency: float = 4.0
     """env steps per gradient step at most (the learner waits when it is ahead)"""
+    samples_per_insert: float = 0.0
+    """sampled transitions per inserted step, held by the store's rate limiter (Reverb's
+    SampleToInsertRatio from `learning_starts`); 0: off (only `train_frequency` paces)"""
     target_network_frequency: int = 500
     """gradient steps between target network copies"""
     weight_sync_every: int = 50
@@ -215,7 +220,8 @@ class EnvActor:
         self.q = QNetwork((k, *space.shape), self.num_actions)
         self.rng = np.random.default_rng([args.seed, index, int(time.time())])
         self.writer = BlockWriter(store, env_ids, block_steps=args.block_steps,
-                                  max_in_flight=args.max_in_flight, compress=args.compress)
+                                  max_in_flight=args.max_in_flight, compress=args.compress,
+                                  insert_timeout_s=600.0)  # a rate limiter waits for the learner
         obs, _ = self.envs.reset(seed=int(self.rng.integers(2**31)))
         self.writer.reset(obs)
         self.stack = np.zeros((len(env_ids), k, *space.shape), space.dtype)
@@ -256,6 +262,17 @@ def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any]) -> None:
     pending = run_dir / "checkpoint.pt.pending"
     torch.save({**state, "transitions": flushed.transitions}, pending)
     os.replace(pending, run_dir / "checkpoint.pt")
+
+
+def make_rate_limiter(args: Args) -> RateLimiter | None:
+    """The store's limiter for `--samples-per-insert`: a band of a few blocks or batches; a
+    short timeout so that the learner goes back to dispatching actor calls."""
+    spi = args.samples_per_insert
+    if spi <= 0:
+        return None
+    buffer = max(2 * max(1.0, spi), spi * args.block_steps * args.envs_per_actor,
+                 2.0 * args.batch_size)
+    return RateLimiter.sample_to_insert_ratio(spi, args.learning_starts, buffer, timeout_s=0.2)
 
 
 def main() -> None:
@@ -304,7 +321,8 @@ def main() -> None:
                       obs_dtype=obs_space.dtype, num_envs=num_envs, frame_stack=k,
                       n_step=args.n_step, gamma=args.gamma, seed=args.seed,
                       sampler="prioritized", alpha=args.alpha)
-    store = start_store_actor(run_dir / "store", create, flush_every_steps=args.flush_every_steps)
+    store = start_store_actor(run_dir / "store", create, flush_every_steps=args.flush_every_steps,
+                              rate_limiter=make_rate_limiter(args))
     spec = ray.get(store.spec.remote())
     if spec.num_envs != args.num_actors * args.envs_per_actor:
         raise SystemExit(f"the store has {spec.num_envs} envs; the arguments ask for "
@@ -331,7 +349,8 @@ def main() -> None:
 
     while global_step < args.total_timesteps and not stop_signal:
         # Collect finished actor calls and send them on with the latest weights.
-        learner_due = batches is not None and updates < global_step / args.train_frequency
+        learner_due = batches is not None and (
+            args.samples_per_insert > 0 or updates < global_step / args.train_frequency)
         done, _ = ray.wait(list(running), num_returns=1, timeout=0 if learner_due else 0.05)
         for ref in done:
             actor, report = running.pop(ref), ray.get(ref)
@@ -348,10 +367,14 @@ def main() -> None:
         # Learn, at most one gradient step per `train_frequency` env steps.
         if batches is None and ray.get(store.counts.remote()).sampleable >= args.learning_starts:
             batches = RemoteBatches(store, args.batch_size, prefetch=args.prefetch,
-                                    beta=args.beta, compress=args.compress)
+                                    beta=args.beta, compress=args.compress,
+                                    background=args.samples_per_insert <= 0)
         if learner_due:
             batches.beta = linear_schedule(args.beta, 1.0, args.total_timesteps, global_step)
-            batch = next(batches)
+            try:
+                batch = next(batches)
+            except RateLimitTimeoutError:
+                continue  # ahead of the actors: hand their finished calls back first
             with torch.no_grad():
                 next_value = target_network(batch.next_obs).max(1).values
                 td_target = batch.reward + batch.discount * next_value
