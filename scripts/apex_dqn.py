@@ -404,6 +404,7 @@ def main() -> None:
             break
 
     progress.close()
+    ray.get(store.set_rate_limiting.remote(False))  # the learner stops: let the actors finish
     ray.get([a.drain.remote() for a in actors])
     if batches is not None:
         batches.close()

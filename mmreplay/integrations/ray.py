@@ -82,11 +82,12 @@ def open_or_create(path: str | os.PathLike[str], create: dict[str, Any] | None, 
 class StoreActor:
     """The store's one writer, as a plain Ray actor class (see `start_store_actor`).
 
-    Writer calls (`add_block`, `flush`) run one at a time on one thread, learner calls
-    (`sample`, `update_priorities`) on another ("learner" group), so a block waiting on
-    the rate limiter for samples never holds the samples up; `info`, `counts` and the
-    limiter's switches run in a "stats" group. A `FlushTimer` thread flushes
-    `flush_every_s` after the first unflushed step even when no block arrives.
+    `add_block` calls run one at a time on one thread, learner calls (`sample`,
+    `update_priorities`) on another ("learner" group) and `flush` on a third, so a block
+    waiting on the rate limiter for samples never holds the samples or a checkpoint up;
+    `info`, `counts` and the limiter's switches run in a "stats" group. A `FlushTimer`
+    thread flushes `flush_every_s` after the first unflushed step even when no block
+    arrives.
     `rate_limiter` is a `RateLimiter.config()` dict (the limiter takes the store's
     committed counters, so a restarted actor keeps the ratio).
     """
@@ -126,8 +127,10 @@ class StoreActor:
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         return self.store.update_priorities(ids, priorities)
 
+    @ray.method(concurrency_group="flush")
     def flush(self) -> FlushInfo:
-        """Commit now; says what was committed (see `BlockAck` for `seq`)."""
+        """Commit now; says what was committed (see `BlockAck` for `seq`). Runs in its own
+        thread: a block waiting on the rate limiter must not hold a checkpoint up."""
         return self.taker.flush()
 
     def spec(self) -> StoreSpec:
@@ -179,7 +182,7 @@ def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | Non
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = node_id or ray.get_runtime_context().get_node_id()
-    cls = ray.remote(concurrency_groups={"stats": 1, "learner": 1})(  # type: ignore[call-overload]
+    cls = ray.remote(concurrency_groups={"stats": 1, "learner": 1, "flush": 1})(  # type: ignore[call-overload]
         StoreActor)
     return cls.options(
         num_cpus=0, max_restarts=max_restarts, max_task_retries=0, name=name,
