@@ -11,10 +11,13 @@ from mmreplay.errors import (
     InvalidInputError,
     InvalidStoreError,
     MmreplayError,
+    RateLimiterClosedError,
+    RateLimitTimeoutError,
     ReadOnlyError,
     StoreLockedError,
     UnknownIdError,
 )
+from mmreplay.rate_limit import RateLimiter
 from mmreplay.spec import StoreSpec
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import Batch, SequenceBatch
@@ -26,6 +29,9 @@ __all__ = [
     "InvalidInputError",
     "InvalidStoreError",
     "MmreplayError",
+    "RateLimitTimeoutError",
+    "RateLimiter",
+    "RateLimiterClosedError",
     "ReadOnlyError",
     "ReplayStore",
     "SequenceBatch",

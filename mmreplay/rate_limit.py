@@ -86,7 +86,8 @@ class RateLimiter:
                 f"2 * max(1, samples_per_insert) = {width:g}: a narrower band lets a waiting "
                 f"insert and a waiting sample block each other forever")
         self.timeout_s = None if timeout_s is None else _number("timeout_s", timeout_s, low=0)
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._inserts = self._samples = 0
         self._offset = 0.0
         self._wait_s = {"insert": 0.0, "sample": 0.0}
@@ -149,19 +150,21 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        with self._cond:
-            if n > 0:
+        with self._lock:  # the fast path (admitted at once) takes no Condition call
+            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
                 self._wait("insert", n, self._can_insert, timeout)
             self._inserts += n
-            self._wake()
+            if self._waiters:
+                self._cond.notify_all()
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
-        with self._cond:
-            if n > 0:
+        with self._lock:
+            if n > 0 and (self._closed or self._enabled and not self._can_sample()):
                 self._wait("sample", n, self._can_sample, timeout)
             self._samples += n
-            self._wake()
+            if self._waiters:
+                self._cond.notify_all()
 
     def cancel_insert(self, n: int) -> None:
         """Take back `n` counted inserts that did not happen (the store refused them)."""

@@ -257,8 +257,9 @@ class ReplayStore:
         if limiter is None:
             return self._add(action, reward, next_obs, terminated, truncated, autoreset,
                              env_ids, extras)
-        count = self.spec.num_envs if env_ids is None else int(np.size(env_ids))
-        steps = steps_in_call(count, autoreset)
+        steps = self.spec.num_envs if env_ids is None and autoreset is None else \
+            steps_in_call(self.spec.num_envs if env_ids is None else int(np.size(env_ids)),
+                          autoreset)
         limiter.await_insert(steps)
         try:
             return self._add(action, reward, next_obs, terminated, truncated, autoreset,

@@ -404,6 +404,7 @@ def main() -> None:
             break
 
     progress.close()
+    limited = ray.get(store.rate_limiter_stats.remote())  # as the learner stops
     ray.get(store.set_rate_limiting.remote(False))  # the learner stops: let the actors finish
     ray.get([a.drain.remote() for a in actors])
     if batches is not None:
@@ -423,7 +424,7 @@ def main() -> None:
         "bytes_per_step": sum(sent_bytes.values()) / max(sum(acked.values()), 1),
         "epsilons": [apex_epsilon(i, args.num_actors) for i in range(args.num_actors)],
         "store_transitions": counts.transitions, "interrupted": bool(stop_signal),
-        "wall_seconds": wall,
+        "wall_seconds": wall, "rate_limiter": limited,
     }
     ray.get(store.close.remote())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

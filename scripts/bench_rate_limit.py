@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import threading
 import time
+import timeit
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ class Args:
     """half width of the band around the target (Reverb's error_buffer)"""
     seconds: float = 15.0
     """length of each ratio case after min size"""
-    rounds: int = 5
+    rounds: int = 9
     """overhead rounds (each: without, then with the limiter)"""
     out: str = "data/bench/rate_limit.json"
     """where the figures go"""
@@ -148,7 +149,21 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
     out["learner_overhead"] = 1 - (out["learner_batches_per_s_with"]
                                    / out["learner_batches_per_s_without"])
     out["rounds"] = args.rounds
+    out.update(call_costs(args, out))
     return out
+
+
+def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
+    """The limiter's own cost per call when it admits at once, against the time of one
+    `add` and one `sample` (steadier than the rates above on a shared machine)."""
+    lim = RateLimiter.min_size(1)
+    lim.await_insert(1)
+    calls = 200_000
+    insert_s = timeit.timeit(lambda: lim.await_insert(1), number=calls) / calls
+    sample_s = timeit.timeit(lambda: lim.await_sample(args.batch_size), number=calls) / calls
+    return {"await_insert_us": insert_s * 1e6, "await_sample_us": sample_s * 1e6,
+            "await_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
+            "await_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
 
 
 def parse() -> Args:

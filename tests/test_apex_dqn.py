@@ -63,7 +63,9 @@ def test_apex_dqn_holds_samples_per_insert(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = run("--total-timesteps", "1500", "--run-dir", str(run_dir), "--samples-per-insert", "2")
     assert done.returncode == 0, done.stderr[-3000:]
-    with ReplayStore.open(run_dir / "store", mode="r") as store:
-        state = summary(store.rate_limiter_state())
-    assert state["inserts"] > 1000 and state["samples_per_insert"] == 2.0
-    assert state["achieved_samples_per_insert"] == pytest.approx(2.0, rel=0.1), state
+    limited = json.loads((run_dir / "summary.json").read_text())["rate_limiter"]
+    assert limited["inserts"] > 1000 and limited["samples_per_insert"] == 2.0
+    assert limited["achieved_samples_per_insert"] == pytest.approx(2.0, rel=0.05), limited
+    with ReplayStore.open(run_dir / "store", mode="r") as store:  # committed, with the
+        state = summary(store.rate_limiter_state())  # actors' last steps drained unlimited
+    assert state["samples"] >= limited["samples"] and state["inserts"] >= limited["inserts"]
