@@ -164,6 +164,8 @@ class ReplayStore:
         root = Path(path)
         check_root(root)
         if mode == "r":
+            if rate_limiter is not None:
+                raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
             return cls._open_reader(root, durable=durable, cache_bytes=cache_bytes,
                                     max_ram_bytes=max_ram_bytes)
         lock_fd = take_lock(root)

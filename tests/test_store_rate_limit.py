@@ -129,6 +129,8 @@ def test_waits_time_out_close_wakes_and_bad_limiters_are_refused(tmp_path: Path)
         make(tmp_path / "big", RateLimiter.min_size(10_000))
     with ReplayStore.open(tmp_path / "s", mode="r") as reader, pytest.raises(ReadOnlyError):
         reader.set_rate_limiter(RateLimiter.min_size(1))
+    with pytest.raises(ReadOnlyError, match="writable"):
+        ReplayStore.open(tmp_path / "s", mode="r", rate_limiter=RateLimiter.min_size(1))
 
 
 def _catch(errors: list[BaseException], fn: object, *args: object) -> None:
