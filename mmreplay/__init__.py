@@ -18,6 +18,7 @@ from mmreplay.errors import (
     UnknownIdError,
 )
 from mmreplay.rate_limit import RateLimiter
+from mmreplay.recorder import StepRows
 from mmreplay.spec import StoreSpec
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import Batch, SequenceBatch
@@ -35,6 +36,7 @@ __all__ = [
     "ReadOnlyError",
     "ReplayStore",
     "SequenceBatch",
+    "StepRows",
     "StoreLockedError",
     "StoreSpec",
     "UnknownIdError",

@@ -61,3 +61,8 @@ class RateLimitTimeoutError(MmreplayError, TimeoutError):
 
 class RateLimiterClosedError(MmreplayError, RuntimeError):
     """An insert or sample waited on (or asked) a rate limiter that was shut down."""
+
+
+class ObjectStoreError(MmreplayError, OSError):
+    """Object storage (a bucket, or a ``file://`` directory) failed a request after its
+    retries. The message names the URL and key, never a credential."""

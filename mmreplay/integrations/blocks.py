@@ -33,6 +33,7 @@ from numcodecs import blosc
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError, RateLimitTimeoutError
 from mmreplay.index.sum_tree import SumTree
+from mmreplay.recorder import StepRows
 from mmreplay.store import ReplayStore
 
 
@@ -209,11 +210,8 @@ class BlockTaker:
     def _apply(self, block: StepBlock, rows: CheckedRows) -> BlockAck:
         envs = rows.env_ids
         first_id = self.store.counts.transitions if block.priorities is not None else -1
-        with self.store._lock:  # checked once for the block: each row skips add's checks
-            self.store._check_writable("add")
-            for t in range(block.rows):
-                self.store._record(envs, rows.action[t], rows.reward[t], rows.frames[t],
-                                   rows.terminated[t], rows.truncated[t], rows.autoreset[t])
+        self.store.add_rows(StepRows(envs, rows.action, rows.reward, rows.frames,
+                                     rows.terminated, rows.truncated, rows.autoreset))
         self.stream[envs] = block.stream
         last = block.autoreset[-1] | ~(block.terminated[-1] | block.truncated[-1])
         self.open[envs] = last
