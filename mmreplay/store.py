@@ -43,6 +43,7 @@ from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
+from mmreplay.rate_limit import RateLimiter, steps_in_call
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
@@ -73,6 +74,7 @@ from mmreplay.views import StoreViews
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def _locked(method: F) -> F:
@@ -149,6 +151,7 @@ class ReplayStore(BucketMethods):
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
+        self._limiter: RateLimiter | None = None
         self._closed = False
         rng = _start(manifest, writable, self._commits, self._ring, self._frames,
                      self._priorities, self._reader)
@@ -162,13 +165,14 @@ class ReplayStore(BucketMethods):
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
                mirror: str | None = None, storage_options: dict[str, str] | None = None,
-               **options: Any) -> ReplayStore:
+               rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
         `mirror` (a URL) pushes every flush there in the background, with `storage_options`
         (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
+        `rate_limiter`: see `set_rate_limiter`.
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -182,6 +186,7 @@ class ReplayStore(BucketMethods):
         store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
                     lock_fd=take_lock(root))
         store.reseed(seed)
+        store.set_rate_limiter(rate_limiter)
         store.flush()
         return lifecycle.track(store).attach_mirror(mirror, storage_options, False)
 
@@ -189,7 +194,8 @@ class ReplayStore(BucketMethods):
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
-             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False) -> Any:
+             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
+             rate_limiter: RateLimiter | None = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
@@ -198,14 +204,19 @@ class ReplayStore(BucketMethods):
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
+        `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
+        if rate_limiter is not None and (mode == "r" or is_url(path)):
+            raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
                              max_ram_bytes)
         store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        if rate_limiter is not None:
+            store.set_rate_limiter(rate_limiter)
         return store.attach_mirror(mirror, storage_options, take_over)
 
     # -- recording ----------------------------------------------------------------
@@ -218,13 +229,31 @@ class ReplayStore(BucketMethods):
         _check_writable(self, "reset")
         self._recorder.reset(obs, env_ids)
 
-    @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any = None, env_ids: Any = None, *, extras: Any = None) -> None:
         """Record one step of every env, or of the listed `env_ids` (each at most once;
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
-        exactly the declared ones) belong to this step, like `action`."""
+        exactly the declared ones) belong to this step, like `action`. With a rate
+        limiter, waits first until the learners let these steps in."""
+        limiter = self._limiter
+        if limiter is None:
+            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
+                             env_ids, extras)
+        steps = self.spec.num_envs if env_ids is None and autoreset is None else \
+            steps_in_call(self.spec.num_envs if env_ids is None else int(np.size(env_ids)),
+                          autoreset)
+        limiter.await_insert(steps)
+        try:
+            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
+                             env_ids, extras)
+        except BaseException:
+            limiter.cancel_insert(steps)
+            raise
+
+    @_locked
+    def _add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
+             autoreset: Any, env_ids: Any, extras: Any) -> None:
         _check_writable(self, "add")
         self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
                            extras)
@@ -237,14 +266,63 @@ class ReplayStore(BucketMethods):
         _check_writable(self, "add")
         self._recorder.add_rows(rows)
 
+    # -- rate limiting ------------------------------------------------------------
+    def set_rate_limiter(self, limiter: RateLimiter | None) -> None:
+        """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`,
+        `batches`, `sample_sequences` on its samples; None removes it.
+
+        The limiter takes the counters this store committed (so a resumed run keeps its
+        ratio) and counts this store's steps as inserts; every flush commits its counters
+        (``mmreplay info`` shows them). Only a writable store takes one, and `close`
+        closes it (waiters wake with `RateLimiterClosedError`).
+        """
+        if limiter is not None:
+            _check_writable(self, "set_rate_limiter")
+            if limiter.min_size_to_sample > self.spec.capacity:
+                raise InvalidInputError(
+                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
+                    f"capacity {self.spec.capacity}: samples would wait forever")
+            with self._lock:
+                limiter.attach(self._commits.committed.get("rate_limiter"),
+                               inserts=self._ring.next_id)
+        self._limiter = limiter
+
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        """The rate limiter in use, if any (see `set_rate_limiter`)."""
+        return self._limiter
+
+    def rate_limiter_state(self) -> dict[str, Any] | None:
+        """The limiter's counters: live if one is attached, else as last committed."""
+        if self._limiter is not None:
+            return self._limiter.state()
+        saved = self._commits.committed.get("rate_limiter")
+        return None if saved is None else dict(saved)
+
     # -- reading ------------------------------------------------------------------
-    @_reading
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
+        With a rate limiter, waits first until the writers let `batch_size` samples out.
         """
+        return self._admitted(_items(batch_size), self._sample, batch_size, beta)
+
+    def _admitted(self, samples: int, draw: Callable[..., T], *args: Any) -> T:
+        """`draw(*args)` once the rate limiter (if any) lets `samples` samples out."""
+        limiter = self._limiter
+        if limiter is None:
+            return draw(*args)
+        limiter.await_sample(samples)
+        try:
+            return draw(*args)
+        except BaseException:
+            limiter.cancel_sample(samples)
+            raise
+
+    @_locked
+    def _sample(self, batch_size: int, beta: float) -> Batch:
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         return self._reader.sample(self._rng, size, beta)
 
@@ -284,7 +362,6 @@ class ReplayStore(BucketMethods):
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
         return self._reader.get(validate.transition_ids(ids))
 
-    @_reading
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
         """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
@@ -293,8 +370,15 @@ class ReplayStore(BucketMethods):
         ``cross_episodes=False`` (R2D2): a sequence stays in one episode, padded and masked
         past its end; starts at episode positions divisible by `period`. ``True``
         (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
-        episode, never padded. See README "Sequences".
+        episode, never padded. See README "Sequences". With a rate limiter, waits first
+        until the writers let ``batch_size * length`` samples (steps) out.
         """
+        return self._admitted(_items(batch_size) * _items(length), self._sample_sequences,
+                              batch_size, length, cross_episodes, period, beta)
+
+    @_locked
+    def _sample_sequences(self, batch_size: int, length: int, cross_episodes: bool,
+                          period: int, beta: float) -> SequenceBatch:
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = sequence_key(self.spec, length, cross_episodes, period)
         return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
@@ -388,12 +472,15 @@ class ReplayStore(BucketMethods):
         else:
             self._frames.drain()  # the manifest may only name chunks that are on disk
         self._commits.commit(self._ring, self._frames.tail_frames(),
-                             self._rng.bit_generator.state, **self._priorities.commit_fields())
+                             self._rng.bit_generator.state, **self._priorities.commit_fields(),
+                             rate_limiter=self.rate_limiter_state())
         self._ring.dirty_blocks.clear()
         self._priorities.dirty.clear()
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
+        if self._limiter is not None:
+            self._limiter.close()  # wakes prefetch threads waiting on it
         for it in list(self._prefetchers):
             it.close()  # before taking the lock: their threads may be waiting for it
         with self._lock:
@@ -421,6 +508,11 @@ class ReplayStore(BucketMethods):
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
+
+
+def _items(value: Any) -> int:
+    """A count the rate limiter can take (0 for what the argument checks will refuse)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:

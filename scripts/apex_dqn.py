@@ -53,7 +53,9 @@ from common import (
 )
 from tqdm import tqdm
 
+from mmreplay.errors import RateLimitTimeoutError
 from mmreplay.integrations.ray import BlockWriter, RemoteBatches, start_store_actor
+from mmreplay.rate_limit import RateLimiter
 
 gym.register_envs(ale_py)
 
@@ -98,6 +100,9 @@ class Args:
     """sampleable transitions in the store before the first gradient step"""
     train_frequency: float = 4.0
     """env steps per gradient step at most (the learner waits when it is ahead)"""
+    samples_per_insert: float = 0.0
+    """sampled transitions per inserted step, held by the store's rate limiter (Reverb's
+    SampleToInsertRatio from `learning_starts`); 0: off (only `train_frequency` paces)"""
     target_network_frequency: int = 500
     """gradient steps between target network copies"""
     weight_sync_every: int = 50
@@ -149,7 +154,8 @@ class EnvActor:
         self.q = QNetwork((k, *space.shape), self.num_actions)
         self.rng = np.random.default_rng([args.seed, index, int(time.time())])
         self.writer = BlockWriter(store, env_ids, block_steps=args.block_steps,
-                                  max_in_flight=args.max_in_flight, compress=args.compress)
+                                  max_in_flight=args.max_in_flight, compress=args.compress,
+                                  insert_timeout_s=600.0)  # a rate limiter waits for the learner
         obs, _ = self.envs.reset(seed=int(self.rng.integers(2**31)))
         self.writer.reset(obs)
         self.stack = np.zeros((len(env_ids), k, *space.shape), space.dtype)
@@ -190,6 +196,17 @@ def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any]) -> None:
     pending = run_dir / "checkpoint.pt.pending"
     torch.save({**state, "transitions": flushed.transitions}, pending)
     os.replace(pending, run_dir / "checkpoint.pt")
+
+
+def make_rate_limiter(args: Args) -> RateLimiter | None:
+    """The store's limiter for `--samples-per-insert`: a band of a few blocks or batches; a
+    short timeout so that the learner goes back to dispatching actor calls."""
+    spi = args.samples_per_insert
+    if spi <= 0:
+        return None
+    buffer = max(2 * max(1.0, spi), spi * args.block_steps * args.envs_per_actor,
+                 2.0 * args.batch_size)
+    return RateLimiter.sample_to_insert_ratio(spi, args.learning_starts, buffer, timeout_s=0.2)
 
 
 def start_ray(args: Args) -> None:
@@ -260,7 +277,8 @@ def open_run(args: Args, run_dir: Path) -> Run:
                       frame_stack=k, n_step=args.n_step, gamma=args.gamma, seed=args.seed,
                       sampler="prioritized", alpha=args.alpha)
     run.store = start_store_actor(run_dir / "store", create,
-                                  flush_every_steps=args.flush_every_steps)
+                                  flush_every_steps=args.flush_every_steps,
+                                  rate_limiter=make_rate_limiter(args))
     spec = ray.get(run.store.spec.remote())
     if spec.num_envs != args.num_actors * args.envs_per_actor:
         raise UsageError(f"the store has {spec.num_envs} envs; the arguments ask for "
@@ -348,10 +366,14 @@ class Progress:
 
 
 def learn(run: Run, batches: RemoteBatches) -> None:
-    """One gradient step on a prefetched batch; priorities go back without waiting."""
+    """One gradient step on a prefetched batch; priorities go back without waiting. With
+    a rate limiter, a learner ahead of the actors returns without a step."""
     args, learner = run.args, run.learner
     batches.beta = linear_schedule(args.beta, 1.0, args.total_timesteps, run.global_step)
-    batch = next(batches)
+    try:
+        batch = next(batches)
+    except RateLimitTimeoutError:
+        return  # ahead of the actors: hand their finished calls back first
     batches.update_priorities(batch.ids, learner.update(batch))
     run.updates += 1
     if run.updates % args.target_network_frequency == 0:
@@ -367,7 +389,8 @@ def train(run: Run, feeder: Feeder, progress: Progress, stop: StopFlag) -> Remot
         feeder.submit(actor, weights)
     batches: RemoteBatches | None = None
     while run.global_step < args.total_timesteps and not stop:
-        learner_due = batches is not None and run.updates < run.global_step / args.train_frequency
+        learner_due = batches is not None and (
+            args.samples_per_insert > 0 or run.updates < run.global_step / args.train_frequency)
         for actor, report in feeder.collect(timeout=0 if learner_due else 0.05):
             before = run.record(report)
             feeder.submit(actor, weights)
@@ -377,7 +400,8 @@ def train(run: Run, feeder: Feeder, progress: Progress, stop: StopFlag) -> Remot
         if batches is None and ray.get(run.store.counts.remote()).sampleable \
                 >= args.learning_starts:
             batches = RemoteBatches(run.store, args.batch_size, prefetch=args.prefetch,
-                                    beta=args.beta, compress=args.compress)
+                                    beta=args.beta, compress=args.compress,
+                                    background=args.samples_per_insert <= 0)
         if learner_due:
             learn(run, batches)
             if run.updates % args.weight_sync_every == 0:
@@ -393,6 +417,8 @@ def train(run: Run, feeder: Feeder, progress: Progress, stop: StopFlag) -> Remot
 def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches | None,
            interrupted: bool) -> dict[str, Any]:
     """Count the calls in flight, checkpoint, close the store; returns the summary."""
+    limited = ray.get(run.store.rate_limiter_stats.remote())  # as the learner stops
+    ray.get(run.store.set_rate_limiting.remote(False))  # the learner stops: let actors finish
     for report in feeder.finish():
         progress.bar.update(run.global_step - run.record(report))
     progress.close()
@@ -412,7 +438,7 @@ def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches 
         "bytes_per_step": feeder.bytes_per_step(),
         "epsilons": [apex_epsilon(i, run.args.num_actors) for i in range(run.args.num_actors)],
         "store_transitions": counts.transitions, "interrupted": interrupted,
-        "wall_seconds": wall,
+        "wall_seconds": wall, "rate_limiter": limited,
     }
     ray.get(run.store.close.remote())
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -20,6 +20,7 @@ pytest.importorskip("ale_py")
 pytest.importorskip("tqdm")
 
 from mmreplay import ReplayStore  # noqa: E402
+from mmreplay.rate_limit import summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--env", "CartPole-v1", "--num-actors", "2", "--learning-starts", "300",
@@ -62,3 +63,15 @@ def test_apex_dqn_runs_checkpoints_and_resumes(tmp_path: Path) -> None:
     with ReplayStore.open(run_dir / "store", mode="r") as store:
         assert store.counts.transitions > first_transitions
         assert store.get(store.valid_ids()).truncated.any()  # episodes cut by the restart
+
+
+def test_apex_dqn_holds_samples_per_insert(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run("--total-timesteps", "1500", "--run-dir", str(run_dir), "--samples-per-insert", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    limited = json.loads((run_dir / "summary.json").read_text())["rate_limiter"]
+    assert limited["inserts"] > 1000 and limited["samples_per_insert"] == 2.0
+    assert limited["achieved_samples_per_insert"] == pytest.approx(2.0, rel=0.05), limited
+    with ReplayStore.open(run_dir / "store", mode="r") as store:  # committed, with the
+        state = summary(store.rate_limiter_state())  # actors' last steps drained unlimited
+    assert state["samples"] >= limited["samples"] and state["inserts"] >= limited["inserts"]

@@ -67,8 +67,9 @@ REQUIRED: dict[str, type] = {
     "next_episode": int, "rng": dict, "blocks": list, "tail": str, "files": dict,
 }
 OPTIONAL: dict[str, type | tuple[type, ...]] = {
-    "prio_blocks": list, "max_priority": (int, float), CHECKSUM: int,
+    "prio_blocks": list, "max_priority": (int, float), CHECKSUM: int, "rate_limiter": dict,
 }
+MAX_RATE_LIMITER_FIELDS = 32  # a rate limiter's counters: a flat object of numbers
 BLOCK_NAME = re.compile(r"(steps|prio)/b([0-9]{6,12})\.g([0-9]{8,19})\.npy")
 TAIL_NAME = re.compile(r"tail/tail\.g([0-9]{8,19})\.npy")
 # What building a StoreSpec from type-checked JSON may still raise, besides its own errors.
@@ -235,6 +236,19 @@ def _check_optional(manifest: dict[str, Any], where: str | Path) -> None:
         raise InvalidStoreError(f"{where}: max_priority must be a finite number >= 1")
     if CHECKSUM in manifest:
         _check_range(where, CHECKSUM, manifest[CHECKSUM], high=0xFFFFFFFF)
+    if "rate_limiter" in manifest:
+        check_rate_limiter(manifest["rate_limiter"], where)
+
+
+def check_rate_limiter(state: dict[str, Any], where: str | Path = MANIFEST) -> None:
+    """A rate limiter's committed counters: a small flat object of finite numbers and
+    booleans (their meaning is checked by the limiter that takes them)."""
+    if len(state) > MAX_RATE_LIMITER_FIELDS or not all(
+            isinstance(v, bool) or (is_json(v, (int, float)) and math.isfinite(v))
+            for v in state.values()):
+        raise InvalidStoreError(f"{where}: rate_limiter must be at most "
+                                f"{MAX_RATE_LIMITER_FIELDS} finite numbers or booleans, got "
+                                f"{state!r:.80}")
 
 
 # -- the manifest against its spec --------------------------------------------------------

@@ -131,7 +131,24 @@ def _info_sections(info: ins.StoreInfo) -> list[tuple[str, list[tuple[str, str]]
                              ("frame tail", _size(r.tail_bytes)), ("total", _size(r.total_bytes)),
                              ("chunk cache", cache)]),
     ]
-    return [*sections, ("sampler", _sampler_pairs(info))]
+    sections.append(("sampler", _sampler_pairs(info)))
+    if info.rate_limiter is not None:
+        sections.append(("rate limiter", _rate_limiter_pairs(info.rate_limiter)))
+    return sections
+
+
+def _rate_limiter_pairs(r: dict[str, Any]) -> list[tuple[str, str]]:
+    achieved, spi = r.get("achieved_samples_per_insert"), r.get("samples_per_insert", 0.0)
+    shown = "n/a (min size not reached)" if achieved is None else f"{achieved:.3f}"
+    at_min = spi * r.get("min_size_to_sample", 0)
+    band = f"[{r.get('min_diff', 0.0) - at_min:.6g}, {r.get('max_diff', 0.0) - at_min:.6g}]"
+    return [("samples per insert", f"{shown} achieved, target {spi:g}"),
+            ("inserts / samples", f"{r.get('inserts')} / {r.get('samples')}"),
+            ("error", f"{r.get('error', 0.0):.6g} (limits {band})"),
+            ("writers blocked", f"{r.get('insert_wait_s', 0.0):.3f} s in "
+                                f"{r.get('inserts_blocked', 0)} calls"),
+            ("learners blocked", f"{r.get('sample_wait_s', 0.0):.3f} s in "
+                                 f"{r.get('samples_blocked', 0)} calls")]
 
 
 def _sampler_pairs(info: ins.StoreInfo) -> list[tuple[str, str]]:

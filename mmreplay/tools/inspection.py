@@ -22,6 +22,7 @@ import numpy as np
 
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import EXTRA_PREFIX, StepColumns
+from mmreplay.rate_limit import summary
 from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import committed_generation as _committed_generation
 from mmreplay.storage.objects import is_url
@@ -90,6 +91,7 @@ class StoreInfo:
     ram: RamEstimate
     sampler: str
     priorities: PriorityStats | None
+    rate_limiter: dict[str, Any] | None = None  # `rate_limit.summary` of its counters
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,7 +110,17 @@ def store_info(store: ReplayStore) -> StoreInfo:
         ram=ram_estimate(store),
         sampler=store.spec.sampler,
         priorities=priority_stats(store),
+        rate_limiter=rate_limiter_summary(store),
     )
+
+
+def rate_limiter_summary(store: ReplayStore) -> dict[str, Any] | None:
+    """The rate limiter's counters (live, or as committed) with the achieved ratio."""
+    state = store.rate_limiter_state()
+    try:
+        return None if state is None else summary(state)
+    except (KeyError, TypeError):  # a commit that lacks fields: show what it has
+        return state
 
 
 def disk_usage(store: ReplayStore) -> DiskUsage:
