@@ -31,11 +31,13 @@ This module knows no store, frames or files.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -341,3 +343,66 @@ def steps_in_call(count: int, autoreset: Any) -> int:
     except (TypeError, ValueError, RuntimeError):
         return count
     return max(0, count - resets)
+
+
+class LimiterSlot:
+    """The rate limiter a store may hold, and the waits its calls make on it.
+
+    `inserting(n)` / `sampling(n)` are context managers: they wait until the limiter lets
+    `n` inserts / samples through, run the body, and give the count back if the body raises
+    (a refused call was never an insert or a sample). With no limiter they cost nothing.
+    """
+
+    def __init__(self) -> None:
+        self.limiter: RateLimiter | None = None
+
+    def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
+               inserts: int, capacity: int) -> None:
+        """Hold `limiter` (None removes it), counting from a store's committed counters
+        `saved` and its `inserts` recorded steps; refused if samples could never start."""
+        if limiter is not None:
+            if limiter.min_size_to_sample > capacity:
+                raise InvalidInputError(
+                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
+                    f"capacity {capacity}: samples would wait forever")
+            limiter.attach(saved, inserts=inserts)
+        self.limiter = limiter
+
+    def state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The limiter's counters if one is held, else the committed ones (`saved`)."""
+        if self.limiter is not None:
+            return self.limiter.state()
+        return None if saved is None else dict(saved)
+
+    @contextlib.contextmanager
+    def inserting(self, n: int) -> Iterator[None]:
+        """Wait for `n` inserts, then run the body (count given back if it raises)."""
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        limiter.await_insert(n)
+        try:
+            yield
+        except BaseException:
+            limiter.cancel_insert(n)
+            raise
+
+    @contextlib.contextmanager
+    def sampling(self, n: int) -> Iterator[None]:
+        """Wait for `n` samples, then run the body (count given back if it raises)."""
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        limiter.await_sample(n)
+        try:
+            yield
+        except BaseException:
+            limiter.cancel_sample(n)
+            raise
+
+    def close(self) -> None:
+        """Close the held limiter, waking its waiters."""
+        if self.limiter is not None:
+            self.limiter.close()

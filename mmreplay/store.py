@@ -43,7 +43,7 @@ from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
-from mmreplay.rate_limit import RateLimiter, steps_in_call
+from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
@@ -74,7 +74,6 @@ from mmreplay.views import StoreViews
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
-T = TypeVar("T")
 
 
 def _locked(method: F) -> F:
@@ -135,23 +134,18 @@ class ReplayStore(BucketMethods):
         self._lock_fd: int | None = None
         self._ring = StepRing(spec)
         self._commits = Committer(root, spec, durable=durable)
-        self._frames = FrameStore(root, spec, writable=writable, durable=durable,
-                                  cache_bytes=validate.cache_budget(spec, cache_bytes),
-                                  before_chunk_write=functools.partial(
-                                      self._commits.give_up_chunks, self._ring),
-                                  fetch=None if remote is None else remote.ensure)
+        self._frames = _frame_store(root, spec, writable, durable, cache_bytes,
+                                    functools.partial(self._commits.give_up_chunks, self._ring),
+                                    remote)
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
         self._priorities = Priorities(spec, self._sampler)
-        self._sequences = SequenceReader(
-            self._reader, lambda: make_sampler(spec),
-            None if spec.sampler == "uniform" else self._priorities.of_starts)
-        self._priorities.listeners.append(self._sequences.set_priorities)
+        self._sequences = _sequence_reader(spec, self._reader, self._priorities)
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
-        self._limiter: RateLimiter | None = None
+        self._limits = LimiterSlot()
         self._closed = False
         rng = _start(manifest, writable, self._commits, self._ring, self._frames,
                      self._priorities, self._reader)
@@ -178,13 +172,7 @@ class ReplayStore(BucketMethods):
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
-        cache_bytes = validate.cache_bytes(cache_bytes)
-        root = Path(path)
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise InvalidInputError(f"{root} already exists and is not an empty directory")
-        create_frames_array(root, spec)
-        store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=take_lock(root))
+        store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes))
         store.reseed(seed)
         store.set_rate_limiter(rate_limiter)
         store.flush()
@@ -207,10 +195,7 @@ class ReplayStore(BucketMethods):
         `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
-        if mode not in ("r", "r+"):
-            raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
-        if rate_limiter is not None and (mode == "r" or is_url(path)):
-            raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
+        _check_open_args(path, mode, rate_limiter)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
                              max_ram_bytes)
@@ -236,27 +221,10 @@ class ReplayStore(BucketMethods):
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`. With a rate
         limiter, waits first until the learners let these steps in."""
-        limiter = self._limiter
-        if limiter is None:
-            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
-                             env_ids, extras)
-        steps = self.spec.num_envs if env_ids is None and autoreset is None else \
-            steps_in_call(self.spec.num_envs if env_ids is None else int(np.size(env_ids)),
-                          autoreset)
-        limiter.await_insert(steps)
-        try:
-            return self._add(action, reward, next_obs, terminated, truncated, autoreset,
-                             env_ids, extras)
-        except BaseException:
-            limiter.cancel_insert(steps)
-            raise
-
-    @_locked
-    def _add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
-             autoreset: Any, env_ids: Any, extras: Any) -> None:
-        _check_writable(self, "add")
-        self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
-                           extras)
+        with self._limits.inserting(_steps(self.spec.num_envs, env_ids, autoreset)), self._lock:
+            _check_writable(self, "add")
+            self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
+                               env_ids, extras)
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -278,26 +246,18 @@ class ReplayStore(BucketMethods):
         """
         if limiter is not None:
             _check_writable(self, "set_rate_limiter")
-            if limiter.min_size_to_sample > self.spec.capacity:
-                raise InvalidInputError(
-                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
-                    f"capacity {self.spec.capacity}: samples would wait forever")
-            with self._lock:
-                limiter.attach(self._commits.committed.get("rate_limiter"),
-                               inserts=self._ring.next_id)
-        self._limiter = limiter
+        with self._lock:
+            self._limits.attach(limiter, self._commits.committed.get("rate_limiter"),
+                                inserts=self._ring.next_id, capacity=self.spec.capacity)
 
     @property
     def rate_limiter(self) -> RateLimiter | None:
         """The rate limiter in use, if any (see `set_rate_limiter`)."""
-        return self._limiter
+        return self._limits.limiter
 
     def rate_limiter_state(self) -> dict[str, Any] | None:
         """The limiter's counters: live if one is attached, else as last committed."""
-        if self._limiter is not None:
-            return self._limiter.state()
-        saved = self._commits.committed.get("rate_limiter")
-        return None if saved is None else dict(saved)
+        return self._limits.state(self._commits.committed.get("rate_limiter"))
 
     # -- reading ------------------------------------------------------------------
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
@@ -307,24 +267,10 @@ class ReplayStore(BucketMethods):
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
         With a rate limiter, waits first until the writers let `batch_size` samples out.
         """
-        return self._admitted(_items(batch_size), self._sample, batch_size, beta)
-
-    def _admitted(self, samples: int, draw: Callable[..., T], *args: Any) -> T:
-        """`draw(*args)` once the rate limiter (if any) lets `samples` samples out."""
-        limiter = self._limiter
-        if limiter is None:
-            return draw(*args)
-        limiter.await_sample(samples)
-        try:
-            return draw(*args)
-        except BaseException:
-            limiter.cancel_sample(samples)
-            raise
-
-    @_locked
-    def _sample(self, batch_size: int, beta: float) -> Batch:
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        return self._reader.sample(self._rng, size, beta)
+        with self._limits.sampling(_items(batch_size)), self._lock:
+            _refuse_closed(self, "sample")
+            size, beta = validate.batch_size(batch_size), validate.beta(beta)
+            return self._reader.sample(self._rng, size, beta)
 
     def batches(self, batch_size: int, *, prefetch: int = 2,
                 beta: float = 0.4) -> BatchPrefetcher:
@@ -336,8 +282,7 @@ class ReplayStore(BucketMethods):
         depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
         _refuse_closed(self, "batches")
-        validate.batch_size(batch_size)
-        validate.beta(beta)
+        validate.batch_size(batch_size), validate.beta(beta)
         it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
         self._prefetchers.add(it)
         return it
@@ -373,15 +318,11 @@ class ReplayStore(BucketMethods):
         episode, never padded. See README "Sequences". With a rate limiter, waits first
         until the writers let ``batch_size * length`` samples (steps) out.
         """
-        return self._admitted(_items(batch_size) * _items(length), self._sample_sequences,
-                              batch_size, length, cross_episodes, period, beta)
-
-    @_locked
-    def _sample_sequences(self, batch_size: int, length: int, cross_episodes: bool,
-                          period: int, beta: float) -> SequenceBatch:
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        key = sequence_key(self.spec, length, cross_episodes, period)
-        return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
+        with self._limits.sampling(_items(batch_size) * _items(length)), self._lock:
+            _refuse_closed(self, "sample_sequences")
+            size, beta = validate.batch_size(batch_size), validate.beta(beta)
+            key = sequence_key(self.spec, length, cross_episodes, period)
+            return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
 
     @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
@@ -412,12 +353,7 @@ class ReplayStore(BucketMethods):
         the last value wins; NaN or inf TD errors raise and change nothing.
         """
         _check_writable(self, "update_sequence_priorities")
-        rows, errors = validate.sequence_priorities(ids, td_errors)
-        eta = validate.unit_interval("eta", eta)
-        self._priorities.require("update_sequence_priorities", ("prioritized",))
-        flat, found = self._sequences.starts_of(rows[:, 0])
-        values = sequence_priority(rows, errors, eta)
-        return self._priorities.set(flat[found], values[found])
+        return _set_sequence_priorities(self, ids, td_errors, eta)
 
     @_locked
     def valid_ids(self) -> np.ndarray:
@@ -459,40 +395,15 @@ class ReplayStore(BucketMethods):
 
     def flush(self, *, wait_mirror: bool = False) -> None:
         """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
-        self._commit()
+        with self._lock:
+            _check_writable(self, "flush")
+            _commit(self)
         if self.mirror is not None:
             self.mirror.notify(self.generation, wait=wait_mirror)
 
-    @_locked
-    def _commit(self) -> None:
-        _check_writable(self, "flush")
-        self._reader.refresh()  # new transitions get their priorities before they are saved
-        if self.durable:
-            self._frames.sync()
-        else:
-            self._frames.drain()  # the manifest may only name chunks that are on disk
-        self._commits.commit(self._ring, self._frames.tail_frames(),
-                             self._rng.bit_generator.state, **self._priorities.commit_fields(),
-                             rate_limiter=self.rate_limiter_state())
-        self._ring.dirty_blocks.clear()
-        self._priorities.dirty.clear()
-
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
-        if self._limiter is not None:
-            self._limiter.close()  # wakes prefetch threads waiting on it
-        for it in list(self._prefetchers):
-            it.close()  # before taking the lock: their threads may be waiting for it
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                if self.writable:
-                    self.flush()
-            finally:
-                self._closed = True
-                lock_fd, self._lock_fd = self._lock_fd, None
-                _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
+        _close(self)
 
     @property
     def closed(self) -> bool:
@@ -508,6 +419,87 @@ class ReplayStore(BucketMethods):
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
+
+
+def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
+                 cache_bytes: int | None, before_chunk_write: Callable[..., Any],
+                 remote: RemoteChunks | None) -> FrameStore:
+    return FrameStore(root, spec, writable=writable, durable=durable,
+                      cache_bytes=validate.cache_budget(spec, cache_bytes),
+                      before_chunk_write=before_chunk_write,
+                      fetch=None if remote is None else remote.ensure)
+
+
+def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) -> SequenceReader:
+    """The sequence API's index, told of every priority change (prioritized stores)."""
+    sequences = SequenceReader(reader, lambda: make_sampler(spec),
+                               None if spec.sampler == "uniform" else priorities.of_starts)
+    priorities.listeners.append(sequences.set_priorities)
+    return sequences
+
+
+def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
+            cache_bytes: int | None) -> ReplayStore:
+    """A new store's files at `root` (absent or an empty directory), opened for writing."""
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise InvalidInputError(f"{root} already exists and is not an empty directory")
+    create_frames_array(root, spec)
+    return cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
+               lock_fd=take_lock(root))
+
+
+def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:
+    if mode not in ("r", "r+"):
+        raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
+    if rate_limiter is not None and (mode == "r" or is_url(path)):
+        raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
+
+
+def _set_sequence_priorities(store: ReplayStore, ids: Any, td_errors: Any, eta: float) -> int:
+    rows, errors = validate.sequence_priorities(ids, td_errors)
+    eta = validate.unit_interval("eta", eta)
+    store._priorities.require("update_sequence_priorities", ("prioritized",))
+    flat, found = store._sequences.starts_of(rows[:, 0])
+    values = sequence_priority(rows, errors, eta)
+    return store._priorities.set(flat[found], values[found])
+
+
+def _commit(store: ReplayStore) -> None:
+    """One generation: frames on disk first, then steps, priorities, RNG and limiter counters
+    named by a new manifest (`Committer.commit`). Under the store's lock."""
+    store._reader.refresh()  # new transitions get their priorities before they are saved
+    if store.durable:
+        store._frames.sync()
+    else:
+        store._frames.drain()  # the manifest may only name chunks that are on disk
+    store._commits.commit(store._ring, store._frames.tail_frames(),
+                          store._rng.bit_generator.state, **store._priorities.commit_fields(),
+                          rate_limiter=store.rate_limiter_state())
+    store._ring.dirty_blocks.clear()
+    store._priorities.dirty.clear()
+
+
+def _close(store: ReplayStore) -> None:
+    store._limits.close()  # wakes prefetch threads waiting on it
+    for it in list(store._prefetchers):
+        it.close()  # before taking the lock: their threads may be waiting for it
+    with store._lock:
+        if store._closed:
+            return
+        try:
+            if store.writable:
+                store.flush()
+        finally:
+            store._closed = True
+            lock_fd, store._lock_fd = store._lock_fd, None
+            _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
+
+
+def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
+    """The steps one `add` records (what the rate limiter counts as inserts)."""
+    if env_ids is None and autoreset is None:
+        return num_envs
+    return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
 
 
 def _items(value: Any) -> int:
