@@ -55,6 +55,7 @@ from mmreplay.storage.manifest import (
     read_manifest,
 )
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
 
 READER_RETRIES = 5
@@ -89,7 +90,8 @@ class ReplayStore:
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None) -> None:
+                 cache_bytes: int | None, lock_fd: int | None,
+                 dictionary: bytes | None = None) -> None:
         self.path = root
         self.spec = spec
         self.writable = writable
@@ -101,7 +103,8 @@ class ReplayStore:
         self._scalar_step = validate.scalar_step_checker(spec)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
-                                  before_chunk_write=self._before_chunk_write)
+                                  before_chunk_write=self._before_chunk_write,
+                                  dictionary=dictionary)
         self._sampler = make_sampler(spec)
         self._sequences = SequenceReader(
             self._ring, self._frames, lambda: make_sampler(spec),
@@ -125,12 +128,17 @@ class ReplayStore:
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        With ``codec="zstd-dict"``, ``dictionary=`` (bytes) gives the zstd dictionary;
+        without it one is trained from the first chunks (see ``docs/compression.md``).
         """
+        dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
         cache_bytes = validate.cache_bytes(cache_bytes)
+        if dictionary is not None:
+            dictionary = parse_dictionary(spec.codec, dictionary)
         root = Path(path)
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             raise InvalidInputError(f"{root} already exists and is not an empty directory")
@@ -139,6 +147,8 @@ class ReplayStore:
         store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
                     lock_fd=take_lock(root))
         store._rng = np.random.default_rng(seed)
+        if dictionary is not None:
+            store._frames.set_dictionary(dictionary)
         store._commits.open_readers()
         store.flush()
         return store
@@ -206,9 +216,9 @@ class ReplayStore:
         spec = parse_spec(manifest)
         check_ram(spec, max_ram_bytes)
         check_manifest(manifest, spec)
-        check_store_files(root, manifest, spec)  # all before the first allocation
+        dictionary = check_store_files(root, manifest, spec)  # all before the first allocation
         store = cls(root, spec, writable=writable, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=None)
+                    lock_fd=None, dictionary=dictionary)
         try:
             store._load(manifest)
             if writable:
@@ -552,7 +562,7 @@ class ReplayStore:
             self._ring, self._frames.tail_frames(), self._rng.bit_generator.state,
             priorities=None if sampler is None else sampler.priorities(),
             max_priority=1.0 if sampler is None else sampler.max_priority(),
-            prio_dirty=self._prio_dirty)
+            prio_dirty=self._prio_dirty, dictionary=self._frames.dictionary_record())
         self._ring.dirty_blocks.clear()
         self._prio_dirty.clear()
 

@@ -1,0 +1,129 @@
+"""The per-store zstd dictionary of codec ``"zstd-dict"``: training, its file, its checks.
+
+A ``"zstd-dict"`` store compresses every frame chunk with one zstd dictionary, trained from
+the first chunks the store receives (or given at create) and fixed for the store's life::
+
+    <root>/manifest.json        "dictionary": {"size": 65536, "crc32c": 1234}  (format 4)
+    <root>/zstd.dict            the dictionary's bytes, exactly as libzstd takes them
+    <root>/frames/zarr.json     the same bytes in base64 (codec ``mmreplay.zstd_dict``), so
+                                that zarr alone reads the array with mmreplay installed
+
+Until the dictionary exists, finished chunks wait in RAM (`DictionaryTrainer`); when
+``dict_train_chunks`` of them have arrived (or the ring would overwrite one of them, or a
+flush needs them on disk) the dictionary is trained on their frames (one sample a frame)
+and they are written. Training on frames rather than chunks gave ~25% smaller Pong chunks.
+When zstd cannot train (too few or too uniform samples) the dictionary is raw content: the
+last frames seen, which zstd uses as a prefix to match against.
+
+This module knows dictionaries and the one file holding one; no slots, shards or manifests
+beyond the record it checks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import zstandard
+
+from mmreplay.errors import InvalidInputError, InvalidStoreError
+from mmreplay.storage.safe_io import read_small, write_atomic
+
+DICT_FILE = "zstd.dict"
+MIN_DICT_BYTES = 256
+MAX_DICT_BYTES = 1 << 20  # what an open reads at most; zarr.json holds it in base64 too
+DICT_MAGIC = b"\x37\xa4\x30\xec"  # a trained zstd dictionary starts so; else raw content
+
+
+def dictionary_record(data: bytes) -> dict[str, int]:
+    """What the manifest records of a dictionary: its size and crc32c."""
+    return {"size": len(data), "crc32c": google_crc32c.value(data)}
+
+
+def check_record(record: Any, where: str) -> None:
+    """A manifest's ``dictionary`` field on its own: ``{"size": int, "crc32c": int}``."""
+    ok = (isinstance(record, dict) and set(record) == {"size", "crc32c"}
+          and all(type(v) is int for v in record.values())
+          and 8 <= record["size"] <= MAX_DICT_BYTES and 0 <= record["crc32c"] <= 0xFFFFFFFF)
+    if not ok:
+        raise InvalidStoreError(f"{where}: dictionary must be {{'size': 8..{MAX_DICT_BYTES}, "
+                                f"'crc32c': uint32}}, got {record!r:.80}")
+
+
+def read_dictionary(root: Path, record: dict[str, int]) -> bytes:
+    """The dictionary file, checked against the manifest's record (`InvalidStoreError`)."""
+    data = read_small(root / DICT_FILE, f"zstd dictionary {DICT_FILE}", MAX_DICT_BYTES)
+    if len(data) != record["size"]:
+        raise InvalidStoreError(f"zstd dictionary {DICT_FILE} is {len(data)} bytes; the "
+                                f"manifest says {record['size']} (truncated or replaced)")
+    if google_crc32c.value(data) != record["crc32c"]:
+        raise InvalidStoreError(f"zstd dictionary {DICT_FILE} fails its crc32c checksum")
+    if data[:4] == DICT_MAGIC:
+        try:  # libzstd parses a trained dictionary's entropy tables here
+            zstandard.ZstdCompressionDict(
+                bytes(data), dict_type=zstandard.DICT_TYPE_FULLDICT).precompute_compress(level=1)
+        except zstandard.ZstdError as exc:
+            raise InvalidStoreError(f"zstd dictionary {DICT_FILE} is damaged: libzstd refuses "
+                                    f"it ({exc})") from None
+    return bytes(data)
+
+
+def write_dictionary(root: Path, data: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    write_atomic(root / DICT_FILE, data, tmp_dir, durable=durable)
+
+
+def parse_dictionary(codec: str, value: Any) -> bytes:
+    """A dictionary given at create: bytes-like, ``MIN_DICT_BYTES..MAX_DICT_BYTES``, for
+    codec "zstd-dict" only."""
+    if codec != "zstd-dict":
+        raise InvalidInputError(f"dictionary applies to codec 'zstd-dict' only, not {codec!r}")
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidInputError(f"dictionary must be bytes, got {type(value).__name__}")
+    data = bytes(value)
+    if not MIN_DICT_BYTES <= len(data) <= MAX_DICT_BYTES:
+        raise InvalidInputError(f"dictionary must hold {MIN_DICT_BYTES}..{MAX_DICT_BYTES} "
+                                f"bytes, got {len(data)}")
+    return data
+
+
+def train(frames: np.ndarray, size: int, level: int) -> bytes:
+    """A zstd dictionary of at most `size` bytes for chunks like these frames' (one sample a
+    frame); raw content (the last frames) when zstd cannot train on them."""
+    samples = [f.tobytes() for f in frames.reshape(len(frames), -1)]
+    try:
+        trained = zstandard.train_dictionary(size, samples, level=level).as_bytes()
+    except zstandard.ZstdError:
+        trained = b""
+    if len(trained) >= MIN_DICT_BYTES:
+        return trained
+    raw = b"".join(samples)[-(size - 1):]  # a leading zero byte: never a trained dict's magic
+    return b"\0" * max(1, MIN_DICT_BYTES - len(raw)) + raw
+
+
+class DictionaryTrainer:
+    """Finished chunks held in RAM, in arrival order, until the dictionary is trained."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks = chunks
+        self.held: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def add(self, key: tuple[int, int], frames: np.ndarray) -> None:
+        self.held[key] = frames
+
+    @property
+    def full(self) -> bool:
+        return len(self.held) >= self.chunks
+
+    def frames(self) -> np.ndarray:
+        """Every held chunk's frames, one row a frame."""
+        held = list(self.held.values())
+        return np.concatenate(held) if held else np.zeros((0, 1), np.uint8)
+
+    def take(self) -> list[tuple[tuple[int, int], np.ndarray]]:
+        """Every held chunk, in arrival order; none is held after."""
+        items = list(self.held.items())
+        self.held.clear()
+        return items
