@@ -514,17 +514,16 @@ def test_store_is_a_plain_store(tmp_path):
         assert store.spec.obs_shape == (1, 6, 5) and store.counts.transitions == 25
 
 
-def test_readme_snippet_runs(tmp_path, monkeypatch):
-    """The README's SB3 snippet, with a small buffer and a short run."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## With Stable-Baselines3", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+def test_docs_snippet_runs(tmp_path, monkeypatch):
+    """The SB3 guide's first snippet, with a small buffer and a short run."""
+    guide = (Path(__file__).parent.parent / "docs" / "guides" / "sb3.md").read_text()
+    code = guide.split("```python\n", 1)[1].split("```", 1)[0]
     small = code.replace("buffer_size=1_000_000", "buffer_size=2_000").replace(
         "model.learn(100_000)", "model.learn(64)")
     assert small != code and "FrameOnceReplayBuffer" in small
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
-    exec(compile(small, "README.md", "exec"), scope)
+    exec(compile(small, "docs/guides/sb3.md", "exec"), scope)
     buf = scope["model"].replay_buffer
     assert isinstance(buf, FrameOnceReplayBuffer) and buf.store.counts.transitions == 64
     assert buf.store.spec.obs_shape == (1, 84, 84) and buf.store.spec.frame_stack == 4
