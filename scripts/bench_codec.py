@@ -7,11 +7,13 @@ Compares, per game, on one recorded stream of real ALE frames (84x84, random pol
     zstd-dict    chunks of 8 or 4 frames, zstd level 1 or 3, a 16 or 64 KiB dictionary the
                  store trains on its first chunks (``dict_train_chunks``)
 
-bytes are everything the frames cost on disk (``frames/`` and the dictionary file); decode
-µs is the compiled decode of one chunk (the store's own codec, batches of 64 chunks, best
-of 3 passes); add is steps/s while filling the store. Then, on one game, ``sample(32)`` and
-``add`` of lz4 and zstd-dict side by side in the same run, at each store size (the recorded
-stream repeated), sample rounds interleaved between the stores so machine drift hits both.
+bytes are everything the frames cost on disk (``frames/``, whose ``zarr.json`` carries the
+dictionary in base64, and the dictionary file; ``chunk_bytes`` counts the frame files alone);
+decode µs is the compiled decode of one chunk (the store's own codec, batches of 64 chunks,
+best of 5 passes interleaved across the configurations); add is steps/s while filling the
+store. Then, on one game, ``sample(32)`` and ``add`` of lz4 and zstd-dict side by side in the
+same run, at each store size (the recorded stream repeated): the stores are filled 5,000
+steps each in turn and sampled in interleaved rounds, so machine drift hits all alike.
 
     python scripts/bench_codec.py                       # the issue's run: 30k frames a game
     python scripts/bench_codec.py --frames 2000 --sizes 20000 --reps 50   # a quick look
@@ -95,18 +97,34 @@ def label(config: dict[str, Any]) -> str:
             f"l{config['codec_level']}")
 
 
-def feed(store: ReplayStore, rec: AleFrames, stop: int) -> float:
-    """Stream positions 0..stop-1 of `rec` repeated; returns add steps/s (reset included)."""
+def feed(store: ReplayStore, rec: AleFrames, stop: int, begin: int = 0) -> float:
+    """Stream positions begin..stop-1 of `rec` repeated; returns steps/s (resets included)."""
     n = len(rec)
     start = time.perf_counter()
-    for i in range(stop):
+    for i in range(begin, stop):
         j = i % n
         if rec.is_first[j]:
             store.reset(rec.frames[j])
         else:
             store.add(rec.actions[j], rec.rewards[j], rec.frames[j], rec.terminated[j],
                       rec.truncated[j])
-    return stop / (time.perf_counter() - start)
+    return (stop - begin) / (time.perf_counter() - start)
+
+
+def interleaved_fill(stores: dict[str, tuple[ReplayStore, Path]], rec: AleFrames,
+                     capacity: int, block: int = 5000) -> dict[str, dict[str, Any]]:
+    """Fill every store with the same `capacity` steps, `block` steps each in turn; add
+    steps/s over the whole fill (training stall included), then the frame bytes."""
+    spent = dict.fromkeys(stores, 0.0)
+    for begin in range(0, capacity, block):
+        stop = min(begin + block, capacity)
+        for name, (store, _) in stores.items():
+            spent[name] += (stop - begin) / feed(store, rec, stop, begin)
+    out = {}
+    for name, (store, root) in stores.items():
+        store.flush()
+        out[name] = {"add_steps_per_s": capacity / spent[name], "bytes": store_bytes(root)}
+    return out
 
 
 def store_bytes(root: Path) -> int:
@@ -121,36 +139,41 @@ def chunk_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "frames").glob("c.*"))
 
 
-def decode_us(store: ReplayStore, root: Path, frames: np.ndarray) -> float:
-    """µs per chunk of the store's compiled decode, on the stream's chunks encoded as the
-    store encodes them (batches of 64, best of 3 passes)."""
-    spec = store.spec
-    dictionary = (root / "zstd.dict").read_bytes() if spec.codec == "zstd-dict" else None
-    codec = ChunkCodec(spec, dictionary)
-    c = spec.chunk_frames
-    chunks = [codec.encode(frames[i:i + c]) for i in range(0, len(frames) - c + 1, c)]
-    bufs = [np.frombuffer(b, np.uint8) for b in chunks]
-    src = np.array([b.ctypes.data for b in bufs], np.int64)
-    size = np.array([b.size for b in bufs], np.int64)
-    rows = np.empty((64, codec.nbytes), np.uint8)
-    dest = np.arange(64, dtype=np.int64)
-    best = np.inf
-    for _ in range(3):
-        start = time.perf_counter()
-        for i in range(0, len(chunks), 64):
-            n = min(64, len(chunks) - i)
-            status = codec.decode_many(src[i:i + n], size[i:i + n], rows, dest[:n])
-            assert not status.any()
-        best = min(best, time.perf_counter() - start)
-    return best / len(chunks) * 1e6
-
-
 def recording(game: str, args: Args) -> AleFrames:
     cache = {"cache_dir": args.cache_dir} if args.cache_dir else {}
     return record_frames(f"ALE/{game}-v5", args.frames, seed=0, **cache)
 
 
+class Decoder:
+    """The store's compiled decode over the stream's chunks, encoded as the store encodes
+    them; `time` is one pass in batches of 64 chunks (µs per chunk)."""
+
+    def __init__(self, store: ReplayStore, root: Path, frames: np.ndarray) -> None:
+        spec = store.spec
+        dictionary = (root / "zstd.dict").read_bytes() if spec.codec == "zstd-dict" else None
+        self.codec = ChunkCodec(spec, dictionary)
+        c = spec.chunk_frames
+        self.chunks = [self.codec.encode(frames[i:i + c])
+                       for i in range(0, len(frames) - c + 1, c)]
+        bufs = [np.frombuffer(b, np.uint8) for b in self.chunks]
+        self.src = np.array([b.ctypes.data for b in bufs], np.int64)
+        self.size = np.array([b.size for b in bufs], np.int64)
+        self.rows = np.empty((64, self.codec.nbytes), np.uint8)
+        self.dest = np.arange(64, dtype=np.int64)
+
+    def time(self) -> float:
+        start = time.perf_counter()
+        for i in range(0, len(self.chunks), 64):
+            n = min(64, len(self.chunks) - i)
+            status = self.codec.decode_many(self.src[i:i + n], self.size[i:i + n], self.rows,
+                                            self.dest[:n])
+            assert not status.any()
+        return (time.perf_counter() - start) / len(self.chunks) * 1e6
+
+
 def bench_game(game: str, args: Args, work: Path) -> dict[str, Any]:
+    """Every configuration's store of the game's stream (filled in turn), then their decode
+    times in interleaved passes (best of 5 each), so machine drift hits all alike."""
     rec = recording(game, args)
     raw = rec.frames.nbytes
     start = time.perf_counter()
@@ -158,6 +181,7 @@ def bench_game(game: str, args: Args, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"frames": len(rec), "raw_bytes": raw, "gzip9_bytes": gz,
                            "gzip9_ratio": raw / gz, "gzip9_s": time.perf_counter() - start,
                            "codecs": {}}
+    decoders = {}
     for config in CONFIGS:
         root = work / f"{game}-{label(config).replace(' ', '-')}"
         extra = {"dict_train_chunks": args.dict_train_chunks} if config["codec"] != "lz4" else {}
@@ -169,14 +193,19 @@ def bench_game(game: str, args: Args, work: Path) -> dict[str, Any]:
         out["codecs"][label(config)] = {
             **config, "bytes": nbytes, "ratio": raw / nbytes, "vs_gzip9": nbytes / gz,
             "chunk_bytes": chunks, "chunk_ratio": raw / chunks, "chunk_vs_gzip9": chunks / gz,
-            "decode_us_per_chunk": decode_us(store, root, rec.frames),
             "add_steps_per_s": rate}
+        decoders[label(config)] = Decoder(store, root, rec.frames)
         store.close()
         shutil.rmtree(root)
-        print(f"{game:14s} {label(config):24s} ratio {raw / nbytes:6.1f} (chunks alone "
-              f"{raw / chunks:6.1f}; gzip {raw / gz:6.1f})"
-              f" decode {out['codecs'][label(config)]['decode_us_per_chunk']:5.1f} µs"
-              f"  add {rate:7.0f}/s", flush=True)
+    best = {name: d.time() for name, d in decoders.items()}
+    for _ in range(4):
+        for name, d in decoders.items():
+            best[name] = min(best[name], d.time())
+    for name, row in out["codecs"].items():
+        row["decode_us_per_chunk"] = best[name]
+        print(f"{game:14s} {name:24s} ratio {row['ratio']:6.1f} (chunks alone "
+              f"{row['chunk_ratio']:6.1f}; gzip {out['gzip9_ratio']:6.1f}) decode "
+              f"{best[name]:5.1f} µs  add {row['add_steps_per_s']:7.0f}/s", flush=True)
     return out
 
 
@@ -193,15 +222,12 @@ def bench_sampling(args: Args, work: Path) -> dict[str, Any]:
     rec = recording(args.sample_game, args)
     result: dict[str, Any] = {}
     for capacity in args.sizes:
-        stores, row = {}, {}
+        stores = {}
         for name, config in sample_configs(args).items():
             root = work / f"sample-{capacity}-{name.replace(' ', '-')}"
-            store = ReplayStore.create(root, capacity=capacity, obs_shape=(84, 84),
-                                       frame_stack=FRAME_STACK, seed=0, **config)
-            row[name] = {"add_steps_per_s": feed(store, rec, capacity)}
-            store.flush()
-            row[name]["bytes"] = store_bytes(root)
-            stores[name] = (store, root)
+            stores[name] = (ReplayStore.create(root, capacity=capacity, obs_shape=(84, 84),
+                                               frame_stack=FRAME_STACK, seed=0, **config), root)
+        row = interleaved_fill(stores, rec, capacity)
         times: dict[str, list[float]] = {name: [] for name in stores}
         for _ in range(max(1, args.reps // 100)):  # interleaved rounds of 100
             for name, (store, _) in stores.items():
