@@ -228,7 +228,7 @@ def parse_dict_options(codec: str, kwargs: dict[str, Any]) -> dict[str, int]:
         return {}
     return {
         "dict_bytes": parse_int("dict_bytes", given.get("dict_bytes", DEFAULT_DICT_BYTES),
-                                low=1 << 10, high=1 << 20),
+                                low=1 << 10, high=512 << 10),
         "dict_train_chunks": parse_int(
             "dict_train_chunks", given.get("dict_train_chunks", DEFAULT_DICT_TRAIN_CHUNKS),
             low=1, high=1 << 16),

@@ -840,7 +840,7 @@ def dict_cases() -> Iterator[Case]:
     yield on_dict("version-3", set_path(("format_version",), 3))
     yield on_dict("version-5", set_path(("format_version",), 5))
     for key, value in [("codec", "lz4"), ("codec", "zstd"), ("dict_bytes", 10),
-                       ("dict_bytes", 2**21), ("dict_bytes", DELETE), ("dict_bytes", "1024"),
+                       ("dict_bytes", 2**20), ("dict_bytes", DELETE), ("dict_bytes", "1024"),
                        ("dict_train_chunks", 0), ("dict_train_chunks", DELETE),
                        ("codec_level", 0), ("codec_level", 20)]:
         tag = "del" if value is DELETE else str(value)

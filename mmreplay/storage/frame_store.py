@@ -30,7 +30,6 @@ episodes, stacking, priorities or torch.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -46,13 +45,7 @@ from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
 from mmreplay.storage.safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
-from mmreplay.storage.zarr_codec import with_dictionary
-from mmreplay.storage.zstd_dict import (
-    DictionaryTrainer,
-    dictionary_record,
-    train,
-    write_dictionary,
-)
+from mmreplay.storage.zstd_dict import DictionaryTrainer, dictionary_record, install, train
 
 FRAMES = "frames"
 # With more decoded chunks cached than this, every chunk of a read is looked up in the cache
@@ -256,33 +249,22 @@ class FrameStore:
 
     # -- the dictionary of "zstd-dict" ------------------------------------------
     def _hold_for_training(self, env: int, chunk: int, frames: np.ndarray) -> None:
-        """Hold a chunk until the dictionary exists; train once enough are held (or before
-        a new lap would replace a held one)."""
+        """Hold a chunk until the dictionary exists (`DictionaryTrainer` says when)."""
         assert self._trainer is not None
-        if (env, chunk) in self._trainer.held:
-            self.train_dictionary()
-            self._emit_chunk(env, chunk, frames)
-            return
-        self._trainer.add((env, chunk), frames)
-        if self._trainer.full:
+        if self._trainer.add((env, chunk), frames):
             self.train_dictionary()
 
     def train_dictionary(self) -> None:
         """Train the dictionary on the held chunks' frames and write them (no-op unless a
         "zstd-dict" store holds chunks waiting for one)."""
-        if self._trainer is None or not self._trainer.held:
-            return
-        self.set_dictionary(train(self._trainer.frames(), self.spec.dict_bytes,
-                                  self.spec.codec_level))
+        if self._trainer is not None and len(self._trainer):
+            self.set_dictionary(train(self._trainer.frames(), self.spec.dict_bytes,
+                                      self.spec.codec_level))
 
     def set_dictionary(self, dictionary: bytes) -> None:
-        """Fix the store's dictionary: its file, then ``zarr.json``, then the chunks held
+        """Fix the store's dictionary: its file and ``zarr.json``, then the chunks held
         for it."""
-        write_dictionary(self._root, dictionary, self._tmp_dir, durable=self._durable)
-        meta_path = self._dir / "zarr.json"
-        meta = json.loads(read_small(meta_path, "frames/zarr.json", 1 << 20))
-        write_atomic(meta_path, json.dumps(with_dictionary(meta, dictionary), indent=2).encode(),
-                     self._tmp_dir, durable=self._durable)
+        install(self._root, dictionary, self._tmp_dir, durable=self._durable)
         self._codec.set_dictionary(dictionary)
         held = self._trainer.take() if self._trainer is not None else []
         self._trainer = None
@@ -413,7 +395,7 @@ class FrameStore:
             return None
         keys: list[tuple[int, int]] = [*self._held, *self._cache]
         if self._trainer is not None:
-            keys += list(self._trainer.held)
+            keys += self._trainer.keys()
         if self._writer is not None:
             keys += list(self._writer.failed)
         if self._shard_writer is not None:
@@ -466,7 +448,7 @@ class FrameStore:
         if found is None:
             found = self._held.get((env, chunk))
         if found is None and self._trainer is not None:
-            found = self._trainer.held.get((env, chunk))
+            found = self._trainer.get((env, chunk))
         if found is None and self._writer is not None:
             failed = self._writer.failed.get((env, chunk))
             found = None if failed is None else failed[1]

@@ -22,7 +22,7 @@ beyond the record it checks.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import json
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,12 @@ import zstandard
 
 from mmreplay.errors import InvalidInputError, InvalidStoreError
 from mmreplay.storage.safe_io import read_small, write_atomic
+from mmreplay.storage.zarr_codec import with_dictionary
 
 DICT_FILE = "zstd.dict"
 MIN_DICT_BYTES = 256
-MAX_DICT_BYTES = 1 << 20  # what an open reads at most; zarr.json holds it in base64 too
+MAX_DICT_BYTES = 512 << 10  # what an open reads at most; zarr.json holds it in base64 too
+MAX_ZARR_JSON_BYTES = 1 << 20  # as `layout` reads it: the largest dictionary fits in base64
 # fastcover's segment and d-mer sizes: on 30k Atari frames of five games (2,048 training
 # frames, 64 KiB) they gave 46-151x where the parameter search gave 46-141x, in 0.3 s not 1.3 s
 TRAIN_K, TRAIN_D = 2048, 6
@@ -109,26 +111,48 @@ def train(frames: np.ndarray, size: int, level: int) -> bytes:
 
 
 class DictionaryTrainer:
-    """Finished chunks held in RAM, in arrival order, until the dictionary is trained."""
+    """Finished chunks held in RAM, in arrival order, until the dictionary is trained.
+
+    A key may arrive twice (the ring wrapped before training): both are kept, in order, so
+    the writes after training replay exactly what the store would have written."""
 
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
-        self.held: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._items: list[tuple[tuple[int, int], np.ndarray]] = []
+        self._latest: dict[tuple[int, int], np.ndarray] = {}
 
-    def add(self, key: tuple[int, int], frames: np.ndarray) -> None:
-        self.held[key] = frames
+    def add(self, key: tuple[int, int], frames: np.ndarray) -> bool:
+        """Hold a chunk; True when the dictionary should be trained now (enough chunks, or
+        the ring came back to a held chunk)."""
+        again = key in self._latest
+        self._items.append((key, frames))
+        self._latest[key] = frames
+        return again or len(self._items) >= self.chunks
 
-    @property
-    def full(self) -> bool:
-        return len(self.held) >= self.chunks
+    def get(self, key: tuple[int, int]) -> np.ndarray | None:
+        """The newest held frames of chunk `key`, if held."""
+        return self._latest.get(key)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return list(self._latest)
 
     def frames(self) -> np.ndarray:
         """Every held chunk's frames, one row a frame."""
-        held = list(self.held.values())
-        return np.concatenate(held) if held else np.zeros((0, 1), np.uint8)
+        return np.concatenate([frames for _, frames in self._items])
 
     def take(self) -> list[tuple[tuple[int, int], np.ndarray]]:
         """Every held chunk, in arrival order; none is held after."""
-        items = list(self.held.items())
-        self.held.clear()
+        items, self._items, self._latest = self._items, [], {}
         return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def install(root: Path, dictionary: bytes, tmp_dir: Path, *, durable: bool) -> None:
+    """Write the dictionary file, then set it in ``frames/zarr.json`` (both atomically)."""
+    write_dictionary(root, dictionary, tmp_dir, durable=durable)
+    path = root / "frames" / "zarr.json"
+    meta = json.loads(read_small(path, "frames/zarr.json", MAX_ZARR_JSON_BYTES))
+    write_atomic(path, json.dumps(with_dictionary(meta, dictionary), indent=2).encode(),
+                 tmp_dir, durable=durable)
