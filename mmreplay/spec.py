@@ -133,6 +133,7 @@ class StoreSpec:
 
 def make_spec(**kwargs: Any) -> StoreSpec:
     """Validate user-facing arguments and return a complete `StoreSpec`."""
+    codec = parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)
     spec = StoreSpec(
         capacity=parse_int("capacity", kwargs.pop("capacity"), low=2, high=MAX_CAPACITY),
         obs_shape=parse_shape("obs_shape", kwargs.pop("obs_shape")),
@@ -147,7 +148,7 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         action_dtype=parse_dtype("action_dtype", kwargs.pop("action_dtype", "int64")),
         chunk_frames=parse_int("chunk_frames", kwargs.pop("chunk_frames", 0), low=0, high=1 << 16),
         shard_chunks=parse_int("shard_chunks", kwargs.pop("shard_chunks", 0), low=0, high=1 << 16),
-        codec=(codec := parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)),
+        codec=codec,
         codec_level=parse_codec_level(codec, kwargs.pop("codec_level", None)),
         block_slots=parse_int("block_slots", kwargs.pop("block_slots", 4096), low=1, high=1 << 24),
         sampler=parse_choice("sampler", kwargs.pop("sampler", "uniform"), SAMPLERS),

@@ -49,7 +49,7 @@ def dictionary_record(data: bytes) -> dict[str, int]:
     return {"size": len(data), "crc32c": google_crc32c.value(data)}
 
 
-def check_record(record: Any, where: str) -> None:
+def check_record(record: Any, where: str | Path) -> None:
     """A manifest's ``dictionary`` field on its own: ``{"size": int, "crc32c": int}``."""
     ok = (isinstance(record, dict) and set(record) == {"size", "crc32c"}
           and all(type(v) is int for v in record.values())
@@ -98,7 +98,8 @@ def parse_dictionary(codec: str, value: Any) -> bytes:
 def train(frames: np.ndarray, size: int, level: int) -> bytes:
     """A zstd dictionary of at most `size` bytes for chunks like these frames' (one sample a
     frame); raw content (the last frames) when zstd cannot train on them."""
-    samples = [f.tobytes() for f in frames.reshape(len(frames), -1)]
+    samples: list[bytes | bytearray | memoryview] = [
+        f.tobytes() for f in frames.reshape(len(frames), -1)]
     try:  # fastcover with fixed k, d: as small as its parameter search, 4x faster to train
         trained = zstandard.train_dictionary(size, samples, k=min(TRAIN_K, size), d=TRAIN_D,
                                              level=level).as_bytes()
