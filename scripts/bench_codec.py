@@ -59,7 +59,7 @@ class Args:
     """the game of the sample/add comparison"""
     sizes: list[int] = field(default_factory=lambda: [200_000, 1_000_000])
     """store capacities (frames) of the sample/add comparison"""
-    sample_dict_kib: int = 64
+    sample_dict_kib: int = 16
     """dictionary KiB of the zstd-dict stores in the sample/add comparison"""
     sample_level: int = 1
     """zstd level of the zstd-dict stores in the sample/add comparison"""

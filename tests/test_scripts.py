@@ -248,7 +248,7 @@ def test_bench_codec_smoke(tmp_path: Path) -> None:
     for row in pong["codecs"].values():
         assert row["bytes"] > row["chunk_bytes"] > 0 and row["decode_us_per_chunk"] > 0
     lz4, zd = pong["codecs"]["lz4 c8"], pong["codecs"]["zstd-dict c8 64K l1"]
-    assert lz4["codec"] == "lz4" and zd["dict_bytes"] == 64 << 10
+    assert lz4["codec"] == "lz4" and zd["dict_bytes"] == 64 << 10 and zd["codec_level"] == 1
     row = result["sampling"]["1200"]
     assert set(row) == {"lz4 c8", "zstd-dict c8", "zstd-dict c4"}
     assert row["lz4 c8"]["sample_vs_lz4"] == 1.0
