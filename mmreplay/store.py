@@ -57,7 +57,7 @@ from mmreplay.storage.commit import (
     take_lock,
 )
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
-from mmreplay.storage.layout import check_store_files
+from mmreplay.storage.layout import check_store_files, store_dictionary
 from mmreplay.storage.manifest import (
     MAX_RAM_BYTES,
     check_manifest,
@@ -69,6 +69,7 @@ from mmreplay.storage.manifest import (
 from mmreplay.storage.objects import is_url, open_objects
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews
 
@@ -136,7 +137,7 @@ class ReplayStore(BucketMethods):
         self._commits = Committer(root, spec, durable=durable)
         self._frames = _frame_store(root, spec, writable, durable, cache_bytes,
                                     functools.partial(self._commits.give_up_chunks, self._ring),
-                                    remote)
+                                    remote, manifest)
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
@@ -166,13 +167,16 @@ class ReplayStore(BucketMethods):
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
         `mirror` (a URL) pushes every flush there in the background, with `storage_options`
         (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
-        `rate_limiter`: see `set_rate_limiter`.
+        `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
+        (bytes), or trains one from the first chunks (docs/compression.md).
         """
+        dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
-        store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes))
+        store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes),
+                        dictionary)
         store.reseed(seed)
         store.set_rate_limiter(rate_limiter)
         store.flush()
@@ -423,11 +427,12 @@ class ReplayStore(BucketMethods):
 
 def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
                  cache_bytes: int | None, before_chunk_write: Callable[..., Any],
-                 remote: RemoteChunks | None) -> FrameStore:
+                 remote: RemoteChunks | None, manifest: dict[str, Any] | None) -> FrameStore:
     return FrameStore(root, spec, writable=writable, durable=durable,
                       cache_bytes=validate.cache_budget(spec, cache_bytes),
                       before_chunk_write=before_chunk_write,
-                      fetch=None if remote is None else remote.ensure)
+                      fetch=None if remote is None else remote.ensure,
+                      dictionary=None if manifest is None else store_dictionary(root, manifest))
 
 
 def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) -> SequenceReader:
@@ -439,13 +444,19 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
 
 
 def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
-            cache_bytes: int | None) -> ReplayStore:
-    """A new store's files at `root` (absent or an empty directory), opened for writing."""
+            cache_bytes: int | None, dictionary: Any = None) -> ReplayStore:
+    """A new store's files at `root` (absent or an empty directory), opened for writing;
+    a "zstd-dict" store takes `dictionary` (bytes) if given."""
+    if dictionary is not None:
+        dictionary = parse_dictionary(spec.codec, dictionary)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise InvalidInputError(f"{root} already exists and is not an empty directory")
     create_frames_array(root, spec)
-    return cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
-               lock_fd=take_lock(root))
+    store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
+                lock_fd=take_lock(root))
+    if dictionary is not None:
+        store._frames.set_dictionary(dictionary)
+    return store
 
 
 def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:
@@ -474,7 +485,8 @@ def _commit(store: ReplayStore) -> None:
         store._frames.drain()  # the manifest may only name chunks that are on disk
     store._commits.commit(store._ring, store._frames.tail_frames(),
                           store._rng.bit_generator.state, **store._priorities.commit_fields(),
-                          rate_limiter=store.rate_limiter_state())
+                          rate_limiter=store.rate_limiter_state(),
+                          dictionary=store._frames.dictionary_record())
     store._ring.dirty_blocks.clear()
     store._priorities.dirty.clear()
 

@@ -26,7 +26,7 @@ def fill(store, env, values):
     store.drain()  # chunk writes happen on a background thread
 
 
-@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+@pytest.mark.parametrize("codec", ["lz4", "zstd", "zstd-dict"])
 @pytest.mark.parametrize(("slots", "chunk"), [(7, 4), (8, 4), (5, 1), (6, 6)])
 def test_written_chunks_read_back_with_plain_zarr(tmp_path, slots, chunk, codec):
     spec, store = make(tmp_path, slots=slots, chunk=chunk, codec=codec)

@@ -75,8 +75,10 @@ class Committer:
     def commit(self, ring: StepRing, tail: np.ndarray, rng_state: Mapping[str, Any], *,
                priorities: np.ndarray | None = None, max_priority: float = 1.0,
                prio_dirty: set[int] | None = None,
-               rate_limiter: dict[str, Any] | None = None) -> None:
-        """Write what changed since the last commit, then the manifest, then clean up.
+               rate_limiter: dict[str, Any] | None = None,
+               dictionary: dict[str, int] | None = None) -> None:
+        """Write what changed since the last commit, then the manifest (recording the
+        `dictionary` of a "zstd-dict" store once it has one), then clean up.
         `rate_limiter`: a rate limiter's counters, committed with the steps they count."""
         gen = self.generation + 1
         files = dict(self.committed.get("files", {}))
@@ -92,6 +94,8 @@ class Committer:
             manifest["max_priority"] = max_priority
         if rate_limiter is not None:
             manifest["rate_limiter"] = dict(rate_limiter)
+        if dictionary is not None:
+            manifest["dictionary"] = dictionary
         if self.durable:
             self._sync_dirs()
         old = self.committed
