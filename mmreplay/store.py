@@ -338,6 +338,14 @@ class ReplayStore:
                 f"update_priorities needs sampler='prioritized' or 'rank'; this store samples "
                 f"{self.spec.sampler!r}")
         self._refresh()
+        if isinstance(sampler, PrioritizedSampler):  # one compiled call: ids to tree leaves
+            applied = sampler.set_id_priorities(wanted, values, self._ring.id_map())
+            if applied is None:  # some ids live in the ring's spill table
+                applied = sampler.set_id_priorities(wanted, values, self._ring.id_map(),
+                                                    self._ring.spilled(wanted))
+            assert applied is not None  # `pre` given: nothing is missed
+            self._priorities_set(applied.slots, applied.priorities)
+            return int(applied.slots.size)
         flat, found = self._ring.flat_of_ids(wanted)
         return self._set_step_priorities(sampler, flat[found], values[found])
 
@@ -442,9 +450,14 @@ class ReplayStore:
         flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
         values = values[::-1][first]
         sampler.set_priorities(flat, values)
+        self._priorities_set(flat, values)
+        return int(flat.size)
+
+    def _priorities_set(self, flat: np.ndarray, values: np.ndarray) -> None:
+        """After the sampler took new priorities of these step slots: the sequence indexes
+        take them too, and their step blocks are saved by the next flush."""
         self._sequences.set_priorities(flat, values)
         self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
-        return int(flat.size)
 
     def _start_priorities(self, flat: np.ndarray) -> np.ndarray:
         sampler = self._priority_sampler()

@@ -143,7 +143,7 @@ def priorities(value: Any, count: int) -> np.ndarray:
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
     arr = arr.astype(np.float64)
-    if not (np.isfinite(arr).all() and (arr >= 0).all()):
+    if arr.size and not (arr.min() >= 0.0 and arr.max() < np.inf):  # NaN fails both
         bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
         raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
     return arr

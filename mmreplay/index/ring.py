@@ -68,6 +68,19 @@ class Lookup:
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
 
 
+@dataclass(frozen=True)
+class IdMap:
+    """Where transition ids live, for compiled callers: id ``i`` in ``[0, next_id)`` is at flat
+    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `StepRing.spilled`.
+    Views of the ring's arrays: valid until the ring next changes."""
+
+    loc: np.ndarray
+    slot_ids: np.ndarray
+    valid: np.ndarray
+    next_id: int
+    spills: bool  # some live ids are only in the spill table
+
+
 class StepRing:
     """Per-env cursors, step columns, episode bounds and the validity mask."""
 
@@ -218,8 +231,7 @@ class StepRing:
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:
         """Recompute validity where it may have changed; returns (flat slots, valid)."""
         oldest = self.oldest
-        if np.array_equal(self._dirty_lo, self.written) and np.array_equal(
-                oldest, self._refreshed_oldest):
+        if (self._dirty_lo == self.written).all() and (oldest == self._refreshed_oldest).all():
             return np.empty(0, np.int64), np.empty(0, bool)  # nothing changed
         self._refreshed_oldest = oldest
         env, frames = self._candidates()
@@ -305,6 +317,22 @@ class StepRing:
         found &= slot_ids[flat] == ids
         found &= (self.valid if valid is None else valid)[flat]
         return flat, found
+
+    def id_map(self) -> IdMap:
+        """The id -> flat slot map and the validity mask as plain arrays (see `IdMap`)."""
+        return IdMap(self._id_loc, self.steps["id"].reshape(-1), self.valid, self.next_id,
+                     bool(self._id_spill))
+
+    def spilled(self, ids: np.ndarray) -> np.ndarray:
+        """Flat slot of each id by the map or, where a newer id took its entry, the spill
+        table; -1 for ids held nowhere (no validity check)."""
+        known = (ids >= 0) & (ids < self.next_id)
+        flat = np.where(known, self._id_loc[ids % self._id_loc.size], -1)
+        slot_ids = self.steps["id"].reshape(-1)
+        missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
+        if missed.size:
+            flat[missed] = [self._id_spill.get(i, -1) for i in ids[missed].tolist()]
+        return flat
 
     def valid_flat(self) -> np.ndarray:
         return np.flatnonzero(self.valid)

@@ -19,7 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
+from mmreplay.index.ring import IdMap
 from mmreplay.index.sum_tree import SumTree
+from mmreplay.kernels import priorities as priority_kernels
 from mmreplay.spec import StoreSpec
 
 FloatArray = npt.NDArray[np.float64]
@@ -33,6 +35,17 @@ class Draw:
 
     slots: np.ndarray
     weights: np.ndarray
+
+
+@dataclass(frozen=True)
+class Applied:
+    """Slots whose priorities an update set (increasing, unique) and the values set."""
+
+    slots: np.ndarray
+    priorities: np.ndarray
+
+
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 class Sampler(Protocol):
@@ -239,6 +252,32 @@ class PrioritizedSampler:
                 f"priority {float(p.max())!r} overflows (p + eps)^alpha with alpha={self.alpha}")
         self._tree.set(slots, masses)
         self._table.set(slots, p)
+
+    def set_id_priorities(self, ids: IntArray, priorities: FloatArray, where: IdMap,
+                          pre: IntArray | None = None) -> Applied | None:
+        """New raw priorities of transition `ids` found sampleable through `where`, in one
+        compiled call (the last value of a slot wins; other ids are ignored). Returns None,
+        changing nothing, when `where` spills and an id needs `pre`: its flat slots (-1
+        unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
+        kernels, tree = priority_kernels(), self._tree.arrays()
+        slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):  # the kernel rejects inf and NaN
+            masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
+        count = kernels.apply_priorities(
+            ids, priorities, masses, _NO_SLOTS if pre is None else pre, where.spills,
+            where.next_id, where.loc, where.slot_ids, where.valid, self._table.p, tree.sums,
+            tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
+            tree.leaf0, slots, values)
+        if count == kernels.MISSED:
+            return None
+        if count == kernels.BAD_VALUE:
+            _as_priorities(priorities, ids.size)  # raises, saying what is wrong
+        if count == kernels.OVERFLOW:
+            raise InvalidInputError(f"priority {float(priorities.max())!r} overflows "
+                                    f"(p + eps)^alpha with alpha={self.alpha}")
+        if count:
+            self._table.max_p = max(self._table.max_p, float(values[:count].max()))
+        return Applied(slots[:count], values[:count])
 
     def priorities(self) -> np.ndarray:
         return self._table.p.copy()

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from mmreplay.kernels import compiled
 
-__all__ = ["SumTree"]
+__all__ = ["SumTree", "TreeArrays"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -63,6 +63,20 @@ def _prefix_rows(kids: FloatArray, out: FloatArray | None = None) -> FloatArray:
 def _row_min(kids: FloatArray) -> FloatArray:
     """Smallest entry per row (argmin + gather beats np.minimum.reduce on short rows)."""
     return kids[np.arange(kids.shape[0]), kids.argmin(axis=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeArrays:
+    """A tree's node arrays and level table, as the compiled ``tree_set`` takes them."""
+
+    sums: FloatArray
+    mins: FloatArray
+    prefix: FloatArray
+    offsets: IntArray
+    fanouts: IntArray
+    firsts: IntArray
+    shifts: IntArray
+    leaf0: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +239,11 @@ class SumTree:
         self._leaf_mins[: self.capacity] = np.where(vals > 0.0, vals, np.inf)
         for level in reversed(self._levels):
             self._rebuild(level)
+
+    def arrays(self) -> TreeArrays:
+        """The node arrays, for a compiled caller that writes leaves with ``tree_set`` (sorted,
+        unique leaves; finite masses >= 0), which keeps every invariant of `check_valid`."""
+        return TreeArrays(self._sum, self._min, self._prefix, *self._walk, self._leaf0)
 
     # ----------------------------------------------------------------------------- invariants
 

@@ -4,15 +4,24 @@
 sum-tree walks) with plain-array signatures: it knows no files, manifests or torch. It loads
 numba, its on-disk cache and the C symbols it binds, so it is imported on a store's first read
 or sparse priority update through `compiled()`, never by ``import mmreplay``: opening a store
-for ``mmreplay info`` never loads it.
+for ``mmreplay info`` never loads it. `priority_kernels` (masses and a whole priority update
+in one call) is loaded the same way, through `priorities()`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
 
+@functools.cache
 def compiled() -> ModuleType:
     """`mmreplay.kernels.numba_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.numba_kernels")
+
+
+@functools.cache
+def priorities() -> ModuleType:
+    """`mmreplay.kernels.priority_kernels`, imported on the first call."""
+    return importlib.import_module("mmreplay.kernels.priority_kernels")
