@@ -32,6 +32,7 @@ imported only here (extra ``sb3``).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -61,6 +62,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
 STATE_VERSION = 1
+_ALL_FOLLOW = np.ones(64, bool)  # `StackLayout.follows` without stacking: read-only rows
+_ALL_FOLLOW.flags.writeable = False
 
 
 # -- stacks <-> frames ----------------------------------------------------------------------
@@ -142,7 +145,8 @@ class StackLayout:
     def follows(self, obs: np.ndarray, next_obs: np.ndarray) -> np.ndarray:
         """Per env: `next_obs` is `obs` shifted by one frame."""
         if self.frame_stack == 1:
-            return np.ones(obs.shape[0], bool)
+            return _ALL_FOLLOW[: obs.shape[0]] if obs.shape[0] <= _ALL_FOLLOW.size \
+                else np.ones(obs.shape[0], bool)
         return np.asarray(_flat(self.older(next_obs) == self.shifted(obs)).all(axis=1))
 
     def fresh(self, obs: np.ndarray) -> np.ndarray:
@@ -330,13 +334,13 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         step = self._checked_step(obs, next_obs, action, reward, done, infos)
         starts = ~self._running | ~_rows_equal(step.obs, self._last_next)
         starts_at = np.flatnonzero(starts)
-        stale = starts_at[~self.layout.fresh(step.obs[starts_at])]
-        if stale.size:
-            raise ValueError(
-                f"obs of env {int(stale[0])} starts an episode but its stack holds older "
-                f"frames: the buffer keeps the newest frame only, so an episode must start "
-                f"with a zero-padded stack (VecFrameStack reset)")
         if starts_at.size:
+            stale = starts_at[~self.layout.fresh(step.obs[starts_at])]
+            if stale.size:
+                raise ValueError(
+                    f"obs of env {int(stale[0])} starts an episode but its stack holds older "
+                    f"frames: the buffer keeps the newest frame only, so an episode must start "
+                    f"with a zero-padded stack (VecFrameStack reset)")
             frames = self.layout.newest(step.obs[starts_at])
             if self.n_envs == 1:
                 self.store.reset(frames[0])
@@ -356,8 +360,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                       infos: list[dict[str, Any]]) -> _Step:
         """`add`'s arguments as arrays of the right shapes, or a ValueError."""
         n = self.n_envs
-        arrays = [_shaped(name, value, (n, *self.obs_shape), self._obs_dtype)
-                  for name, value in (("obs", obs), ("next_obs", next_obs))]
+        shape = (n, *self.obs_shape)
+        arrays = [_shaped("obs", obs, shape, self._obs_dtype),
+                  _shaped("next_obs", next_obs, shape, self._obs_dtype)]
         act = np.asarray(action)
         if act.size != n * self.action_dim:
             raise ValueError(f"action shape {act.shape}: expected {n} x {self.action_dim} values")
@@ -366,9 +371,12 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if rew.size != n or flags.size != n or len(infos) != n:
             raise ValueError(f"reward, done and infos need {n} entries each (n_envs), got "
                              f"{rew.size}, {flags.size} and {len(infos)}")
-        if not np.isfinite(rew).all():
+        if not math.isfinite(rew.sum()) and not np.isfinite(rew).all():
             raise ValueError(f"rewards must be finite, got {rew.tolist()}")
-        if arrays[0].dtype.kind == "f" and not all(np.isfinite(a).all() for a in arrays):
+        # a sum is finite only if every element is (a sum that overflows checks them all)
+        if arrays[0].dtype.kind == "f" and not (math.isfinite(arrays[0].sum())
+                                                and math.isfinite(arrays[1].sum())) \
+                and not all(np.isfinite(a).all() for a in arrays):
             raise ValueError("obs and next_obs must be finite")
         if not self.layout.follows(arrays[0], arrays[1]).all():
             bad = int(np.flatnonzero(~self.layout.follows(arrays[0], arrays[1]))[0])
@@ -376,9 +384,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                 f"next_obs of env {bad} is not its obs shifted by one frame: observations must "
                 f"be VecFrameStack stacks of frame_stack={self.layout.frame_stack} frames")
         # As SB3's NStepReplayBuffer: a time-out ends the episode even without `done`.
-        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
-        if not self.handle_timeout_termination:
-            timeout[:] = False
+        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos]) \
+            if self.handle_timeout_termination else np.zeros(n, bool)
         return _Step(obs=arrays[0], next_obs=arrays[1],
                      action=act.reshape(n, self.action_dim).astype(self._action_dtype),
                      reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
@@ -497,7 +504,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 def _shaped(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = np.asarray(value)
-    if arr.size != int(np.prod(shape)):
+    if arr.size != math.prod(shape):
         raise ValueError(f"{name} shape {arr.shape} != expected {shape} (n_envs, *obs_shape)")
     if arr.dtype != dtype:
         raise ValueError(f"{name} dtype {arr.dtype} != observation space dtype {dtype}")
@@ -510,4 +517,4 @@ def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _flat(a: np.ndarray) -> np.ndarray:
     """``(N, ...)`` -> ``(N, rest)``, also for N = 0."""
-    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))
