@@ -402,10 +402,10 @@ def test_actions_that_do_not_fit_the_action_dtype_are_refused(tmp_path):
 
 def test_cache_budget_default_and_bad_values(tmp_path):
     small = make(tmp_path / "small")  # 64 frames of 12 bytes: every decoded chunk is cached
-    assert small._frames._cache.budget == 64 * 12
+    assert small._frames.cache_budget == 64 * 12
     big = make(tmp_path / "big", capacity=4000, obs_shape=(84, 84, 3, 4))  # 1.1 GiB: none
-    assert big._frames._cache.budget == 0
-    assert make(tmp_path / "set", cache_bytes=5)._frames._cache.budget == 5
+    assert big._frames.cache_budget == 0
+    assert make(tmp_path / "set", cache_bytes=5)._frames.cache_budget == 5
     for bad in (-1, 1.5, "1", True):
         with pytest.raises(InvalidInputError, match="cache_bytes"):
             ReplayStore.open(small.path, "r", cache_bytes=bad)

@@ -5,7 +5,8 @@ sum-tree walks) with plain-array signatures: it knows no files, manifests or tor
 numba, its on-disk cache and the C symbols it binds, so it is imported on a store's first read
 or sparse priority update through `compiled()`, never by ``import mmreplay``: opening a store
 for ``mmreplay info`` never loads it. `priority_kernels` (masses and a whole priority update
-in one call) is loaded the same way, through `priorities()`.
+in one call) and `table_kernels` (reads from a table of every decoded chunk) are loaded the
+same way, through `priorities()` and `tables()`.
 """
 
 from __future__ import annotations
@@ -25,3 +26,9 @@ def compiled() -> ModuleType:
 def priorities() -> ModuleType:
     """`mmreplay.kernels.priority_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.priority_kernels")
+
+
+@functools.cache
+def tables() -> ModuleType:
+    """`mmreplay.kernels.table_kernels`, imported on the first call."""
+    return importlib.import_module("mmreplay.kernels.table_kernels")

@@ -35,8 +35,9 @@ import zarr
 from zarr.codecs import Crc32cCodec
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.kernels import compiled
+from mmreplay.kernels import compiled, tables
 from mmreplay.spec import StoreSpec
+from mmreplay.storage.chunk_table import ChunkTable
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
 from mmreplay.storage.safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
@@ -159,12 +160,17 @@ class FrameStore:
         self._durable = durable
         self._codec = ChunkCodec(spec)
         self._max_bytes = max_chunk_bytes(spec)
-        self._cache = ChunkCache(cache_bytes)
+        self.cache_budget = cache_bytes  # decoded chunks kept in RAM: a table or an LRU
+        whole = spec.num_envs * spec.num_chunks * self._codec.nbytes
+        self._table = ChunkTable(spec.num_envs * spec.num_chunks, self._codec.nbytes,
+                                 spec.chunk_frames) if 0 < whole <= cache_bytes else None
+        self._cache = ChunkCache(0 if self._table is not None else cache_bytes)
         self._hook = before_chunk_write
         self._chunk_len = spec.chunk_frames
         self.num_chunks = spec.num_chunks
         self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
+        self._tail_rows = self.tail.reshape(spec.num_envs * spec.chunk_frames, -1).view(np.uint8)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
         sharded = spec.shard_chunks > 1  # format 2; else a file per chunk
         self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable and not sharded \
@@ -223,7 +229,10 @@ class FrameStore:
     def _write_chunk(self, env: int, chunk: int) -> None:
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
-        self._cache.put((env, chunk), frames)
+        if self._table is not None:
+            self._table.put(env * self.num_chunks + chunk, frames)
+        else:
+            self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
         if self._shard_writer is not None:
             self._shard_writer.add(env, chunk, self._codec.encode(frames))
@@ -304,6 +313,8 @@ class FrameStore:
         flat = flat.reshape(-1)
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
+        if self._table is not None:
+            return self._read_table(flat, out).view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
         count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
@@ -322,6 +333,42 @@ class FrameStore:
         dest = out[:size].reshape(flat.size, frame_bytes)
         compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
+
+    def _read_table(self, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """`read` through the table of every decoded chunk: one compiled plan, the chunks
+        it lacks loaded (from RAM or decoded from disk straight into their rows), one
+        compiled gather. Returns ``(flat.size, frame_bytes)`` uint8."""
+        kernels, table = tables(), self._table
+        assert table is not None
+        src = np.empty(flat.size, np.int64)
+        missing = np.empty(min(flat.size, table.num_keys), np.int64)
+        count = kernels.table_plan(flat, self.spec.slots_per_env, self._chunk_len,
+                                   self.num_chunks, self.next_slot, self.tail_fill,
+                                   table.loaded, src, missing)
+        if count:
+            self._load_rows(table, missing[:count])
+        frame_bytes = self._tail_rows.shape[1]
+        size = flat.size * frame_bytes
+        if out is None or out.size < size:
+            out = np.empty(size, np.uint8)
+        dest = out[:size].reshape(flat.size, frame_bytes)
+        kernels.table_gather(table.frames, self._tail_rows, src, dest)
+        return dest
+
+    def _load_rows(self, table: ChunkTable, keys: np.ndarray) -> None:
+        """Fill the table rows of chunks `keys`: from RAM (finished, not yet in their file)
+        or decoded from disk."""
+        disk = []
+        for key in keys.tolist():
+            chunk = self._in_ram(*divmod(key, self.num_chunks))
+            if chunk is None:
+                disk.append(key)
+            else:
+                table.put(key, chunk)
+        if disk:
+            rows = np.array(disk, np.int64)
+            self._decode(rows, rows, table.rows)
+            table.mark(rows)
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns

@@ -142,7 +142,7 @@ def ram_estimate(store: ReplayStore) -> RamEstimate:
     tail = store._frames.tail.nbytes
     return RamEstimate(steps_bytes=steps, masks_bytes=masks, sampler_bytes=sampler,
                        tail_bytes=tail, total_bytes=steps + masks + sampler + tail,
-                       cache_budget_bytes=store._frames._cache.budget)
+                       cache_budget_bytes=store._frames.cache_budget)
 
 
 def _array_bytes(obj: object, depth: int = 2) -> int:
