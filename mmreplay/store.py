@@ -543,7 +543,7 @@ class ReplayStore:
         return make_batch(frames=frames, action=look.action, reward=look.reward,
                           terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount, weights=weights,
-                          ids=look.ids, extras=look.extras)
+                          ids=look.ids, extras=look.extras, steps=look.steps)
 
     # -- persistence --------------------------------------------------------------
     @property

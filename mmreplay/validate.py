@@ -132,7 +132,7 @@ def transition_ids(ids: Any) -> np.ndarray:
 
 def beta(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
-            or not np.isfinite(value) or value < 0:
+            or not math.isfinite(value) or value < 0:
         raise InvalidInputError(f"beta must be a finite number >= 0, got {value!r}")
     return float(value)
 

@@ -64,6 +64,7 @@ class Lookup:
     terminated: np.ndarray
     truncated: np.ndarray
     discount: np.ndarray        # float64
+    steps: np.ndarray           # m: steps in the n-step window (fewer when the episode ends)
     ids: np.ndarray
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
 
@@ -350,9 +351,10 @@ class StepRing:
                          spec.stack_padding == "first", self._gamma_pow, cols["pos"],
                          cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
                          ret, term, trunc, discount)
+        steps = (next_obs[:, -1] - obs[:, -1]) % self.S  # frames t + m and t: one env, m < S
         return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
                       reward=ret, terminated=term, truncated=trunc, discount=discount,
-                      ids=cols["id"][flat], extras=self.extras_at(flat))
+                      steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat))
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""

@@ -82,7 +82,7 @@ class UniformSampler:
 
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float = 0.0) -> Draw:
         k = rng.integers(0, self.count(), size=batch_size)
-        slots = self._tree.find(k.astype(np.float64) + 0.5)
+        slots = self._tree.find_checked(k + 0.5)  # k + 0.5 < count == total
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
 
 

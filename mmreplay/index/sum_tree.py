@@ -191,11 +191,15 @@ class SumTree:
         remainder is clamped below the node's mass, and the first child whose prefix-row entry
         exceeds it is one where the (non-decreasing) row steps up, i.e. a child of positive mass.
         """
-        t = self._check_targets(targets)
-        out = np.zeros(t.shape, dtype=np.int64)
+        return self.find_checked(self._check_targets(targets))
+
+    def find_checked(self, targets: FloatArray) -> IntArray:
+        """`find` of float64 targets the caller knows lie in ``[0, total()]`` (no checks)."""
+        out = np.zeros(targets.shape, dtype=np.int64)
         if self._levels:
             offsets, fanouts, _, _ = self._walk
-            compiled().tree_find(self._prefix, offsets, fanouts, t.reshape(-1), out.reshape(-1))
+            compiled().tree_find(self._prefix, offsets, fanouts, targets.reshape(-1),
+                                 out.reshape(-1))
         return out
 
     def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:

@@ -413,8 +413,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
 
         ``dones`` is 1 for a window that ended in termination (not truncation);
         ``discounts`` is ``None`` for 1-step (SB3 then uses the algorithm's gamma), else
-        ``gamma ** m`` for a window of m steps (0 after termination, where
-        ``1 - dones`` is 0 too).
+        ``gamma ** m`` for a window of m steps, also after a termination, as SB3's
+        ``NStepReplayBuffer`` (the store's own ``Batch.discount`` is 0 there).
         """
         obs, next_obs = self.layout.to_sb3(batch.obs), self.layout.to_sb3(batch.next_obs)
         rewards = batch.reward.reshape(-1, 1)
@@ -422,13 +422,17 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             obs = torch.from_numpy(np.asarray(self._normalize_obs(obs.numpy(), env)))
             next_obs = torch.from_numpy(np.asarray(self._normalize_obs(next_obs.numpy(), env)))
             rewards = torch.from_numpy(self._normalize_reward(rewards.numpy(), env))
-        dev = self.device
-        discounts = None if self.n_steps == 1 else batch.discount.reshape(-1, 1).to(dev)
-        return ReplayBufferSamples(
-            observations=obs.to(dev), actions=batch.action.to(dev),
-            next_observations=next_obs.to(dev),
-            dones=batch.terminated.to(torch.float32).reshape(-1, 1).to(dev),
-            rewards=rewards.to(dev), discounts=discounts)
+        discounts = None
+        if self.n_steps > 1:
+            assert batch.steps is not None  # store batches carry their window lengths
+            discounts = torch.from_numpy(
+                (self.gamma ** batch.steps.numpy()).astype(np.float32).reshape(-1, 1))
+        fields = dict(observations=obs, actions=batch.action, next_observations=next_obs,
+                      dones=batch.terminated.to(torch.float32).reshape(-1, 1),
+                      rewards=rewards, discounts=discounts)
+        if self.device.type != "cpu":
+            fields = {k: None if v is None else v.to(self.device) for k, v in fields.items()}
+        return ReplayBufferSamples(**fields)
 
     # -- pickling (save_replay_buffer / load_replay_buffer) ----------------------------
     def __getstate__(self) -> dict[str, Any]:
