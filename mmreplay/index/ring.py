@@ -91,6 +91,9 @@ class StepRing:
         self.E = spec.num_envs
         self.steps = np.zeros((self.E, self.S), step_dtype(spec))
         self.steps["id"] = -1
+        # flat views of the step columns the read path uses (``steps`` is never replaced)
+        self._flat_cols = {name: self.steps.reshape(-1)[name]
+                           for name in ("pos", "reward", "terminated", "truncated", "action", "id")}
         self.written = np.zeros(self.E, np.int64)     # frames ever written per env
         self.kept_from = np.zeros(self.E, np.int64)   # extra lower bound (from a manifest)
         self.running = np.zeros(self.E, bool)         # episode open: accepts steps
@@ -321,7 +324,7 @@ class StepRing:
 
     def id_map(self) -> IdMap:
         """The id -> flat slot map and the validity mask as plain arrays (see `IdMap`)."""
-        return IdMap(self._id_loc, self.steps["id"].reshape(-1), self.valid, self.next_id,
+        return IdMap(self._id_loc, self._flat_cols["id"], self.valid, self.next_id,
                      bool(self._id_spill))
 
     def spilled(self, ids: np.ndarray) -> np.ndarray:
@@ -342,7 +345,7 @@ class StepRing:
     def lookup(self, flat: np.ndarray) -> Lookup:
         """Everything a batch needs for valid flat slots, computed by index (compiled)."""
         spec, size = self.spec, flat.size
-        cols = self.steps.reshape(-1)
+        cols = self._flat_cols
         obs = np.empty((size, spec.frame_stack), np.int64)
         next_obs = np.empty((size, spec.frame_stack), np.int64)
         ret, discount = np.empty(size), np.empty(size)
@@ -358,6 +361,10 @@ class StepRing:
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
+        if not self.spec.extras:
+            return {}
+        if not self.spec.extras:
+            return {}
         cols = self.steps.reshape(-1)
         return {name: cols[EXTRA_PREFIX + name][flat] for name, _, _ in self.spec.extras}
 

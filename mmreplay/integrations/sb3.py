@@ -332,6 +332,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
         """Record one step of every env (see the module docstring for episode edges)."""
         step = self._checked_step(obs, next_obs, action, reward, done, infos)
+        if self.n_envs == 1:
+            self._add_one(step)
+            return
         starts = ~self._running | ~_rows_equal(step.obs, self._last_next)
         starts_at = np.flatnonzero(starts)
         if starts_at.size:
@@ -341,20 +344,29 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                     f"obs of env {int(stale[0])} starts an episode but its stack holds older "
                     f"frames: the buffer keeps the newest frame only, so an episode must start "
                     f"with a zero-padded stack (VecFrameStack reset)")
-            frames = self.layout.newest(step.obs[starts_at])
-            if self.n_envs == 1:
-                self.store.reset(frames[0])
-            else:
-                self.store.reset(frames, env_ids=starts_at)
-        newest = self.layout.newest(step.next_obs)
-        if self.n_envs == 1:
-            self.store.add(step.action[0], step.reward[0], newest[0], bool(step.terminated[0]),
-                           bool(step.truncated[0]))
-        else:
-            self.store.add(step.action, step.reward, newest, step.terminated, step.truncated)
+            self.store.reset(self.layout.newest(step.obs[starts_at]), env_ids=starts_at)
+        self.store.add(step.action, step.reward, self.layout.newest(step.next_obs),
+                       step.terminated, step.truncated)
         going = ~(step.terminated | step.truncated)
         self._running = going
         self._last_next[going] = step.next_obs[going]
+
+    def _add_one(self, step: _Step) -> None:
+        """`add` of a one-env buffer, with scalar bookkeeping (the same steps and checks)."""
+        obs, layout = step.obs, self.layout
+        if not self._running[0] or not (obs == self._last_next).all():
+            if not layout.fresh(obs)[0]:
+                raise ValueError(
+                    "obs of env 0 starts an episode but its stack holds older frames: the "
+                    "buffer keeps the newest frame only, so an episode must start with a "
+                    "zero-padded stack (VecFrameStack reset)")
+            self.store.reset(layout.newest(obs)[0])
+        ended = bool(step.terminated[0]) or bool(step.truncated[0])
+        self.store.add(step.action[0], step.reward[0], layout.newest(step.next_obs)[0],
+                       bool(step.terminated[0]), bool(step.truncated[0]))
+        self._running[0] = not ended
+        if not ended:
+            self._last_next[0] = step.next_obs[0]
 
     def _checked_step(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
                       infos: list[dict[str, Any]]) -> _Step:
