@@ -124,7 +124,7 @@ def host(value: Any) -> Any:
 
 def transition_ids(ids: Any) -> np.ndarray:
     arr = np.atleast_1d(np.asarray(host(ids)))
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
                                 f"shape {arr.shape}")
     return arr.astype(np.int64)

@@ -233,6 +233,9 @@ class PrioritizedSampler:
         self.eps = float(eps)
         self._table = _PriorityTable(num_slots)
         self._tree = SumTree(num_slots)
+        # below this a priority's mass cannot overflow (checked without np.errstate's cost)
+        # ((1e300 ** (1 / alpha)) ** alpha = 1e300; alpha <= 300 / 307 < 1 never enlarges)
+        self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
 
     def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._table.admit(slots, valid, ids)
@@ -261,8 +264,11 @@ class PrioritizedSampler:
         unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
         kernels, tree = priority_kernels(), self._tree.arrays()
         slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
-        with np.errstate(over="ignore", invalid="ignore"):  # the kernel rejects inf and NaN
+        if priorities.size and 0.0 <= priorities.min() and priorities.max() < self._safe_p:
             masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
+        else:  # a value the kernel rejects, or one whose mass may overflow
+            with np.errstate(over="ignore", invalid="ignore"):
+                masses = (priorities + self.eps) ** self.alpha
         count = kernels.apply_priorities(
             ids, priorities, masses, _NO_SLOTS if pre is None else pre, where.spills,
             where.next_id, where.loc, where.slot_ids, where.valid, self._table.p, tree.sums,
