@@ -39,14 +39,19 @@ def table_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
         key = env * num_chunks + c
         src[i] = key * chunk + offset
         if not loaded[key]:
-            seen = False
-            for j in range(count):
-                if missing[j] == key:
-                    seen = True
-                    break
-            if not seen:
-                missing[count] = key
-                count += 1
+            missing[count] = key
+            count += 1
+    if count > 1:  # distinct keys, in order of first use
+        order = np.argsort(missing[:count], kind="mergesort")
+        first = np.empty(count, np.bool_)
+        for j in range(count):
+            first[order[j]] = j == 0 or missing[order[j]] != missing[order[j - 1]]
+        kept = 0
+        for j in range(count):
+            if first[j]:
+                missing[kept] = missing[j]
+                kept += 1
+        count = kept
     return count
 
 

@@ -341,7 +341,7 @@ class FrameStore:
         kernels, table = tables(), self._table
         assert table is not None
         src = np.empty(flat.size, np.int64)
-        missing = np.empty(min(flat.size, table.num_keys), np.int64)
+        missing = np.empty(flat.size, np.int64)
         count = kernels.table_plan(flat, self.spec.slots_per_env, self._chunk_len,
                                    self.num_chunks, self.next_slot, self.tail_fill,
                                    table.loaded, src, missing)
