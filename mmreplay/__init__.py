@@ -15,6 +15,7 @@ from mmreplay.errors import (
     StoreLockedError,
     UnknownIdError,
 )
+from mmreplay.recorder import StepRows
 from mmreplay.spec import StoreSpec
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import Batch, SequenceBatch
@@ -29,6 +30,7 @@ __all__ = [
     "ReadOnlyError",
     "ReplayStore",
     "SequenceBatch",
+    "StepRows",
     "StoreLockedError",
     "StoreSpec",
     "UnknownIdError",

@@ -49,3 +49,8 @@ class UnknownIdError(MmreplayError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the message with quotes
         return str(self.args[0]) if self.args else ""
+
+
+class ObjectStoreError(MmreplayError, OSError):
+    """Object storage (a bucket, or a ``file://`` directory) failed a request after its
+    retries. The message names the URL and key, never a credential."""

@@ -29,7 +29,7 @@ class BatchPrefetcher(Iterator[Batch]):
     """
 
     def __init__(self, sample: SampleFn, batch_size: int, *, prefetch: int = 2,
-                 beta: float = 0.4) -> None:
+                 beta: float = 0.4, workers: int = 1) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
         self.beta = beta
@@ -37,8 +37,12 @@ class BatchPrefetcher(Iterator[Batch]):
         self._batch_size = batch_size
         self._queue: queue.Queue[object] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mmreplay-prefetch", daemon=True)
-        self._thread.start()
+        # more than one worker only pays where `sample` waits outside the store's lock (a
+        # store read from a bucket waits for the network); batches then arrive in any order
+        self._threads = [threading.Thread(target=self._run, name="mmreplay-prefetch",
+                                          daemon=True) for _ in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -73,7 +77,8 @@ class BatchPrefetcher(Iterator[Batch]):
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=5)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
     def __enter__(self) -> BatchPrefetcher:
         return self

@@ -1,6 +1,9 @@
 """Reading sequence batches: one `SequenceIndex` per (length, mode, period) asked for, the
 draw, the windows and the one frame read of a batch. The store only orchestrates.
 
+Reads beside a writer follow it as transition reads do (`reader.Reader`): a batch whose
+starts a writer gave up while it was read is drawn again, a `get` of them raises.
+
 An index is built on the first request for its key (one O(kept frames) pass) and kept
 current from then on at O(T + k) per refresh. Frames of a batch are read in one
 ``FrameStore.read`` of every stack slot: each distinct chunk is decoded once however many
@@ -15,9 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mmreplay import validate
+from mmreplay.errors import EmptyStoreError, InvalidInputError, UnknownIdError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import Sampler
 from mmreplay.index.sequences import SequenceIndex, SequenceKey, SequenceWindows, windows
+from mmreplay.reader import Reader
+from mmreplay.spec import StoreSpec
 from mmreplay.storage.frame_store import FrameStore
 
 
@@ -35,14 +42,15 @@ class SequenceArrays:
 class SequenceReader:
     """Sequence indexes of one store and the batch assembly over its ring and frames."""
 
-    def __init__(self, ring: StepRing, frames: FrameStore,
-                 make_sampler: Callable[[], Sampler],
+    def __init__(self, reader: Reader, make_sampler: Callable[[], Sampler],
                  priority_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
-        self.ring = ring
-        self.frames = frames
+        self.reader = reader
+        self.ring: StepRing = reader.ring
+        self.frames: FrameStore = reader.frames
         self._make_sampler = make_sampler
         self._priority_of = priority_of
         self.indexes: dict[SequenceKey, SequenceIndex] = {}
+        self._any_slot = np.ones(self.ring.valid.size, bool)
         self._buffers = BufferPool()
 
     def index(self, key: SequenceKey) -> SequenceIndex:
@@ -73,6 +81,47 @@ class SequenceReader:
         """`batch_size` valid starts drawn by the key's sampler (the caller checks count)."""
         draw = self.index(key).sampler.sample(rng, batch_size, beta)
         return self.read(key, draw.slots, draw.weights)
+
+    # -- what the store's sequence methods do, after their argument checks ----------------
+    def sample_batch(self, key: SequenceKey, rng: np.random.Generator, size: int,
+                     beta: float) -> SequenceArrays:
+        """`size` starts drawn by the key's sampler, drawn again if a writer gave one up."""
+        def attempt() -> SequenceArrays | None:
+            self.reader.refresh()  # the step priorities that starts take
+            index = self.index(key)
+            if index.sampler.count() == 0:
+                raise EmptyStoreError(f"cannot sample: no valid start for sequences of "
+                                      f"{key.length} steps yet")
+            arrays = self.sample(key, rng, size, beta)
+            return arrays if self.reader.still_valid(arrays.starts, index.valid) else None
+
+        return self.reader.consistent(attempt)
+
+    def get(self, key: SequenceKey, wanted: np.ndarray) -> SequenceArrays:
+        """The sequences starting at these transition ids (each a valid start)."""
+        self.reader.refresh()
+        index = self.index(key)
+        flat, found = self.ring.flat_of_ids(wanted, valid=index.valid)
+        if not found.all():
+            bad = wanted[~found][:5].tolist()
+            raise UnknownIdError(f"ids {bad} are not (or no longer) valid starts of sequences "
+                                 f"of {key.length} steps")
+        arrays = self.read(key, flat, np.ones(flat.size, np.float32))
+        if not self.reader.still_valid(flat, index.valid):
+            raise UnknownIdError("some of these sequences were overwritten by the writer "
+                                 "while they were read")
+        return arrays
+
+    def start_ids(self, key: SequenceKey) -> np.ndarray:
+        """The transition ids of every valid start of `key`, increasing."""
+        self.reader.refresh()
+        return self.reader.ids(np.flatnonzero(self.index(key).valid))
+
+    def starts_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat slots, found) of start ids: found = a valid start of an index built so far."""
+        self.reader.refresh()
+        flat, found = self.ring.flat_of_ids(ids, valid=self._any_slot)
+        return flat, found & self.valid_starts(flat)
 
     def valid_starts(self, flat: np.ndarray) -> np.ndarray:
         """Whether each flat slot is a valid start of any index built so far."""
@@ -124,3 +173,13 @@ class BufferPool:
             for buffer in probe:
                 self._free_refs = sys.getrefcount(buffer)
         return self._free_refs
+
+
+def sequence_key(spec: StoreSpec, length: object, cross_episodes: object,
+                 period: object) -> SequenceKey:
+    """The checked `SequenceKey` of a request (rank-sampled stores have no sequences)."""
+    key = SequenceKey(*validate.sequence_key(spec, length, cross_episodes, period))
+    if spec.sampler == "rank":
+        raise InvalidInputError("sequences are sampled uniformly or by proportional "
+                                "priority; this store samples 'rank'")
+    return key

@@ -12,13 +12,20 @@ Directory layout (a zarr v3 group; see README "On-disk format")::
 
 Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
 policy in `samplers`, commits and loading in `commit`, open-time checks in
-`manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`.
+`manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`. The store's own
+collaborators: `recorder` (reset/add), `reader` (transition reads beside a writer),
+`sequence_reader` (the sequence API), `priorities` (the priority column).
+
+Tools read a store through its public methods and its read-only views (``store.views``,
+see `views`) only.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,24 +36,22 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from mmreplay import validate
-from mmreplay.errors import (
-    EmptyStoreError,
-    InvalidInputError,
-    InvalidStoreError,
-    ReadOnlyError,
-    UnknownIdError,
-)
+from mmreplay.errors import InvalidInputError, InvalidStoreError, ReadOnlyError
 from mmreplay.index.ring import StepRing
-from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, make_sampler
-from mmreplay.index.sequences import SequenceKey, sequence_priority
+from mmreplay.index.samplers import make_sampler
+from mmreplay.index.sequences import sequence_priority
+from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
-from mmreplay.sequence_reader import SequenceArrays, SequenceReader
+from mmreplay.priorities import Priorities
+from mmreplay.reader import Reader
+from mmreplay.recorder import Recorder, StepRows
+from mmreplay.remote import BucketMethods
+from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 from mmreplay.storage.layout import check_store_files
 from mmreplay.storage.manifest import (
-    MANIFEST,
     MAX_RAM_BYTES,
     check_manifest,
     check_ram,
@@ -54,10 +59,12 @@ from mmreplay.storage.manifest import (
     parse_spec,
     read_manifest,
 )
+from mmreplay.storage.objects import is_url, open_objects
+from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
-from mmreplay.torch_batch import Batch, SequenceBatch, make_batch, make_sequence_batch
+from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
+from mmreplay.views import StoreViews
 
-READER_RETRIES = 5
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -84,35 +91,39 @@ class StoreCounts:
     sampleable: int
 
 
-class ReplayStore:
+class ReplayStore(BucketMethods):
     """A disk-backed replay memory that keeps every frame once (see README)."""
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None) -> None:
-        self.path = root
-        self.spec = spec
-        self.writable = writable
-        self.durable = durable
-        self._lock_fd = lock_fd
+                 cache_bytes: int | None, lock_fd: int | None, remote: RemoteChunks | None = None,
+                 manifest: dict[str, Any] | None = None) -> None:
+        """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
+        self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
+        self._lock_fd: int | None = None
         self._ring = StepRing(spec)
-        self._envs = np.arange(spec.num_envs, dtype=np.int64)
-        self._any_slot = np.ones(spec.num_envs * spec.slots_per_env, bool)
-        self._scalar_step = validate.scalar_step_checker(spec)
+        self._commits = Committer(root, spec, durable=durable)
         self._frames = FrameStore(root, spec, writable=writable, durable=durable,
                                   cache_bytes=validate.cache_budget(spec, cache_bytes),
-                                  before_chunk_write=self._before_chunk_write)
+                                  before_chunk_write=functools.partial(
+                                      self._commits.give_up_chunks, self._ring),
+                                  fetch=None if remote is None else remote.ensure)
         self._sampler = make_sampler(spec)
+        self._recorder = Recorder(spec, self._ring, self._frames)
+        self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
+        self._priorities = Priorities(spec, self._sampler)
         self._sequences = SequenceReader(
-            self._ring, self._frames, lambda: make_sampler(spec),
-            None if spec.sampler == "uniform" else self._start_priorities)
-        self._rng = np.random.default_rng()
-        self._commits = Committer(root, spec, durable=durable)
-        self._prio_dirty: set[int] = set()
+            self._reader, lambda: make_sampler(spec),
+            None if spec.sampler == "uniform" else self._priorities.of_starts)
+        self._priorities.listeners.append(self._sequences.set_priorities)
         self._lock = threading.RLock()
-        self._manifest_key: tuple[int, int, int] | None = None
+        self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
         self._closed = False
+        rng = _start(manifest, writable, self._commits, self._ring, self._frames,
+                     self._priorities, self._reader)
+        self._rng = np.random.default_rng() if rng is None else rng
+        self._lock_fd = lock_fd
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, capacity: int, obs_shape: Any,
@@ -120,11 +131,14 @@ class ReplayStore:
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
+               mirror: str | None = None, storage_options: dict[str, str] | None = None,
                **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
+        `mirror` (a URL) pushes every flush there in the background, with `storage_options`
+        (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
         """
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
@@ -135,92 +149,34 @@ class ReplayStore:
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             raise InvalidInputError(f"{root} already exists and is not an empty directory")
         create_frames_array(root, spec)
-        (root / TMP_DIR).mkdir()
         store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
                     lock_fd=take_lock(root))
-        store._rng = np.random.default_rng(seed)
-        store._commits.open_readers()
+        store.reseed(seed)
         store.flush()
-        return store
+        return store.attach_mirror(mirror, storage_options, False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int | None = None,
-             max_ram_bytes: int = MAX_RAM_BYTES) -> ReplayStore:
+             cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
+             mirror: str | None = None, storage_options: dict[str, str] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
         is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
         Any problem raises `InvalidStoreError`.
+
+        A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
+        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         if mode not in ("r", "r+"):
             raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
-        root = Path(path)
-        check_root(root)
-        if mode == "r":
-            return cls._open_reader(root, durable=durable, cache_bytes=cache_bytes,
-                                    max_ram_bytes=max_ram_bytes)
-        lock_fd = take_lock(root)
-        try:
-            return cls._open_checked(root, writable=True, durable=durable,
-                                     cache_bytes=cache_bytes, lock_fd=lock_fd,
-                                     max_ram_bytes=max_ram_bytes)
-        except BaseException:
-            os.close(lock_fd)
-            raise
-
-    @classmethod
-    def _open_reader(cls, root: Path, *, durable: bool, cache_bytes: int | None,
-                     max_ram_bytes: int) -> ReplayStore:
-        """Open read-only beside a possibly live writer.
-
-        A writer deletes the files of the generation it replaced after it commits,
-        but not while a reader holds the shared lock on ``root/readers`` (see
-        `readers_shared`). Without that lock (a store no writer has opened since it
-        existed, or a writer that ignores it) a reader that read the old manifest may
-        find a file missing. That is only damage if the manifest is still the one the reader read:
-        otherwise a commit raced the open, and the open starts again. "Still the
-        one" compares contents, not (inode, mtime, size), which a writer committing
-        within one clock tick can repeat with a recycled inode.
-        """
-        with readers_shared(root):
-            for attempt in range(OPEN_RETRIES):
-                manifest = read_manifest(root)
-                try:
-                    return cls._open_checked(root, writable=False, durable=durable,
-                                             cache_bytes=cache_bytes, lock_fd=None,
-                                             max_ram_bytes=max_ram_bytes, manifest=manifest)
-                except InvalidStoreError:
-                    if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
-                        raise
-        raise AssertionError("unreachable")  # the last attempt returns or raises
-
-    @classmethod
-    def _open_checked(cls, root: Path, *, writable: bool, durable: bool,
-                      cache_bytes: int | None,
-                      lock_fd: int | None, max_ram_bytes: int,
-                      manifest: dict[str, Any] | None = None) -> ReplayStore:
-        if manifest is None:
-            manifest = read_manifest(root)
-        spec = parse_spec(manifest)
-        check_ram(spec, max_ram_bytes)
-        check_manifest(manifest, spec)
-        check_store_files(root, manifest, spec)  # all before the first allocation
-        store = cls(root, spec, writable=writable, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=None)
-        try:
-            store._load(manifest)
-            if writable:
-                (root / TMP_DIR).mkdir(exist_ok=True)
-                store._commits.open_readers()
-                store._commits.sweep()
-        except BaseException:
-            store._frames.close()
-            store._commits.close()
-            raise
-        store._lock_fd = lock_fd
-        return store
+        if is_url(path):
+            return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
+                             max_ram_bytes)
+        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        return store.attach_mirror(mirror, storage_options, take_over)
 
     # -- recording ----------------------------------------------------------------
     @_locked
@@ -230,14 +186,7 @@ class ReplayStore:
         A running episode in a listed env ends as truncated at its last step.
         """
         self._check_writable("reset")
-        if self.spec.num_envs == 1 and env_ids is not None:
-            envs = validate.env_ids(self.spec, env_ids)
-            frames = validate.observations(self.spec, obs, 1)
-        else:
-            envs = validate.env_ids(self.spec, env_ids)
-            frames = validate.observations(self.spec, obs, envs.size)
-        slots = self._ring.begin_episodes(envs)
-        self._frames.append(envs, slots, frames)
+        self._recorder.reset(obs, env_ids)
 
     @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
@@ -247,43 +196,16 @@ class ReplayStore:
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`."""
         self._check_writable("add")
-        if self._scalar_step is not None and autoreset is None and env_ids is None \
-                and extras is None and not self.spec.extras and self._ring.running[0]:
-            step = self._scalar_step(action, reward, next_obs, terminated, truncated)
-            if step is not None:  # else: not plain scalars; the general path checks them
-                self._frames.append_one(0, self._ring.record_step(0, *step), next_obs)
-                return
-        spec = self.spec
-        envs = self._envs if env_ids is None else validate.env_ids(spec, env_ids)
-        count = envs.size
-        frames = validate.observations(spec, next_obs, count, "next_obs")
-        auto = validate.flags(spec, "autoreset", autoreset, count)
-        term = validate.flags(spec, "terminated", terminated, count)
-        trunc = validate.flags(spec, "truncated", truncated, count)
-        act, rew = validate.actions(spec, action, count), validate.rewards(spec, reward, count)
-        extra = validate.extras(spec, extras, count)
-        self._record(envs, act, rew, frames, term, trunc, auto, extra)
+        self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
+                           extras)
 
-    def _record(self, envs: np.ndarray, act: np.ndarray, rew: np.ndarray, frames: np.ndarray,
-                term: np.ndarray, trunc: np.ndarray, auto: np.ndarray,
-                extras: dict[str, np.ndarray] | None = None) -> None:
-        """`add` after its argument checks (arrays of the right shapes and dtypes, one row
-        per env of `envs`); refuses steps of envs whose episode is not running."""
-        idle = envs[~auto & ~self._ring.running[envs]]
-        if idle.size:
-            raise InvalidInputError(
-                f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
-                f"(or pass autoreset=True for it) first")
-        extras = extras or {}
-        if not auto.any():  # the common case: every listed env steps
-            self._frames.append(
-                envs, self._ring.record_steps(envs, act, rew, term, trunc, extras), frames)
-            return
-        step, again = np.flatnonzero(~auto), np.flatnonzero(auto)
-        slots = self._ring.record_steps(envs[step], act[step], rew[step], term[step],
-                                        trunc[step], {k: v[step] for k, v in extras.items()})
-        self._frames.append(envs[step], slots, frames[step])
-        self._frames.append(envs[again], self._ring.begin_episodes(envs[again]), frames[again])
+    @_locked
+    def add_rows(self, rows: StepRows) -> None:
+        """Record many ``add`` calls at once: row ``t`` of every array in `rows` is one
+        ``add(..., env_ids=rows.env_ids)``. Every row is checked (shapes, dtypes, values,
+        episode order) before the first is recorded, so a bad block changes nothing."""
+        self._check_writable("add")
+        self._recorder.add_rows(rows)
 
     # -- reading ------------------------------------------------------------------
     @_locked
@@ -293,19 +215,8 @@ class ReplayStore:
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
         """
-        size = validate.batch_size(batch_size)
-        beta = validate.beta(beta)
-        for _ in range(READER_RETRIES):
-            self._refresh()
-            if self._sampler.count() == 0:
-                raise EmptyStoreError(
-                    "cannot sample: the store holds no sampleable transition yet")
-            draw = self._sampler.sample(self._rng, size, beta)
-            batch = self._batch(draw.slots, draw.weights)
-            if self._still_valid(draw.slots):
-                return batch
-        raise InvalidStoreError(f"{self.path}: a writer overwrote frames while they were read "
-                                f"{READER_RETRIES} times in a row; try again")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return self._reader.sample(self._rng, size, beta)
 
     def batches(self, batch_size: int, *, prefetch: int = 2,
                 beta: float = 0.4) -> BatchPrefetcher:
@@ -332,37 +243,18 @@ class ReplayStore:
         self._check_writable("update_priorities")
         wanted = validate.transition_ids(ids)
         values = validate.priorities(priorities, wanted.size)
-        sampler = self._priority_sampler()
-        if sampler is None:
-            raise InvalidInputError(
-                f"update_priorities needs sampler='prioritized' or 'rank'; this store samples "
-                f"{self.spec.sampler!r}")
-        self._refresh()
-        if isinstance(sampler, PrioritizedSampler):  # one compiled call: ids to tree leaves
-            applied = sampler.set_id_priorities(wanted, values, self._ring.id_map())
-            if applied is None:  # some ids live in the ring's spill table
-                applied = sampler.set_id_priorities(wanted, values, self._ring.id_map(),
-                                                    self._ring.spilled(wanted))
-            assert applied is not None  # `pre` given: nothing is missed
-            self._priorities_set(applied.slots, applied.priorities)
-            return int(applied.slots.size)
+        self._priorities.require("update_priorities", ("prioritized", "rank"))
+        self._reader.refresh()
+        applied = self._priorities.set_ids(wanted, values, self._ring)
+        if applied is not None:  # proportional: one compiled call from ids to tree leaves
+            return applied
         flat, found = self._ring.flat_of_ids(wanted)
-        return self._set_step_priorities(sampler, flat[found], values[found])
+        return self._priorities.set(flat[found], values[found])
 
     @_locked
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
-        wanted = validate.transition_ids(ids)
-        self._refresh()
-        flat, found = self._ring.flat_of_ids(wanted)
-        if not found.all():
-            bad = wanted[~found][:5].tolist()
-            raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
-        batch = self._batch(flat, np.ones(flat.size, np.float32))
-        if not self._still_valid(flat):
-            raise UnknownIdError("some of these transitions were overwritten by the writer "
-                                 "while they were read")
-        return batch
+        return self._reader.get(validate.transition_ids(ids))
 
     @_locked
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
@@ -376,18 +268,8 @@ class ReplayStore:
         episode, never padded. See README "Sequences".
         """
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        key = self._sequence_key(length, cross_episodes, period)
-        for _ in range(READER_RETRIES):
-            self._refresh()  # the step priorities that starts take
-            index = self._sequences.index(key)
-            if index.sampler.count() == 0:
-                raise EmptyStoreError(f"cannot sample: no valid start for sequences of "
-                                      f"{key.length} steps yet")
-            arrays = self._sequences.sample(key, self._rng, size, beta)
-            if self._still_valid_starts(key, arrays.starts):
-                return _sequence_batch(arrays)
-        raise InvalidStoreError(f"{self.path}: a writer overwrote frames while they were read "
-                                f"{READER_RETRIES} times in a row; try again")
+        key = sequence_key(self.spec, length, cross_episodes, period)
+        return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
 
     @_locked
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
@@ -395,28 +277,15 @@ class ReplayStore:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
         wanted = validate.transition_ids(ids)
-        key = self._sequence_key(length, cross_episodes, period)
-        self._refresh()
-        index = self._sequences.index(key)
-        flat, found = self._ring.flat_of_ids(wanted, valid=index.valid)
-        if not found.all():
-            bad = wanted[~found][:5].tolist()
-            raise UnknownIdError(f"ids {bad} are not (or no longer) valid starts of sequences "
-                                 f"of {key.length} steps")
-        arrays = self._sequences.read(key, flat, np.ones(flat.size, np.float32))
-        if not self._still_valid_starts(key, flat):
-            raise UnknownIdError("some of these sequences were overwritten by the writer "
-                                 "while they were read")
-        return _sequence_batch(arrays)
+        key = sequence_key(self.spec, length, cross_episodes, period)
+        return _sequence_batch(self._sequences.get(key, wanted))
 
     @_locked
     def sequence_starts(self, length: int, *, cross_episodes: bool = False,
                         period: int = 1) -> np.ndarray:
         """The transition ids of every valid sequence start, increasing."""
-        key = self._sequence_key(length, cross_episodes, period)
-        self._refresh()
-        flat = np.flatnonzero(self._sequences.index(key).valid)
-        return np.sort(self._ring.steps["id"].reshape(-1)[flat])
+        key = sequence_key(self.spec, length, cross_episodes, period)
+        return self._sequences.start_ids(key)
 
     @_locked
     def update_sequence_priorities(self, ids: Any, td_errors: Any, *, eta: float = 0.9) -> int:
@@ -433,58 +302,20 @@ class ReplayStore:
         self._check_writable("update_sequence_priorities")
         rows, errors = validate.sequence_priorities(ids, td_errors)
         eta = validate.unit_interval("eta", eta)
-        sampler = self._priority_sampler()
-        if sampler is None or self.spec.sampler != "prioritized":
-            raise InvalidInputError(f"update_sequence_priorities needs sampler='prioritized'; "
-                                    f"this store samples {self.spec.sampler!r}")
-        self._refresh()
+        self._priorities.require("update_sequence_priorities", ("prioritized",))
+        flat, found = self._sequences.starts_of(rows[:, 0])
         values = sequence_priority(rows, errors, eta)
-        flat, found = self._ring.flat_of_ids(rows[:, 0], valid=self._any_slot)
-        found &= self._sequences.valid_starts(flat)
-        return self._set_step_priorities(sampler, flat[found], values[found])
-
-    def _set_step_priorities(self, sampler: PrioritySampler, flat: np.ndarray,
-                             values: np.ndarray) -> int:
-        """The priority column at these step slots (transitions and sequence starts); for a
-        slot given twice the last value wins. Returns how many slots were set."""
-        flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
-        values = values[::-1][first]
-        sampler.set_priorities(flat, values)
-        self._priorities_set(flat, values)
-        return int(flat.size)
-
-    def _priorities_set(self, flat: np.ndarray, values: np.ndarray) -> None:
-        """After the sampler took new priorities of these step slots: the sequence indexes
-        take them too, and their step blocks are saved by the next flush."""
-        self._sequences.set_priorities(flat, values)
-        self._prio_dirty.update((flat % self.spec.slots_per_env // self.spec.block_slots).tolist())
-
-    def _start_priorities(self, flat: np.ndarray) -> np.ndarray:
-        sampler = self._priority_sampler()
-        assert sampler is not None  # only prioritized stores ask
-        return cast(PrioritizedSampler, sampler).priorities_at(flat)
-
-    def _sequence_key(self, length: Any, cross_episodes: Any, period: Any) -> SequenceKey:
-        key = SequenceKey(*validate.sequence_key(self.spec, length, cross_episodes, period))
-        if self.spec.sampler == "rank":
-            raise InvalidInputError("sequences are sampled uniformly or by proportional "
-                                    "priority; this store samples 'rank'")
-        return key
-
-    def _still_valid_starts(self, key: SequenceKey, flat: np.ndarray) -> bool:
-        """After a read: False if a writer gave up any of these starts meanwhile."""
-        return not self._follow_writer() or bool(self._sequences.index(key).valid[flat].all())
+        return self._priorities.set(flat[found], values[found])
 
     @_locked
     def valid_ids(self) -> np.ndarray:
         """Every sampleable transition id, increasing."""
-        self._refresh()
-        flat = self._ring.valid_flat()
-        return np.sort(self._ring.steps["id"].reshape(-1)[flat])
+        self._reader.refresh()
+        return self._reader.ids(self._ring.valid_flat())
 
     @_locked
     def __len__(self) -> int:
-        self._refresh()
+        self._reader.refresh()
         return self._sampler.count()
 
     @property
@@ -497,53 +328,16 @@ class ReplayStore:
             frames_kept=int((ring.written - ring.oldest).sum()),
             transitions=ring.next_id, episodes=ring.next_episode, sampleable=len(self))
 
-    def _refresh(self) -> None:
-        self._follow_writer()
-        slots, valid = self._ring.refresh()
-        if slots.size:  # most samples of a learner that adds between them change nothing
-            self._sampler.update(slots, valid, self._ring.steps["id"].reshape(-1)[slots])
+    # -- for tools, besides the read-only `views` --------------------------------------
+    @_locked
+    def reseed(self, seed: int | None) -> None:
+        """Restart the store's random generator from `seed` (saved by the next flush)."""
+        self._rng = np.random.default_rng(seed)
 
-    def _follow_writer(self) -> bool:
-        """Read-only: give up the frames a writer has given up since; True if any were.
-
-        A writer commits a manifest that gives frames up *before* it overwrites
-        them, so a reader that re-checks the manifest after reading frames knows
-        whether what it read may have changed underneath it.
-        """
-        if self.writable:
-            return False
-        try:
-            st = os.stat(self.path / MANIFEST)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if key == self._manifest_key:
-                return False
-            self._manifest_key = key
-            kept = np.asarray(read_manifest(self.path)["kept_from"], dtype=np.int64)
-        except (OSError, InvalidStoreError, ValueError, TypeError):
-            return False  # the writer's business; this reader keeps its generation
-        if kept.shape != self._ring.kept_from.shape or (kept <= self._ring.kept_from).all():
-            return False
-        np.maximum(self._ring.kept_from, kept, out=self._ring.kept_from)
-        self._ring.rebuild_validity()
-        self._update_all_slots()
-        return True
-
-    def _update_all_slots(self) -> None:
-        """Tell the sampler the validity and id of every slot (after a full rebuild)."""
-        ring = self._ring
-        self._sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
-
-    def _still_valid(self, flat: np.ndarray) -> bool:
-        """After a read: False if a writer gave up any of these transitions meanwhile."""
-        return not self._follow_writer() or bool(self._ring.valid[flat].all())
-
-    def _batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
-        look = self._ring.lookup(flat)
-        frames = self._frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
-        return make_batch(frames=frames, action=look.action, reward=look.reward,
-                          terminated=look.terminated,
-                          truncated=look.truncated, discount=look.discount, weights=weights,
-                          ids=look.ids, extras=look.extras, steps=look.steps)
+    @property
+    def format_version(self) -> int:
+        """On-disk format version of the committed manifest."""
+        return int(self._commits.committed["format_version"])
 
     # -- persistence --------------------------------------------------------------
     @property
@@ -551,23 +345,24 @@ class ReplayStore:
         """Number of the last committed manifest."""
         return self._commits.generation
 
+    def flush(self, *, wait_mirror: bool = False) -> None:
+        """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
+        self._commit()
+        if self.mirror is not None:
+            self.mirror.notify(self.generation, wait=wait_mirror)
+
     @_locked
-    def flush(self) -> None:
-        """Commit everything recorded so far; writes only what changed since the last flush."""
+    def _commit(self) -> None:
         self._check_writable("flush")
-        self._refresh()  # new transitions get their priorities before they are saved
+        self._reader.refresh()  # new transitions get their priorities before they are saved
         if self.durable:
             self._frames.sync()
         else:
             self._frames.drain()  # the manifest may only name chunks that are on disk
-        sampler = self._priority_sampler()
-        self._commits.commit(
-            self._ring, self._frames.tail_frames(), self._rng.bit_generator.state,
-            priorities=None if sampler is None else sampler.priorities(),
-            max_priority=1.0 if sampler is None else sampler.max_priority(),
-            prio_dirty=self._prio_dirty)
+        self._commits.commit(self._ring, self._frames.tail_frames(),
+                             self._rng.bit_generator.state, **self._priorities.commit_fields())
         self._ring.dirty_blocks.clear()
-        self._prio_dirty.clear()
+        self._priorities.dirty.clear()
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
@@ -581,13 +376,8 @@ class ReplayStore:
                     self.flush()
             finally:
                 self._closed = True
-                self._frames.close()
-                try:
-                    self._commits.close()  # may fail to delete retired files: swept later
-                finally:
-                    if self._lock_fd is not None:
-                        os.close(self._lock_fd)
-                        self._lock_fd = None
+                lock_fd, self._lock_fd = self._lock_fd, None
+                _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
 
     def __enter__(self) -> ReplayStore:
         return self
@@ -598,35 +388,6 @@ class ReplayStore:
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
-
-    # -- persistence helpers --------------------------------------------------------
-    def _before_chunk_write(self, env: int, first: int, last: int) -> None:
-        """The frame store is about to write chunks ``first..last`` of `env` with the frames
-        they hold now over older ones: see `Committer.give_up`."""
-        end = last * self.spec.chunk_frames + self._frames.chunk_slots(last)  # past the last slot
-        last_new = self._ring.frame_at(np.array([env * self.spec.slots_per_env + end - 1]))[0]
-        self._commits.give_up(env, int(last_new), end - first * self.spec.chunk_frames)
-
-    def _load(self, manifest: dict[str, Any]) -> None:
-        """Fill the RAM parts from a manifest that passed `check_manifest`."""
-        commits, ring = self._commits, self._ring
-        commits.load_ring(manifest, ring)
-        tail = commits.load_tail(manifest, self._frames.tail)
-        self._frames.load_tail(tail, ring.written % self.spec.slots_per_env)
-        sampler = self._priority_sampler()
-        if sampler is None:
-            self._update_all_slots()
-        else:
-            sampler.load(commits.load_priorities(manifest), ring.steps["id"].reshape(-1),
-                         float(manifest["max_priority"]), ring.valid)
-        self._rng = rng_from_state(manifest["rng"])
-        commits.committed = manifest
-
-    def _priority_sampler(self) -> PrioritySampler | None:
-        """The sampler, when it keeps priorities (``sampler != "uniform"``)."""
-        if self.spec.sampler == "uniform":
-            return None
-        return cast(PrioritySampler, self._sampler)
 
     def _check_writable(self, what: str) -> None:
         if self._closed:
@@ -641,3 +402,140 @@ def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
         obs=arrays.obs, next_obs=arrays.next_obs, action=win.action, reward=win.reward,
         terminated=win.terminated, truncated=win.truncated, is_first=win.is_first,
         mask=win.mask, ids=win.ids, weights=arrays.weights, extras=win.extras)
+
+
+def _checked_spec(root: Path, manifest: dict[str, Any], max_ram_bytes: int) -> StoreSpec:
+    """The spec of an untrusted store, after every open-time check (see `manifest`)."""
+    spec = parse_spec(manifest)
+    check_ram(spec, max_ram_bytes)
+    check_manifest(manifest, spec)
+    check_store_files(root, manifest, spec)
+    return spec
+
+
+def _open_read_only(root: Path, opened: Callable[[dict[str, Any]], ReplayStore]
+                    ) -> ReplayStore:
+    """Open read-only beside a possibly live writer.
+
+    A writer deletes the files of the generation it replaced after it commits, but not
+    while a reader holds the shared lock on ``root/readers`` (see `readers_shared`).
+    Without that lock a reader that read the old manifest may find a file missing. That is
+    only damage if the manifest is still the one the reader read: otherwise a commit raced
+    the open, and the open starts again. "Still the one" compares contents, not (inode,
+    mtime, size), which a writer committing within one clock tick can repeat.
+    """
+    with readers_shared(root):
+        for attempt in range(OPEN_RETRIES):
+            manifest = read_manifest(root)
+            try:
+                return opened(manifest)
+            except InvalidStoreError:
+                if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
+                    raise
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
+           ring: StepRing, frames: FrameStore, priorities: Priorities,
+           reader: Reader) -> np.random.Generator | None:
+    """Load `manifest` (if any; returns its RNG); a writer then opens the readers lock and
+    sweeps. On failure, closes what the store opened."""
+    try:
+        rng = None if manifest is None else _load(manifest, commits, ring, frames, priorities,
+                                                  reader)
+        if writable:
+            (commits.root / TMP_DIR).mkdir(exist_ok=True)
+            commits.open_readers()
+            if manifest is not None:
+                commits.sweep()
+        return rng
+    except BaseException:
+        _close_parts(frames, commits)
+        raise
+
+
+def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None,
+                 remote: RemoteChunks | None = None, mirror: Mirror | None = None) -> None:
+    """Close the mirror (pushing the last generation), the frame store, the committer (it
+    may fail to delete retired files: they are swept later), the writer lock and a bucket
+    store's cache, whatever the one before raised."""
+    try:
+        if mirror is not None:
+            mirror.close()
+    finally:
+        _close_files(frames, commits, lock_fd, remote)
+
+
+def _close_files(frames: FrameStore, commits: Committer, lock_fd: int | None,
+                 remote: RemoteChunks | None) -> None:
+    try:
+        frames.close()
+    finally:
+        try:
+            commits.close()
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            if remote is not None:  # a store read from a bucket: its cache goes
+                remote.close()
+                shutil.rmtree(commits.root, ignore_errors=True)
+
+
+def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: FrameStore,
+          priorities: Priorities, reader: Reader) -> np.random.Generator:
+    """Fill the RAM parts from a manifest that passed `check_manifest`; returns the RNG."""
+    commits.load_ring(manifest, ring)
+    tail = commits.load_tail(manifest, frames.tail)
+    frames.load_tail(tail, ring.written % ring.slots_per_env)
+    sampler = priorities.sampler
+    if sampler is None:
+        reader.update_all_slots()
+    else:
+        sampler.load(commits.load_priorities(manifest), ring.steps["id"].reshape(-1),
+                     float(manifest["max_priority"]), ring.valid)
+    commits.committed = manifest
+    return rng_from_state(manifest["rng"])
+
+
+def _open_url(cls: type[ReplayStore], url: str, mode: str,
+              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None,
+              storage_options: dict[str, str] | None, max_ram_bytes: int) -> ReplayStore:
+    """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
+    if mode != "r":
+        raise InvalidInputError(
+            f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
+            f"open DIR with mirror={url!r}")
+    objects = open_objects(url, storage_options)
+    root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
+    remote: RemoteChunks | None = None
+    try:
+        remote = open_remote(objects, root, budget_bytes=cache_bytes)
+        store = _open_path(cls, root, "r", False, None, max_ram_bytes, remote=remote)
+    except BaseException:
+        if remote is not None:
+            remote.close()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    store.remote = remote
+    weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
+    return store
+
+
+def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
+               cache_bytes: int | None, max_ram_bytes: int,
+               remote: RemoteChunks | None = None) -> ReplayStore:
+    check_root(root)
+
+    def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
+        spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
+        return cls(root, spec, writable=lock_fd is not None, durable=durable,
+                   cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
+
+    if mode == "r":
+        return _open_read_only(root, lambda manifest: opened(manifest, None))
+    lock_fd = take_lock(root)
+    try:
+        return opened(read_manifest(root), lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise

@@ -114,7 +114,7 @@ def batch_size(value: Any) -> int:
     return int(value)
 
 
-def host(value: Any) -> Any:
+def to_numpy(value: Any) -> Any:
     """A torch tensor (any device, with or without grad) as a numpy array; anything else as
     it is. Every argument that may come from a learner passes through here."""
     if hasattr(value, "detach"):
@@ -123,7 +123,7 @@ def host(value: Any) -> Any:
 
 
 def transition_ids(ids: Any) -> np.ndarray:
-    arr = np.atleast_1d(np.asarray(host(ids)))
+    arr = np.atleast_1d(np.asarray(to_numpy(ids)))
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
                                 f"shape {arr.shape}")
@@ -138,7 +138,7 @@ def beta(value: Any) -> float:
 
 
 def priorities(value: Any, count: int) -> np.ndarray:
-    arr = np.atleast_1d(np.asarray(host(value)))
+    arr = np.atleast_1d(np.asarray(to_numpy(value)))
     if arr.shape != (count,) or arr.dtype.kind not in "iuf":
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
@@ -237,7 +237,7 @@ def extras(spec: StoreSpec, value: Any, count: int) -> dict[str, np.ndarray]:
             f"unknown {unknown}, missing {missing}")
     out = {}
     for name, (shape, dtype) in declared.items():
-        arr = per_env(spec, f"extra {name!r}", host(value[name]), shape, count)
+        arr = per_env(spec, f"extra {name!r}", to_numpy(value[name]), shape, count)
         want = np.dtype(dtype)
         if arr.dtype.kind not in "biuf" or not np.can_cast(arr.dtype, want, "same_kind") \
                 or (arr.dtype.kind == "b") != (want.kind == "b"):
@@ -266,7 +266,7 @@ def sequence_key(spec: StoreSpec, length: Any, cross_episodes: Any, period: Any)
 
 def sequence_priorities(ids: Any, td_errors: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(B, T)`` int ids and ``(B, T)`` finite float TD errors (torch tensors accepted)."""
-    rows, errors = np.asarray(host(ids)), np.asarray(host(td_errors))
+    rows, errors = np.asarray(to_numpy(ids)), np.asarray(to_numpy(td_errors))
     if rows.ndim != 2 or (rows.size and not np.issubdtype(rows.dtype, np.integer)):
         raise InvalidInputError(f"ids must be a (B, T) int array of a SequenceBatch, got "
                                 f"{rows.dtype} {rows.shape}")

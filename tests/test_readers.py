@@ -58,13 +58,14 @@ READER = textwrap.dedent("""
     import numpy as np
     from mmreplay import ReplayStore, InvalidStoreError, UnknownIdError
     path, opens = sys.argv[1], int(sys.argv[2])
+    import mmreplay.store as store_module
     calls = 0
-    checked = ReplayStore._open_checked.__func__
-    def counting(cls, *args, **kwargs):
+    checked = store_module._checked_spec  # one call per open attempt
+    def counting(*args, **kwargs):
         global calls
         calls += 1
-        return checked(cls, *args, **kwargs)
-    ReplayStore._open_checked = classmethod(counting)
+        return checked(*args, **kwargs)
+    store_module._checked_spec = counting
     stats = dict(opens=0, retried=0, most_attempts=0, failures=0, inconsistent=0,
                  raced_get=0, checked=0, errors=[])
     def problem(what):

@@ -10,14 +10,14 @@ from mmreplay.spec import make_spec
 
 
 def random_stream(ring: StepRing, rng: np.random.Generator, steps: int) -> None:
-    envs = np.arange(ring.E)
+    envs = np.arange(ring.num_envs)
     ring.begin_episodes(envs)
     for _ in range(steps):
         op = rng.random()
         if op < 0.05:  # reset one env mid-episode
             ring.begin_episodes(rng.choice(envs, 1))
             continue
-        done = rng.random(ring.E) < 0.1
+        done = rng.random(ring.num_envs) < 0.1
         running = envs[ring.running]
         ring.record_steps(running, np.zeros(running.size, np.int64), rng.normal(size=running.size),
                           done[running], np.zeros(running.size, bool))

@@ -20,7 +20,6 @@ import numpy as np
 
 from mmreplay.errors import DatasetFormatError
 from mmreplay.store import ReplayStore
-from mmreplay.tools.inspection import kept_frames
 
 BATCH_FRAMES = 4096
 
@@ -53,9 +52,9 @@ class EpisodeSpans:
 
 def episode_spans(store: ReplayStore) -> EpisodeSpans:
     """The finished, fully kept episodes with at least one step, by episode number."""
-    ring = store._ring
-    env, frames = kept_frames(ring)
-    cols = ring.steps[env, frames % ring.S]
+    ring = store.views.step_columns()
+    env, frames = ring.kept_frames()
+    cols = ring.steps[env, frames % ring.slots_per_env]
     order = np.lexsort((frames, cols["episode"]))
     env, frames, cols = env[order], frames[order], cols[order]
     cut = np.flatnonzero(np.r_[True, cols["episode"][1:] != cols["episode"][:-1], True])
@@ -69,21 +68,21 @@ def episode_spans(store: ReplayStore) -> EpisodeSpans:
     lengths = (stop - first)[done]
     return EpisodeSpans(env=env[first][done], number=cols["episode"][first][done],
                         starts=np.r_[0, np.cumsum(lengths)],
-                        slots=(env * ring.S + frames % ring.S)[keep])
+                        slots=ring.flat(env, frames)[keep])
 
 
 def read_episodes(store: ReplayStore, *, batch_frames: int = BATCH_FRAMES
                   ) -> Iterator[Episode]:
     """Every finished, fully kept episode (see `episode_spans`), frames read in batches."""
     spans = episode_spans(store)
-    steps = store._ring.steps.reshape(-1)
+    steps = store.views.step_columns().steps.reshape(-1)
     i, count = 0, spans.number.size
     while i < count:
         j = i + 1
         while j < count and spans.starts[j + 1] - spans.starts[i] <= batch_frames:
             j += 1
         lo = spans.starts[i]
-        frames = store._frames.read(spans.slots[lo:spans.starts[j]])
+        frames = store.views.read_frames(spans.slots[lo:spans.starts[j]])
         for k in range(i, j):
             a, b = spans.starts[k] - lo, spans.starts[k + 1] - lo
             cols = steps[spans.slots[spans.starts[k]:spans.starts[k + 1] - 1]]

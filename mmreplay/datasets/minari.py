@@ -145,7 +145,8 @@ def _action_space(store: ReplayStore, num_actions: int | None) -> Any:
     spec = store.spec
     dtype = np.dtype(spec.action_dtype)
     if dtype.kind in "iu" and spec.action_shape == ():
-        kept = store._ring.steps["action"][store._ring.steps["has_step"]]
+        steps = store.views.step_columns().steps
+        kept = steps["action"][steps["has_step"]]
         largest = int(kept.max()) if kept.size else 0
         if int(kept.min(initial=0)) < 0:
             raise InvalidInputError("integer actions below 0 do not fit a Discrete space")

@@ -82,31 +82,81 @@ class IdMap:
     spills: bool  # some live ids are only in the spill table
 
 
+@dataclass(frozen=True)
+class StepColumns:
+    """A read-only view of a ring's step columns and cursors, for tools that read a store.
+
+    The arrays are the ring's own, marked read-only (no copy): they reflect later writes,
+    so take a fresh view after recording (``oldest`` is computed: a snapshot).
+    ``steps[e, f % slots_per_env]`` is the record of frame ``f`` of env ``e`` (see the module
+    doc); flat slot = ``e * slots_per_env + slot``.
+    """
+
+    steps: np.ndarray      # (num_envs, slots_per_env) records of `step_dtype`
+    written: np.ndarray    # (num_envs,) frames ever written per env
+    oldest: np.ndarray     # (num_envs,) first kept frame number per env
+    running: np.ndarray    # (num_envs,) the env's episode accepts steps
+    valid: np.ndarray      # (num_envs * slots_per_env,) sampleable transition per flat slot
+    next_id: int
+    next_episode: int
+
+    @property
+    def num_envs(self) -> int:
+        return int(self.steps.shape[0])
+
+    @property
+    def slots_per_env(self) -> int:
+        return int(self.steps.shape[1])
+
+    def kept_frames(self) -> tuple[np.ndarray, np.ndarray]:
+        """(env, frame number) of every kept frame, env-major and in frame order."""
+        return kept_frames(self.written, self.oldest)
+
+    def flat(self, env: np.ndarray, frames: np.ndarray) -> np.ndarray:
+        """Flat slots of frame numbers `frames` of `env`."""
+        return env * self.slots_per_env + frames % self.slots_per_env
+
+
+def kept_frames(written: np.ndarray, oldest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(env, frame number) of every kept frame ``oldest[e] <= f < written[e]``, env-major."""
+    counts = written - oldest
+    starts = np.cumsum(counts) - counts
+    env = np.repeat(np.arange(written.size, dtype=np.int64), counts)
+    frames = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts - oldest, counts)
+    return env, frames
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 class StepRing:
     """Per-env cursors, step columns, episode bounds and the validity mask."""
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
-        self.S = spec.slots_per_env
-        self.E = spec.num_envs
-        self.steps = np.zeros((self.E, self.S), step_dtype(spec))
+        self.slots_per_env = spec.slots_per_env
+        self.num_envs = spec.num_envs
+        self.steps = np.zeros((self.num_envs, self.slots_per_env), step_dtype(spec))
         self.steps["id"] = -1
         # flat views of the step columns the read path uses (``steps`` is never replaced)
         self._flat_cols = {name: self.steps.reshape(-1)[name]
                            for name in ("pos", "reward", "terminated", "truncated", "action", "id")}
-        self.written = np.zeros(self.E, np.int64)     # frames ever written per env
-        self.kept_from = np.zeros(self.E, np.int64)   # extra lower bound (from a manifest)
-        self.running = np.zeros(self.E, bool)         # episode open: accepts steps
+        self.written = np.zeros(self.num_envs, np.int64)     # frames ever written per env
+        self.kept_from = np.zeros(self.num_envs, np.int64)   # extra lower bound (from a manifest)
+        self.running = np.zeros(self.num_envs, bool)         # episode open: accepts steps
         self.next_id = 0
         self.next_episode = 0
-        self.valid = np.zeros(self.E * self.S, bool)
+        self.valid = np.zeros(self.num_envs * self.slots_per_env, bool)
         # id -> flat slot: `_id_loc[id % E*S]`, plus `_id_spill` for live ids whose entry a
         # newer id took (envs that advance independently keep old ids for long).
-        self._id_loc = np.full(self.E * self.S, -1, np.int64)
+        self._id_loc = np.full(self.num_envs * self.slots_per_env, -1, np.int64)
         self._id_spill: dict[int, int] = {}
         self._spill_prune_at = 1024
-        self._dirty_lo = np.zeros(self.E, np.int64)   # first frame touched since refresh
-        self._refreshed_oldest = np.zeros(self.E, np.int64)
+        self._dirty_lo = np.zeros(self.num_envs, np.int64)   # first frame touched since refresh
+        self._refreshed_oldest = np.zeros(self.num_envs, np.int64)
         self.dirty_blocks: set[int] = set()
         blank = np.zeros(1, self.steps.dtype)
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
@@ -116,9 +166,9 @@ class StepRing:
         # has ``ord_of_frame[e, f % S]`` steps before it (its step's ordinal if it has one),
         # and the step of ordinal o is at frame ``frame_of_ord[e, o % S]`` (steps <= frames,
         # so a kept step's entry is never overwritten). Origins are arbitrary per env.
-        self.ord_of_frame = np.zeros((self.E, self.S), np.int64)
-        self.frame_of_ord = np.zeros((self.E, self.S), np.int64)
-        self.step_count = np.zeros(self.E, np.int64)
+        self.ord_of_frame = np.zeros((self.num_envs, self.slots_per_env), np.int64)
+        self.frame_of_ord = np.zeros((self.num_envs, self.slots_per_env), np.int64)
+        self.step_count = np.zeros(self.num_envs, np.int64)
         # Consumers of "first frame touched since I last looked" (sequence indexes), and a
         # counter of full rebuilds (after which they start over).
         self.watchers: list[np.ndarray] = []
@@ -128,13 +178,32 @@ class StepRing:
     @property
     def oldest(self) -> np.ndarray:
         """First kept frame number per env."""
-        return np.minimum(np.maximum(self.kept_from, self.written - self.S), self.written)
+        lowest = np.maximum(self.kept_from, self.written - self.slots_per_env)
+        return np.minimum(lowest, self.written)
+
+    def kept_frames(self) -> tuple[np.ndarray, np.ndarray]:
+        """(env, frame number) of every kept frame, env-major and in frame order."""
+        return kept_frames(self.written, self.oldest)
+
+    def columns(self) -> StepColumns:
+        """A read-only view of the step columns and cursors (see `StepColumns`)."""
+        return StepColumns(
+            steps=_read_only(self.steps), written=_read_only(self.written),
+            oldest=_read_only(self.oldest), running=_read_only(self.running),
+            valid=_read_only(self.valid), next_id=self.next_id, next_episode=self.next_episode)
+
+    def index_nbytes(self) -> int:
+        """Bytes of the RAM index besides the step columns (mask, id map, cursors)."""
+        arrays = (self.valid, self._id_loc, self.written, self.kept_from, self.running,
+                  self._dirty_lo, self._refreshed_oldest, self.ord_of_frame, self.frame_of_ord,
+                  self.step_count)
+        return sum(a.nbytes for a in arrays)
 
     def frame_at(self, flat: np.ndarray) -> np.ndarray:
         """Frame number currently in each flat slot (negative: never written)."""
-        env, slot = np.divmod(flat, self.S)
+        env, slot = np.divmod(flat, self.slots_per_env)
         last = self.written[env] - 1
-        return last - (last - slot) % self.S
+        return last - (last - slot) % self.slots_per_env
 
     # -- recording --------------------------------------------------------------
     def begin_episodes(self, envs: np.ndarray) -> np.ndarray:
@@ -153,9 +222,9 @@ class StepRing:
         for env in envs[self.running[envs]].tolist():
             self.running[env] = False
             last = int(self.written[env]) - 2
-            if last < 0 or self.steps[env, (last + 1) % self.S]["pos"] == 0:
+            if last < 0 or self.steps[env, (last + 1) % self.slots_per_env]["pos"] == 0:
                 continue  # the episode has no step yet
-            self.steps[env, last % self.S]["truncated"] = True
+            self.steps[env, last % self.slots_per_env]["truncated"] = True
             self._touch(env, last)
 
     def record_steps(self, envs: np.ndarray, action: np.ndarray, reward: np.ndarray,
@@ -169,7 +238,7 @@ class StepRing:
         slots = np.empty(envs.size, np.int64)
         for i, env in enumerate(envs.tolist()):
             if extras:
-                rec = self.steps[env, (int(self.written[env]) - 1) % self.S]
+                rec = self.steps[env, (int(self.written[env]) - 1) % self.slots_per_env]
                 for name, rows in extras.items():
                     rec[EXTRA_PREFIX + name] = rows[i]
             slots[i] = self.record_step(env, action[i], reward[i], terminated[i], truncated[i])
@@ -179,13 +248,13 @@ class StepRing:
                     truncated: bool) -> int:
         """`record_steps` for one env; returns the slot for its next frame."""
         t = int(self.written[env]) - 1
-        prev = self.steps[env, t % self.S]
+        prev = self.steps[env, t % self.slots_per_env]
         prev["has_step"], prev["id"] = True, self.next_id
         prev["terminated"], prev["truncated"] = terminated, truncated
         prev["reward"], prev["action"] = reward, action
-        self.frame_of_ord[env, self.step_count[env] % self.S] = t
+        self.frame_of_ord[env, self.step_count[env] % self.slots_per_env] = t
         self.step_count[env] += 1
-        self._map_id(self.next_id, env * self.S + t % self.S)
+        self._map_id(self.next_id, env * self.slots_per_env + t % self.slots_per_env)
         self.next_id += 1
         self._touch(env, t)
         rec, slot = self._new_frame(env)
@@ -198,7 +267,7 @@ class StepRing:
         key = new_id % self._id_loc.size
         old = int(self._id_loc[key])
         if old >= 0:
-            held = int(self.steps["id"][divmod(old, self.S)])
+            held = int(self.steps["id"][divmod(old, self.slots_per_env)])
             if held >= 0 and held % self._id_loc.size == key and held != new_id:
                 self._id_spill[held] = old
                 if len(self._id_spill) >= self._spill_prune_at:
@@ -216,7 +285,7 @@ class StepRing:
     def _new_frame(self, env: int) -> tuple[np.void, int]:
         """Claim the env's next slot for a new frame; returns its (blank) record and slot."""
         frame = int(self.written[env])
-        slot = frame % self.S
+        slot = frame % self.slots_per_env
         self.steps[env, slot] = self._blank
         self.ord_of_frame[env, slot] = self.step_count[env]
         self._touch(env, frame)
@@ -229,7 +298,7 @@ class StepRing:
         for lo in self.watchers:
             if frame < lo[env]:
                 lo[env] = frame
-        self.dirty_blocks.add(frame % self.S // self.spec.block_slots)
+        self.dirty_blocks.add(frame % self.slots_per_env // self.spec.block_slots)
 
     # -- validity ---------------------------------------------------------------
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +308,7 @@ class StepRing:
             return np.empty(0, np.int64), np.empty(0, bool)  # nothing changed
         self._refreshed_oldest = oldest
         env, frames = self._candidates()
-        flat = env * self.S + frames % self.S
+        flat = env * self.slots_per_env + frames % self.slots_per_env
         ok = self.transition_valid(env, frames)
         self.valid[flat] = ok
         self._dirty_lo[:] = self.written
@@ -248,7 +317,7 @@ class StepRing:
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
         k, n = self.spec.frame_stack, self.spec.n_step
         oldest, envs, frames = self.oldest, [], []
-        for e in range(self.E):
+        for e in range(self.num_envs):
             new = np.arange(max(oldest[e], self._dirty_lo[e] - n - 1), self.written[e])
             gone = np.arange(oldest[e], min(oldest[e] + k, self.written[e]))
             both = np.union1d(new, gone)
@@ -258,8 +327,8 @@ class StepRing:
 
     def rebuild_validity(self) -> None:
         """Recompute the whole mask and id map (after loading from disk)."""
-        flat = np.arange(self.E * self.S, dtype=np.int64)
-        env, frames = np.divmod(flat, self.S)[0], self.frame_at(flat)
+        flat = np.arange(self.num_envs * self.slots_per_env, dtype=np.int64)
+        env, frames = np.divmod(flat, self.slots_per_env)[0], self.frame_at(flat)
         kept = frames >= self.oldest[env]
         self.valid[:] = False
         self.valid[flat[kept]] = self.transition_valid(env[kept], frames[kept])
@@ -280,24 +349,24 @@ class StepRing:
     def _rebuild_ordinals(self) -> None:
         """Number the kept steps of every env 0, 1, ... (after loading)."""
         oldest = self.oldest
-        for e in range(self.E):
+        for e in range(self.num_envs):
             frames = np.arange(oldest[e], self.written[e])
-            has = self.steps["has_step"][e, frames % self.S]
+            has = self.steps["has_step"][e, frames % self.slots_per_env]
             before = np.cumsum(has) - has
-            self.ord_of_frame[e, frames % self.S] = before
-            self.frame_of_ord[e, before[has] % self.S] = frames[has]
+            self.ord_of_frame[e, frames % self.slots_per_env] = before
+            self.frame_of_ord[e, before[has] % self.slots_per_env] = frames[has]
             self.step_count[e] = int(has.sum())
         self.rebuilds += 1
 
     def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
-        cols = self.steps[env, t % self.S]
+        cols = self.steps[env, t % self.slots_per_env]
         lower = np.maximum(t - self.spec.frame_stack + 1, t - cols["pos"])
         ok = cols["has_step"] & (lower >= self.oldest[env])
         alive, complete = ok.copy(), np.zeros_like(ok)
         for j in range(self.spec.n_step):
             u = t + j
-            uc = self.steps[env, u % self.S]
+            uc = self.steps[env, u % self.slots_per_env]
             alive &= (u < self.written[env] - 1) & uc["has_step"] & (
                 uc["episode"] == cols["episode"])
             done = alive & (uc["terminated"] | uc["truncated"])
@@ -350,11 +419,11 @@ class StepRing:
         next_obs = np.empty((size, spec.frame_stack), np.int64)
         ret, discount = np.empty(size), np.empty(size)
         term, trunc = np.empty(size, bool), np.empty(size, bool)
-        compiled().lookup(flat, self.written, self.S, spec.frame_stack, spec.n_step,
+        compiled().lookup(flat, self.written, self.slots_per_env, spec.frame_stack, spec.n_step,
                          spec.stack_padding == "first", self._gamma_pow, cols["pos"],
                          cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
                          ret, term, trunc, discount)
-        steps = (next_obs[:, -1] - obs[:, -1]) % self.S  # frames t + m and t: one env, m < S
+        steps = (next_obs[:, -1] - obs[:, -1]) % self.slots_per_env  # frames t + m, t: one env
         return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
                       reward=ret, terminated=term, truncated=trunc, discount=discount,
                       steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat))

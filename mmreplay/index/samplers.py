@@ -62,6 +62,12 @@ class Sampler(Protocol):
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
         """Draw `batch_size` slots with replacement (the store checks count > 0 first)."""
 
+    def check_valid(self) -> None:
+        """Raise `RuntimeError` if internal state is inconsistent."""
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays the sampler holds in RAM."""
+
 
 class UniformSampler:
     """Uniform over sampleable slots via a 0/1 sum tree.
@@ -85,6 +91,12 @@ class UniformSampler:
         slots = self._tree.find_checked(k + 0.5)  # k + 0.5 < count == total
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
 
+    def check_valid(self) -> None:
+        self._tree.check_valid()
+
+    def nbytes(self) -> int:
+        return array_nbytes(self)
+
 
 class PrioritySampler(Sampler, Protocol):
     """A `Sampler` with per-transition priorities: what the store calls beyond `Sampler`."""
@@ -105,8 +117,6 @@ class PrioritySampler(Sampler, Protocol):
              valid: np.ndarray) -> None:
         """Rebuild from persisted arrays; later draws match the sampler that was saved."""
 
-    def check_valid(self) -> None:
-        """Raise `RuntimeError` if internal state is inconsistent."""
 
 
 class _PriorityTable:
@@ -308,6 +318,9 @@ class PrioritizedSampler:
         self._tree.set_all(self._masses(p, ok))
         self._table.load(p, ids, float(max_priority), ok)
 
+    def nbytes(self) -> int:
+        return array_nbytes(self)
+
     def check_valid(self) -> None:
         self._table.check_valid()
         self._tree.check_valid()
@@ -398,6 +411,9 @@ class RankSampler:
         self._table.load(p, ids, float(max_priority), ok)
         self._resort()
 
+    def nbytes(self) -> int:
+        return array_nbytes(self)
+
     def check_valid(self) -> None:
         self._table.check_valid()
         self._tree.check_valid()
@@ -478,3 +494,18 @@ def make_sampler(spec: StoreSpec) -> Sampler:
     if spec.sampler == "rank":
         return RankSampler(num_slots, alpha=spec.alpha, eps=spec.priority_eps)
     raise NotImplementedError(f"sampler {spec.sampler!r} is not available yet")
+
+
+def array_nbytes(obj: object, depth: int = 2) -> int:
+    """Bytes of the numpy arrays an object holds, looking `depth` attribute levels deep.
+
+    A measurement for ``info``, not persistence: it stays right whatever arrays a sampler
+    (and its tree and table) keep. Views are counted as the arrays they look at.
+    """
+    total = 0
+    for value in vars(obj).values():
+        if isinstance(value, np.ndarray):
+            total += value.nbytes
+        elif depth > 1 and hasattr(value, "__dict__") and not isinstance(value, type):
+            total += array_nbytes(value, depth - 1)
+    return total

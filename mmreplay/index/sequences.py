@@ -70,7 +70,7 @@ class SequenceIndex:
         self.sampler = sampler
         # prioritized stores: a start's priority is the store's priority of its step
         self.priority_of = priority_of
-        self.valid = np.zeros(ring.E * ring.S, bool)
+        self.valid = np.zeros(ring.num_envs * ring.slots_per_env, bool)
         self._lo = ring.written.copy()  # first frame touched since the last refresh
         ring.watchers.append(self._lo)
         self._oldest = ring.oldest
@@ -81,7 +81,7 @@ class SequenceIndex:
         ring = self.ring
         if self._rebuilds != ring.rebuilds:
             self._rebuilds = ring.rebuilds
-            env, frames = _kept_frames(ring)
+            env, frames = ring.kept_frames()
             self.valid[:] = False
         elif np.array_equal(self._lo, ring.written) and np.array_equal(self._oldest, ring.oldest):
             return
@@ -89,7 +89,7 @@ class SequenceIndex:
             env, frames = self._candidates()
         self._oldest = ring.oldest
         self._lo[:] = ring.written
-        flat = env * ring.S + frames % ring.S
+        flat = env * ring.slots_per_env + frames % ring.slots_per_env
         ok = self.starts_valid(env, frames)
         self.valid[flat] = ok
         self.sampler.update(flat, ok, ring.steps["id"].reshape(-1)[flat])
@@ -103,8 +103,8 @@ class SequenceIndex:
     def check_valid(self) -> None:
         """Raise RuntimeError if the incremental starts differ from a full recompute."""
         self.refresh()
-        env, frames = _kept_frames(self.ring)
-        flat = env * self.ring.S + frames % self.ring.S
+        env, frames = self.ring.kept_frames()
+        flat = env * self.ring.slots_per_env + frames % self.ring.slots_per_env
         full = np.zeros_like(self.valid)
         full[flat] = self.starts_valid(env, frames)
         if not np.array_equal(full, self.valid):
@@ -119,7 +119,7 @@ class SequenceIndex:
         ring, T = self.ring, self.key.length
         k = ring.spec.frame_stack
         oldest, envs, frames = ring.oldest, [], []
-        for e in range(ring.E):
+        for e in range(ring.num_envs):
             lo = max(int(self._lo[e]), int(oldest[e]))
             first = max(int(oldest[e]), self._reach_back(e, lo, T))
             new = np.arange(first, ring.written[e])
@@ -134,39 +134,32 @@ class SequenceIndex:
         ring = self.ring
         if not self.key.cross_episodes or lo >= ring.written[env]:
             return lo - steps - 1
-        o = int(ring.ord_of_frame[env, lo % ring.S]) - steps - 1
-        first_kept = int(ring.ord_of_frame[env, ring.oldest[env] % ring.S])
+        o = int(ring.ord_of_frame[env, lo % ring.slots_per_env]) - steps - 1
+        first_kept = int(ring.ord_of_frame[env, ring.oldest[env] % ring.slots_per_env])
         if o < first_kept:
             return int(ring.oldest[env])
-        return int(ring.frame_of_ord[env, o % ring.S])
+        return int(ring.frame_of_ord[env, o % ring.slots_per_env])
 
     def starts_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of starts at kept frames `t` of `env` (see module doc); O(1) each."""
         ring, key = self.ring, self.key
-        cols = ring.steps[env, t % ring.S]
+        cols = ring.steps[env, t % ring.slots_per_env]
         lower = np.maximum(t - ring.spec.frame_stack + 1, t - cols["pos"])
         ok = cols["has_step"] & (lower >= ring.oldest[env])
         if key.cross_episodes:
             ok &= t % key.period == 0
-            last = ring.ord_of_frame[env, t % ring.S] + key.length - 1
+            last = ring.ord_of_frame[env, t % ring.slots_per_env] + key.length - 1
             return ok & (last < ring.step_count[env])
         ok &= cols["pos"] % key.period == 0
         newest = ring.written[env] - 1
         in_running = ring.running[env] & (
-            cols["episode"] == ring.steps["episode"][env, newest % ring.S])
+            cols["episode"] == ring.steps["episode"][env, newest % ring.slots_per_env])
         return ok & (~in_running | (t + key.length - 1 <= newest - 1))
-
-
-def _kept_frames(ring: StepRing) -> tuple[np.ndarray, np.ndarray]:
-    oldest = ring.oldest
-    frames = [np.arange(oldest[e], ring.written[e]) for e in range(ring.E)]
-    envs = [np.full(f.size, e, np.int64) for e, f in enumerate(frames)]
-    return np.concatenate(envs), np.concatenate(frames).astype(np.int64)
 
 
 def windows(ring: StepRing, flat: np.ndarray, key: SequenceKey) -> SequenceWindows:
     """The windows starting at valid flat slots `flat`: O(B * (T + k)) index arithmetic."""
-    S, T = ring.S, key.length
+    S, T = ring.slots_per_env, key.length
     env = flat // S
     t = ring.frame_at(flat)
     steps = np.arange(T)
@@ -194,7 +187,7 @@ def windows(ring: StepRing, flat: np.ndarray, key: SequenceKey) -> SequenceWindo
 def _within_episode(ring: StepRing, env: np.ndarray, t: np.ndarray,
                     steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Frames t..t+T-1 and the mask of those that are steps of t's episode before its end."""
-    S = ring.S
+    S = ring.slots_per_env
     frames = t[:, None] + steps
     envs = np.broadcast_to(env[:, None], frames.shape)
     cols = ring.steps[envs, frames % S]
@@ -211,7 +204,7 @@ def _within_episode(ring: StepRing, env: np.ndarray, t: np.ndarray,
 def stack_slots(ring: StepRing, env: np.ndarray, frames: np.ndarray,
                 pos: np.ndarray) -> np.ndarray:
     """Flat slots of stack(o_f) for frames `f` at episode positions `pos` (shape + (k,))."""
-    k, S = ring.spec.frame_stack, ring.S
+    k, S = ring.spec.frame_stack, ring.slots_per_env
     q = frames[..., None] - k + 1 + np.arange(k)
     start = (frames - pos)[..., None]
     if ring.spec.stack_padding == "first":

@@ -31,6 +31,7 @@ from numcodecs import blosc
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError
+from mmreplay.recorder import StepRows
 from mmreplay.store import ReplayStore
 
 
@@ -164,11 +165,8 @@ class BlockTaker:
         if ((self.stream[envs] != block.stream) | ~self.open[envs])[continues].any():
             return BlockAck(False, self.incarnation, -1, self.flushed_seq)
         first_id = self.store.counts.transitions if block.priorities is not None else -1
-        with self.store._lock:  # checked once for the block: each row skips add's checks
-            self.store._check_writable("add")
-            for t in range(block.rows):
-                self.store._record(envs, rows.action[t], rows.reward[t], rows.frames[t],
-                                   rows.terminated[t], rows.truncated[t], rows.autoreset[t])
+        self.store.add_rows(StepRows(envs, rows.action, rows.reward, rows.frames,
+                                     rows.terminated, rows.truncated, rows.autoreset))
         self.stream[envs] = block.stream
         last = block.autoreset[-1] | ~(block.terminated[-1] | block.truncated[-1])
         self.open[envs] = last

@@ -13,7 +13,7 @@ from numcodecs import blosc
 from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.torch_batch import Batch
-from mmreplay.validate import host
+from mmreplay.validate import to_numpy
 
 
 class RemoteBatches:
@@ -88,7 +88,7 @@ class RemoteBatches:
         while len(self._updates) >= self.max_pending_updates:
             self._settle_update()
         self._updates.append(self.actor.update_priorities.remote(
-            np.asarray(host(ids)), np.asarray(host(priorities))))
+            np.asarray(to_numpy(ids)), np.asarray(to_numpy(priorities))))
 
     def _settle_update(self) -> None:
         try:

@@ -4,6 +4,7 @@ errors that mean "the store actor's process is gone", and waiting for its restar
 from __future__ import annotations
 
 import time
+from dataclasses import fields
 from typing import Any
 
 try:
@@ -12,9 +13,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     raise ImportError('mmreplay.integrations.ray needs Ray: pip install "mmreplay[ray]"') \
         from None
 
+from mmreplay.torch_batch import Batch  # noqa: E402 -- after the one-line error for a missing extra
+
 ACTOR_DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-BATCH_FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated", "discount",
-                "weights", "ids")
+# the tensor fields of a `Batch` the store actor sends as numpy arrays (not extras)
+BATCH_FIELDS = tuple(f.name for f in fields(Batch) if f.name != "extras")
 
 
 def wait_for_actor(actor: Any, timeout_s: float) -> None:

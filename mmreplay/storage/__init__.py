@@ -9,4 +9,7 @@ Everything here knows files and bytes; nothing here knows episodes, sampling pol
     manifest      the versioned manifest naming one generation; format checks
     layout        which files a store may hold, checked before any is read
     safe_io       bounded reads, atomic writes, fsync of files and folders
+    objects       object storage: keys and bytes (a directory, or S3 through obstore)
+    transfer      push a directory's committed generation to a bucket, pull it back; lease
+    remote_frames frame chunks fetched on demand from a bucket into a bounded cache
 """

@@ -105,6 +105,14 @@ class Committer:
             if (self.root / sub).is_dir():
                 fsync_dir(self.root / sub)
 
+    def give_up_chunks(self, ring: StepRing, env: int, first: int, last: int) -> None:
+        """A frame store is about to write chunks ``first..last`` of `env` with the frames
+        they hold now over older ones (its ``before_chunk_write`` hook): `give_up` those."""
+        spec = self.spec
+        end = min((last + 1) * spec.chunk_frames, spec.slots_per_env)  # past the last slot
+        last_new = ring.frame_at(np.array([env * spec.slots_per_env + end - 1]))[0]
+        self.give_up(env, int(last_new), end - first * spec.chunk_frames)
+
     def give_up(self, env: int, last_new: int, chunk_slots: int) -> None:
         """Give up, in a committed manifest, the old frames a chunk write will destroy.
 

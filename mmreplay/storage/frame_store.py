@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,15 @@ def max_file_bytes(spec: StoreSpec) -> int:
     if spec.shard_chunks == 1:
         return max_chunk_bytes(spec)
     return max_shard_bytes(spec.shard_chunks, max_chunk_bytes(spec))
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The decoded-chunk cache now: its byte budget, bytes held and chunks held."""
+
+    budget_bytes: int
+    nbytes: int
+    chunks: int
 
 
 class ChunkCache:
@@ -150,7 +160,8 @@ class FrameStore:
     """
 
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
-                 cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None):
+                 cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None,
+                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None):
         self.spec = spec
         self._dir = Path(root) / FRAMES
         self._dir_str = str(self._dir)
@@ -182,12 +193,18 @@ class FrameStore:
         if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
                                       self._max_bytes, num_envs=spec.num_envs,
-                                      num_chunks=self.num_chunks, max_open=MAX_MAPPED)
+                                      num_chunks=self.num_chunks, max_open=MAX_MAPPED,
+                                      fetch=fetch)
             self._read_chunk = self._shards.chunk
             if writable:
                 self._shard_writer = ShardWriter(self._shards, str(self._tmp_dir),
                                                  self.num_chunks, before_chunk_write,
                                                  durable=durable)
+
+    def forget_shard(self, env: int, shard: int) -> None:
+        """Unmap a shard file about to be replaced by someone else (a bucket's cache)."""
+        if self._shards is not None:
+            self._shards.forget(env, shard)
 
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
@@ -206,6 +223,15 @@ class FrameStore:
 
     def _chunk_file(self, env: int, chunk: int) -> str:
         return f"{self._dir_str}/c.{env}.{chunk}{self._key_suffix}"
+
+    def cache_stats(self) -> CacheStats:
+        """Budget and fill of the decoded-chunk cache."""
+        if self._table is not None:
+            held = int(np.count_nonzero(self._table.loaded))
+            return CacheStats(budget_bytes=self.cache_budget,
+                              nbytes=held * self._table.chunk_bytes, chunks=held)
+        return CacheStats(budget_bytes=self._cache.budget, nbytes=self._cache.nbytes,
+                          chunks=len(self._cache))
 
     def chunk_slots(self, chunk: int) -> int:
         """Real slots in `chunk`; the last chunk of the ring may be short."""

@@ -20,17 +20,17 @@ from mmreplay.storage.frame_store import FRAMES, max_file_bytes
 from mmreplay.storage.manifest import STEP_DIRS, named_layout
 from mmreplay.storage.safe_io import (
     TMP_DIR,
-    _check_npy_header,
-    _is,
-    _json_type,
-    _kind,
-    _line,
-    _open_regular,
-    _strict_equal,
     check_dir,
+    check_npy_header,
+    error_line,
+    file_kind,
+    is_json,
+    json_type,
+    open_regular,
     parse_json,
     read_small,
     safe_path,
+    strict_equal,
 )
 
 ZARR_JSON = "zarr.json"
@@ -50,7 +50,7 @@ def check_zarr(root: Path, spec: StoreSpec) -> None:
 def check_group_meta(meta: Any, where: str = ZARR_JSON) -> None:
     ok = (isinstance(meta, dict)
           and set(meta) <= {"zarr_format", "node_type", "attributes", "consolidated_metadata"}
-          and _strict_equal(meta.get("zarr_format"), 3) and meta.get("node_type") == "group"
+          and strict_equal(meta.get("zarr_format"), 3) and meta.get("node_type") == "group"
           and isinstance(meta.get("attributes", {}), dict)
           and meta.get("consolidated_metadata") is None)
     if not ok:
@@ -94,19 +94,19 @@ def compressor_meta(spec: StoreSpec) -> dict[str, Any]:
 def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_JSON}") -> None:
     """Allow-listed codecs and dtype, and the shape, chunks and key encoding of the spec."""
     if not isinstance(meta, dict):
-        raise InvalidStoreError(f"{where} must hold a JSON object, got {_json_type(meta)}")
+        raise InvalidStoreError(f"{where} must hold a JSON object, got {json_type(meta)}")
     want = frames_meta(spec)
     unknown = sorted(set(meta) - set(want) - {"fill_value", "attributes", "dimension_names"})
     if unknown:
         raise InvalidStoreError(f"{where} has fields zarr metadata of a store never has: "
                                 f"{unknown[:5]!r:.100}")
     meta = {"storage_transformers": [], **meta}
-    if spec.shard_chunks == 1 and want["codecs"][0] == {"name": "bytes"} and _strict_equal(
+    if spec.shard_chunks == 1 and want["codecs"][0] == {"name": "bytes"} and strict_equal(
             meta.get("codecs"), [{"name": "bytes", "configuration": {"endian": "little"}},
                                  *want["codecs"][1:]]):
         want["codecs"][0] = {"name": "bytes", "configuration": {"endian": "little"}}
     for key, value in want.items():
-        if not _strict_equal(meta.get(key), value):
+        if not strict_equal(meta.get(key), value):
             raise InvalidStoreError(f"{where}: {key} is {meta.get(key)!r:.100}, expected "
                                     f"{value!r:.100}")
     _check_frames_extras(meta, spec, where)
@@ -114,7 +114,8 @@ def check_frames_meta(meta: Any, spec: StoreSpec, where: str = f"{FRAMES}/{ZARR_
 
 def _check_frames_extras(meta: dict[str, Any], spec: StoreSpec, where: str) -> None:
     fill = meta.get("fill_value")
-    zero = fill is False if spec.obs_dtype == "bool" else (_is(fill, (int, float)) and fill == 0)
+    zero = fill is False if spec.obs_dtype == "bool" else (
+        is_json(fill, (int, float)) and fill == 0)
     names = meta.get("dimension_names")
     ndim = 2 + len(spec.obs_shape)
     names_ok = names is None or (isinstance(names, list) and len(names) == ndim and all(
@@ -134,8 +135,8 @@ def check_store_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> 
     check_zarr(root, spec)
     check_frames_dir(root, spec)
     for name, (dtype, shape) in named_layout(manifest, spec).items():
-        with _open_regular(safe_path(root, name), name) as (f, size):
-            _check_npy_header(f, size, name, dtype, shape)
+        with open_regular(safe_path(root, name), name) as (f, size):
+            check_npy_header(f, size, name, dtype, shape)
 
 
 def check_frames_dir(root: Path, spec: StoreSpec) -> None:
@@ -148,12 +149,12 @@ def check_frames_dir(root: Path, spec: StoreSpec) -> None:
                 info = entry.stat(follow_symlinks=False)
                 if not stat.S_ISREG(info.st_mode):
                     raise InvalidStoreError(f"{FRAMES}/{entry.name!r:.60} is "
-                                            f"{_kind(info.st_mode)}; stores hold regular files")
+                                            f"{file_kind(info.st_mode)}; stores hold regular files")
                 if info.st_size > limit and entry.name != ZARR_JSON:
                     raise InvalidStoreError(f"frame file {FRAMES}/{entry.name!r:.60} is "
                                             f"{info.st_size} bytes; a frame file holds at most "
                                             f"{limit}")
     except OSError as exc:
-        raise InvalidStoreError(f"{FRAMES}/ cannot be listed: {_line(exc)}") from None
+        raise InvalidStoreError(f"{FRAMES}/ cannot be listed: {error_line(exc)}") from None
 
 

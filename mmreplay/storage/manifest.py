@@ -40,14 +40,14 @@ from mmreplay.errors import InvalidStoreError
 from mmreplay.index.ring import step_dtype
 from mmreplay.spec import ALLOWED_DTYPES, StoreSpec
 from mmreplay.storage.safe_io import (
-    _is,
-    _json_type,
-    _line,
-    _lstat,
-    _strict_equal,
+    error_line,
     fsync_dir,
+    is_json,
+    json_type,
+    lstat_or_none,
     parse_json,
     read_small,
+    strict_equal,
     write_atomic,
 )
 
@@ -77,12 +77,12 @@ _SPEC_ERRORS = (ValueError, TypeError, KeyError, OverflowError, RecursionError)
 
 def check_root(root: Path) -> None:
     """`root` must be a real directory (not a symlink) that holds a ``manifest.json``."""
-    info = _lstat(root, str(root))
+    info = lstat_or_none(root, str(root))
     if info is not None and stat.S_ISLNK(info.st_mode):
         raise InvalidStoreError(f"{root} is a symlink; open the directory it points to instead")
     if info is None or not stat.S_ISDIR(info.st_mode):
         raise InvalidStoreError(f"{root} is not a directory")
-    if _lstat(root / MANIFEST, MANIFEST) is None:
+    if lstat_or_none(root / MANIFEST, MANIFEST) is None:
         raise InvalidStoreError(f"{root} is not an mmreplay store (no {MANIFEST})")
 
 
@@ -106,7 +106,7 @@ def manifest_checksum(body: dict[str, Any]) -> int:
 
 def read_manifest(root: Path) -> dict[str, Any]:
     """Load and check ``manifest.json`` on its own (no spec needed); returns it unsealed."""
-    if _lstat(root / MANIFEST, MANIFEST) is None:
+    if lstat_or_none(root / MANIFEST, MANIFEST) is None:
         raise InvalidStoreError(f"{root} is not an mmreplay store (no {MANIFEST})")
     return parse_manifest(read_small(root / MANIFEST, MANIFEST, MAX_MANIFEST_BYTES))
 
@@ -132,7 +132,7 @@ def _unseal(manifest: dict[str, Any], where: str) -> dict[str, Any]:
 def check_fields(manifest: Any, where: str | Path = MANIFEST) -> None:
     """Every field on its own: JSON types, ranges, file names, RNG state."""
     if not isinstance(manifest, dict):
-        raise InvalidStoreError(f"{where} must hold a JSON object, got {_json_type(manifest)}")
+        raise InvalidStoreError(f"{where} must hold a JSON object, got {json_type(manifest)}")
     if manifest.get("format") != FORMAT:
         raise InvalidStoreError(f"{where} is not an mmreplay manifest")
     _check_version(manifest.get("format_version"), where)
@@ -140,9 +140,9 @@ def check_fields(manifest: Any, where: str | Path = MANIFEST) -> None:
     if unknown:
         raise InvalidStoreError(f"{where} has unknown fields {unknown[:5]!r:.100}")
     for key, kind in [*REQUIRED.items(), *OPTIONAL.items()]:
-        if (key in REQUIRED or key in manifest) and not _is(manifest.get(key), kind):
+        if (key in REQUIRED or key in manifest) and not is_json(manifest.get(key), kind):
             raise InvalidStoreError(f"{where}: field {key!r} must be {_kind_name(kind)}, "
-                                    f"got {_json_type(manifest.get(key))}")
+                                    f"got {json_type(manifest.get(key))}")
     for key in ("generation", "next_id", "next_episode"):
         _check_range(where, key, manifest[key], low=1 if key == "generation" else 0)
     _check_cursors(manifest, where)
@@ -152,9 +152,9 @@ def check_fields(manifest: Any, where: str | Path = MANIFEST) -> None:
 
 
 def _check_version(version: Any, where: str | Path) -> None:
-    if not _is(version, int):
+    if not is_json(version, int):
         raise InvalidStoreError(f"{where}: field 'format_version' must be int, "
-                                f"got {_json_type(version)}")
+                                f"got {json_type(version)}")
     if version > FORMAT_VERSION:
         raise InvalidStoreError(
             f"{where} has format version {version}, newer than this mmreplay supports "
@@ -169,7 +169,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 def _check_range(where: str | Path, key: str, value: Any, *, low: int = 0,
                  high: int = MAX_COUNTER) -> None:
-    if not _is(value, int) or not low <= value <= high:
+    if not is_json(value, int) or not low <= value <= high:
         raise InvalidStoreError(f"{where}: {key} must be an int in [{low}, {high}], "
                                 f"got {value!r:.40}")
 
@@ -223,9 +223,9 @@ def check_rng(state: Any, where: str | Path = MANIFEST) -> None:
                                                        "uinteger"}
           and state["bit_generator"] == "PCG64" and isinstance(state["state"], dict)
           and state["state"].keys() == {"state", "inc"}
-          and all(_is(v, int) and 0 <= v < 1 << 128 for v in state["state"].values())
-          and state["has_uint32"] in (0, 1) and _is(state["has_uint32"], int)
-          and _is(state["uinteger"], int) and 0 <= state["uinteger"] < 1 << 32)
+          and all(is_json(v, int) and 0 <= v < 1 << 128 for v in state["state"].values())
+          and state["has_uint32"] in (0, 1) and is_json(state["has_uint32"], int)
+          and is_json(state["uinteger"], int) and 0 <= state["uinteger"] < 1 << 32)
     if not ok:
         raise InvalidStoreError(f"{where}: rng must be a PCG64 state, got {state!r:.80}")
 
@@ -253,9 +253,9 @@ def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     except InvalidStoreError:
         raise
     except _SPEC_ERRORS as exc:
-        raise InvalidStoreError(f"invalid spec in manifest: {_line(exc)}") from None
+        raise InvalidStoreError(f"invalid spec in manifest: {error_line(exc)}") from None
     canonical = spec.to_dict()
-    bad = [k for k in canonical if not _strict_equal(canonical[k], data.get(k))
+    bad = [k for k in canonical if not strict_equal(canonical[k], data.get(k))
            and not (k in ("gamma", "alpha", "priority_eps") and canonical[k] == data.get(k))]
     if bad or set(data) != set(canonical):
         bad = bad or sorted(set(data) ^ set(canonical))

@@ -61,13 +61,13 @@ def fsync_dir(path: Path) -> None:
 # -- files: regular, not followed, bounded ------------------------------------------------
 def check_dir(root: Path, name: str, *, required: bool) -> None:
     """``root/name`` must be a real directory (or absent, when not `required`)."""
-    info = _lstat(root / name, name)
+    info = lstat_or_none(root / name, name)
     if info is None:
         if required:
             raise InvalidStoreError(f"directory {name}/ is missing")
         return
     if not stat.S_ISDIR(info.st_mode):
-        raise InvalidStoreError(f"{name} is {_kind(info.st_mode)}; expected a real directory")
+        raise InvalidStoreError(f"{name} is {file_kind(info.st_mode)}; expected a real directory")
 
 
 def read_small(path: str | os.PathLike[str], where: str, limit: int) -> bytes:
@@ -90,15 +90,16 @@ def open_bounded(path: str | os.PathLike[str], where: str, limit: int) -> tuple[
     except FileNotFoundError:
         raise InvalidStoreError(f"{where} is missing") from None
     except (OSError, ValueError) as exc:
-        info = _lstat(Path(path), where)  # say what it is: a symlink, a socket, ...
+        info = lstat_or_none(Path(path), where)  # say what it is: a symlink, a socket, ...
         if info is not None and not stat.S_ISREG(info.st_mode):
             raise InvalidStoreError(
-                f"{where} is {_kind(info.st_mode)}; stores hold regular files") from None
-        raise InvalidStoreError(f"{where} cannot be opened: {_line(exc)}") from None
+                f"{where} is {file_kind(info.st_mode)}; stores hold regular files") from None
+        raise InvalidStoreError(f"{where} cannot be opened: {error_line(exc)}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
+            raise InvalidStoreError(
+                f"{where} is {file_kind(info.st_mode)}; stores hold regular files")
         if info.st_size > limit:
             raise InvalidStoreError(f"{where} is {info.st_size} bytes, more than the {limit} "
                                     "allowed")
@@ -119,44 +120,48 @@ def read_at(fd: int, size: int, offset: int, where: str) -> bytes:
             data += more
         return data
     except OSError as exc:
-        raise InvalidStoreError(f"{where} cannot be read: {_line(exc)}") from None
+        raise InvalidStoreError(f"{where} cannot be read: {error_line(exc)}") from None
 
 
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def _lstat(path: Path, where: str) -> os.stat_result | None:
+def lstat_or_none(path: Path, where: str) -> os.stat_result | None:
+    """`os.lstat`, or None when `path` does not exist; other errors as `InvalidStoreError`."""
     try:
         return os.lstat(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise InvalidStoreError(f"{where} cannot be examined: {_line(exc)}") from None
+        raise InvalidStoreError(f"{where} cannot be examined: {error_line(exc)}") from None
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages ("a symlink", "a FIFO", ...)."""
     kinds = [(stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
              (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket")]
     return next((text for test, text in kinds if test(mode)), "not a regular file")
 
 
 @contextmanager
-def _open_regular(path: Path, where: str) -> Iterator[tuple[Readable, int]]:
+def open_regular(path: Path, where: str) -> Iterator[tuple[Readable, int]]:
     """Open a regular file for reading: never a symlink, FIFO or device, never blocking."""
-    info = _lstat(path, where)
+    info = lstat_or_none(path, where)
     if info is None:
         raise InvalidStoreError(f"{where} is missing")
     if not stat.S_ISREG(info.st_mode):
-        raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
+        raise InvalidStoreError(
+                f"{where} is {file_kind(info.st_mode)}; stores hold regular files")
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise InvalidStoreError(f"{where} cannot be opened: {_line(exc)}") from None
+        raise InvalidStoreError(f"{where} cannot be opened: {error_line(exc)}") from None
     with io.FileIO(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # swapped after the lstat
-            raise InvalidStoreError(f"{where} is {_kind(info.st_mode)}; stores hold regular files")
+            raise InvalidStoreError(
+                f"{where} is {file_kind(info.st_mode)}; stores hold regular files")
         yield f, info.st_size
 
 
@@ -175,10 +180,10 @@ def _read_into(f: Readable, view: memoryview, where: str) -> None:
                 raise InvalidStoreError(f"{where} shrank while it was read")
             got += n
     except OSError as exc:
-        raise InvalidStoreError(f"{where} cannot be read: {_line(exc)}") from None
+        raise InvalidStoreError(f"{where} cannot be read: {error_line(exc)}") from None
 
 
-def _line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """An exception's message on one short line."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 160 else text[:157] + "..."
@@ -194,7 +199,7 @@ def safe_path(root: Path, name: Any) -> Path:
     for depth in range(1, len(parts)):
         check_dir(root, "/".join(parts[:depth]), required=True)
     path = root.joinpath(*parts)
-    info = _lstat(path, name)
+    info = lstat_or_none(path, name)
     if info is not None and stat.S_ISLNK(info.st_mode):
         raise InvalidStoreError(f"{name} is a symlink; stores never contain symlinks")
     return path
@@ -207,7 +212,7 @@ def parse_json(data: bytes | bytearray, where: str) -> Any:
         return json.loads(bytes(data).decode("utf-8"), object_pairs_hook=_unique_keys,
                           parse_constant=_no_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise InvalidStoreError(f"{where} is not valid JSON: {_line(exc)}") from None
+        raise InvalidStoreError(f"{where} is not valid JSON: {error_line(exc)}") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -228,14 +233,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _strict_equal(a: Any, b: Any) -> bool:
+def strict_equal(a: Any, b: Any) -> bool:
     """JSON equality that tells bools from ints and ints from floats."""
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_strict_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(strict_equal(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return len(a) == len(b) and all(map(_strict_equal, a, b))
+        return len(a) == len(b) and all(map(strict_equal, a, b))
     return bool(a == b)
 
 
@@ -255,9 +260,9 @@ def load_npy(root: Path, name: str, crc: Any, *, dtype: np.dtype,
              shape: tuple[int, ...]) -> np.ndarray:
     """Read a small file the manifest names: header (dtype, shape) first, then at most the
     bytes that header implies, then crc32 and exact size."""
-    with _open_regular(safe_path(root, name), name) as (f, size):
+    with open_regular(safe_path(root, name), name) as (f, size):
         head = _read_exact(f, min(size, MAX_NPY_HEADER + 64), name)
-        offset = _check_npy_header(io.BytesIO(head), size, name, dtype, shape)
+        offset = check_npy_header(io.BytesIO(head), size, name, dtype, shape)
         data = bytearray(size)
         data[:len(head)] = head
         _read_into(f, memoryview(data)[len(head):], name)
@@ -268,7 +273,7 @@ def load_npy(root: Path, name: str, crc: Any, *, dtype: np.dtype,
     return np.frombuffer(data, dtype=dtype, offset=offset).reshape(shape)
 
 
-def _check_npy_header(f: Readable, size: int, name: str, dtype: np.dtype,
+def check_npy_header(f: Readable, size: int, name: str, dtype: np.dtype,
                       shape: tuple[int, ...]) -> int:
     """Check a .npy header against the expected dtype and shape; returns the data offset.
 
@@ -298,16 +303,17 @@ def _read_npy_header(f: Readable, name: str) -> tuple[Any, bool, np.dtype]:
             got_shape, fortran, got_dtype = reader(head, max_header_size=MAX_NPY_HEADER)
     except Exception as exc:  # noqa: BLE001 -- numpy parses untrusted bytes (ast, tokenize,
         # dtype); whatever it raises means the header is not one a store writes
-        raise InvalidStoreError(f"{name} is not a valid .npy file: {_line(exc)}") from None
+        raise InvalidStoreError(f"{name} is not a valid .npy file: {error_line(exc)}") from None
     f.seek(head.tell())
     return got_shape, fortran, got_dtype
 
 
-def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+def is_json(value: Any, kind: type | tuple[type, ...]) -> bool:
     """isinstance for JSON values, where a bool is neither an int nor a float."""
     return isinstance(value, kind) and not isinstance(value, bool)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON type name of a parsed value, for messages ("object", "int", ...)."""
     return {dict: "object", list: "array", str: "string", bool: "bool", int: "int",
             float: "float", type(None): "null"}.get(type(value), type(value).__name__)

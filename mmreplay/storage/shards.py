@@ -119,8 +119,11 @@ class ShardFiles:
     """
 
     def __init__(self, frames_dir: str, key_suffix: str, shard_chunks: int, max_chunk: int,
-                 *, num_envs: int, num_chunks: int, max_open: int) -> None:
+                 *, num_envs: int, num_chunks: int, max_open: int,
+                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None
+                 ) -> None:
         self._dir, self._suffix = frames_dir, key_suffix
+        self._fetch = fetch  # makes chunks present in their (sparse) files first: a bucket
         self.shard_chunks, self.max_chunk = shard_chunks, max_chunk
         self._num_chunks, self._max_open = num_chunks, max_open
         self._num_shards = -(-num_chunks // shard_chunks)
@@ -141,6 +144,8 @@ class ShardFiles:
     def addresses(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(address, length) of the bytes of chunks ``keys`` (``env * num_chunks + chunk``),
         mapping their files as needed; `InvalidStoreError` if a file or entry is missing."""
+        if self._fetch is not None:
+            self._fetch(keys, self.forget)
         shards = (keys // self._num_chunks) * self._num_shards + (
             keys % self._num_chunks) // self.shard_chunks
         self._tick += 1

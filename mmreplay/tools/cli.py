@@ -10,6 +10,10 @@
     mmreplay import-dopamine DIR STORE [--checkpoints 0-3]   Dopamine replay logs -> store
     mmreplay export-minari STORE DATASET_ID                  store -> Minari dataset
     mmreplay import-minari DATASET_ID STORE                  Minari dataset -> store
+    mmreplay push STORE URL [--take-over]    upload to s3://bucket/prefix (only what changed)
+    mmreplay pull URL DIR                    download the newest generation and verify it
+
+PATH may also be a URL (s3://bucket/prefix, file:///dir): the store is read from there.
 
 The inspecting commands open the store read-only (no lock, nothing written), so they are
 safe on a store another process is writing; the import commands build a new store beside
@@ -31,8 +35,10 @@ import numpy as np
 
 from mmreplay import __version__
 from mmreplay.errors import MmreplayError
+from mmreplay.storage.objects import is_url
 from mmreplay.tools import inspection as ins
 from mmreplay.tools.cli_datasets import add_dataset_commands
+from mmreplay.tools.cli_remote import add_remote_commands, verify_url
 from mmreplay.tools.verify import verify_store
 
 PROG = "mmreplay"
@@ -71,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample):
         add(sub)
     add_dataset_commands(sub, positive_int=_positive_int)
+    add_remote_commands(sub)
     return parser
 
 
 def _command(sub: Any, name: str, help_text: str, run: Any) -> argparse.ArgumentParser:
     cmd = sub.add_parser(name, help=help_text, description=help_text)
-    cmd.add_argument("path", metavar="PATH", help="store directory")
+    cmd.add_argument("path", metavar="PATH", help="store directory, or s3://bucket/prefix")
     cmd.set_defaults(run=run)
     return cmd
 
@@ -328,7 +335,8 @@ def _add_verify(sub: Any) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = verify_store(args.path, progress=_progress_bar)
+    report = verify_url(args.path) if is_url(args.path) else verify_store(
+        args.path, progress=_progress_bar)
     if report.note:
         print(f"{PROG}: note: {report.note}", file=sys.stderr)
     if not report.ok:

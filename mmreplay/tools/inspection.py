@@ -6,9 +6,8 @@ writing is safe: a reader sees one committed generation, and an open or a
 verify that raced a flush is retried once the generation has moved on.
 
 Results are frozen dataclasses and numpy arrays. The terminal, image files and
-plots belong to `cli.py`. This module may read the store's private parts
-(`_ring`, `_frames`, `_sampler`, `_commits`): it is the library's own
-diagnostic view of them.
+plots belong to `cli.py`. A store is read through its public methods and its
+read-only ``store.views`` (step columns, frames by slot, priorities, memory).
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing
+from mmreplay.index.ring import StepColumns
 from mmreplay.storage.frame_store import FRAMES
+from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore, StoreCounts
 
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
@@ -33,8 +33,9 @@ ZARR_JSON = "zarr.json"
 
 # -- opening ----------------------------------------------------------------------------
 def open_readonly(path: str | os.PathLike[str]) -> ReplayStore:
-    """Open a store read-only (`ReplayStore.open` retries opens that race a commit)."""
-    return ReplayStore.open(Path(path), mode="r")
+    """Open a store read-only (`ReplayStore.open` retries opens that race a commit); a URL
+    (``s3://``, ``file://``) is read from object storage."""
+    return ReplayStore.open(path if is_url(path) else Path(path), mode="r")
 
 
 # -- info -------------------------------------------------------------------------------
@@ -95,11 +96,11 @@ def store_info(store: ReplayStore) -> StoreInfo:
     """Summary of an open store: config, counts, disk, RAM and sampler figures."""
     return StoreInfo(
         path=str(store.path),
-        format_version=int(store._commits.committed["format_version"]),
+        format_version=store.format_version,
         generation=store.generation,
         spec=store.spec.to_dict(),
         counts=store.counts,
-        episodes_running=int(store._ring.running.sum()),
+        episodes_running=int(store.views.step_columns().running.sum()),
         disk=disk_usage(store),
         ram=ram_estimate(store),
         sampler=store.spec.sampler,
@@ -108,21 +109,22 @@ def store_info(store: ReplayStore) -> StoreInfo:
 
 
 def disk_usage(store: ReplayStore) -> DiskUsage:
-    ring, spec = store._ring, store.spec
-    in_tail = int(store._frames.tail_fill.sum())
-    in_chunks = int((ring.written - ring.oldest).sum()) - in_tail
+    cols, spec = store.views.step_columns(), store.spec
+    in_tail = store.views.memory().tail_frames
+    in_chunks = int((cols.written - cols.oldest).sum()) - in_tail
     frames_bytes, chunk_files = 0, 0
-    for path, size in _files(store.path / FRAMES):
+    for path, size in files_under(store.path / FRAMES):
         frames_bytes += size
         chunk_files += path.name != ZARR_JSON
     ratio = in_chunks * spec.frame_bytes / frames_bytes if in_chunks and frames_bytes else None
     return DiskUsage(
-        total_bytes=sum(size for _, size in _files(store.path)), frames_bytes=frames_bytes,
+        total_bytes=sum(size for _, size in files_under(store.path)),
+        frames_bytes=frames_bytes,
         chunk_files=chunk_files, frames_in_chunks=in_chunks, frames_in_tail=in_tail,
         compression_ratio=ratio)
 
 
-def _files(root: Path) -> Iterable[tuple[Path, int]]:
+def files_under(root: Path) -> Iterable[tuple[Path, int]]:
     """(path, size) of every regular file under `root` (symlinks not followed)."""
     for dirpath, _, names in os.walk(root):
         for name in names:
@@ -134,42 +136,25 @@ def _files(root: Path) -> Iterable[tuple[Path, int]]:
 
 
 def ram_estimate(store: ReplayStore) -> RamEstimate:
-    ring = store._ring
-    steps = ring.steps.nbytes
-    masks = sum(a.nbytes for a in (ring.valid, ring._id_loc, ring.written, ring.kept_from,
-                                   ring.running, ring._dirty_lo))
-    sampler = _array_bytes(store._sampler)
-    tail = store._frames.tail.nbytes
-    return RamEstimate(steps_bytes=steps, masks_bytes=masks, sampler_bytes=sampler,
-                       tail_bytes=tail, total_bytes=steps + masks + sampler + tail,
-                       cache_budget_bytes=store._frames.cache_budget)
-
-
-def _array_bytes(obj: object, depth: int = 2) -> int:
-    """Bytes of the numpy arrays an object holds, looking `depth` attribute levels deep.
-
-    A measurement, not persistence: it keeps `info` right whatever arrays a sampler keeps.
-    """
-    total = 0
-    for value in vars(obj).values():
-        if isinstance(value, np.ndarray):
-            total += value.nbytes
-        elif depth > 1 and hasattr(value, "__dict__") and not isinstance(value, type):
-            total += _array_bytes(value, depth - 1)
-    return total
+    """RAM the open store holds besides its decoded-chunk cache (and that cache's budget)."""
+    mem = store.views.memory()
+    total = mem.steps_bytes + mem.index_bytes + mem.sampler_bytes + mem.tail_bytes
+    return RamEstimate(steps_bytes=mem.steps_bytes, masks_bytes=mem.index_bytes,
+                       sampler_bytes=mem.sampler_bytes, tail_bytes=mem.tail_bytes,
+                       total_bytes=total, cache_budget_bytes=mem.cache.budget_bytes)
 
 
 def priority_stats(store: ReplayStore) -> PriorityStats | None:
     """Min/mean/max raw priority over sampleable transitions; None for uniform stores."""
-    sampler = store._priority_sampler()
-    if sampler is None:
+    state = store.views.priority_state()
+    if state is None:
         return None
-    p = sampler.priorities()[store._ring.valid]
+    p = state.sampleable
     some = p.size > 0
     return PriorityStats(
         count=int(p.size), min=float(p.min()) if some else None,
         mean=float(p.mean()) if some else None, max=float(p.max()) if some else None,
-        max_priority=float(sampler.max_priority()))
+        max_priority=state.max_priority)
 
 
 # -- episodes ---------------------------------------------------------------------------
@@ -193,22 +178,13 @@ class EpisodeRow:
     fully_kept: bool
 
 
-def kept_frames(ring: StepRing) -> tuple[np.ndarray, np.ndarray]:
-    """(env, frame number) of every kept frame, env-major and in frame order."""
-    oldest, counts = ring.oldest, ring.written - ring.oldest
-    starts = np.cumsum(counts) - counts
-    env = np.repeat(np.arange(ring.E, dtype=np.int64), counts)
-    frames = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts - oldest, counts)
-    return env, frames
-
-
 def episode_table(store: ReplayStore) -> tuple[EpisodeRow, ...]:
     """Every episode with a kept frame, by episode number (vectorized over frames)."""
-    ring = store._ring
-    env, frames = kept_frames(ring)
+    ring = store.views.step_columns()
+    env, frames = ring.kept_frames()
     if env.size == 0:
         return ()
-    cols = ring.steps[env, frames % ring.S]
+    cols = ring.steps[env, frames % ring.slots_per_env]
     order = np.argsort(cols["episode"], kind="stable")  # an episode's frames stay in order
     env, cols = env[order], cols[order]
     starts = np.flatnonzero(np.r_[True, cols["episode"][1:] != cols["episode"][:-1]])
@@ -238,10 +214,11 @@ def _episode_row(values: dict[str, Any], status: str) -> EpisodeRow:
     return EpisodeRow(status=status, **values)
 
 
-def _episode_status(ring: StepRing, env: np.ndarray, episode: np.ndarray,
+def _episode_status(ring: StepColumns, env: np.ndarray, episode: np.ndarray,
                     terminated: np.ndarray) -> list[str]:
     """Ended by termination, still running (its env's current episode) or else truncated."""
-    newest = ring.steps["episode"][np.arange(ring.E), (ring.written - 1) % ring.S]
+    last = (ring.written - 1) % ring.slots_per_env
+    newest = ring.steps["episode"][np.arange(ring.num_envs), last]
     running = ring.running[env] & (newest[env] == episode)
     return np.where(terminated, "terminated",
                     np.where(running, "running", "truncated")).tolist()
@@ -285,14 +262,13 @@ def transition(store: ReplayStore, transition_id: int) -> TransitionView:
 
 def episode_frames(store: ReplayStore, episode: int) -> np.ndarray:
     """The kept frames of `episode` in order, ``(T, *obs_shape)``."""
-    ring = store._ring
-    env, frames = kept_frames(ring)
-    flat = env * ring.S + frames % ring.S
+    ring = store.views.step_columns()
+    flat = ring.flat(*ring.kept_frames())
     mine = flat[ring.steps["episode"].reshape(-1)[flat] == episode]
     if mine.size == 0:
         raise InvalidInputError(f"episode {episode} has no kept frame in this store "
                                 f"(see `mmreplay episodes` for the kept ones)")
-    return store._frames.read(mine)
+    return store.views.read_frames(mine)
 
 
 def as_images(frames: np.ndarray) -> np.ndarray:
@@ -356,13 +332,13 @@ class Distributions:
 
 
 def distributions(store: ReplayStore) -> Distributions:
-    ring = store._ring
-    env, frames = kept_frames(ring)
-    cols = ring.steps[env, frames % ring.S]
+    ring = store.views.step_columns()
+    env, frames = ring.kept_frames()
+    cols = ring.steps[env, frames % ring.slots_per_env]
     done = [r for r in episode_table(store) if r.fully_kept and r.status != "running"]
-    sampler = store._priority_sampler()
+    state = store.views.priority_state()
     return Distributions(
-        priorities=None if sampler is None else sampler.priorities()[ring.valid],
+        priorities=None if state is None else state.sampleable,
         rewards=cols["reward"][cols["has_step"]].astype(np.float64),
         episode_lengths=np.array([r.length for r in done], np.int64),
         episode_returns=np.array([r.episode_return for r in done], np.float64))
@@ -386,7 +362,7 @@ def sample_summary(store: ReplayStore, batch_size: int, *, seed: int | None = No
     writer would draw next. Nothing is written back.
     """
     if seed is not None:
-        store._rng = np.random.default_rng(seed)
+        store.reseed(seed)
     batch = store.sample(batch_size, beta=beta)
     out = []
     columns = {name: getattr(batch, name) for name in batch.__dataclass_fields__

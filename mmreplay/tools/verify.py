@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError, MmreplayError
-from mmreplay.index.ring import StepRing, step_dtype
+from mmreplay.index.ring import StepColumns, step_dtype
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.commit import LOCK, READERS
 from mmreplay.storage.frame_store import FRAMES, FrameStore
@@ -25,7 +25,7 @@ from mmreplay.storage.layout import check_zarr
 from mmreplay.storage.manifest import MANIFEST, check_root, committed_generation, read_manifest
 from mmreplay.storage.safe_io import TMP_DIR, TMP_SUFFIX, load_npy
 from mmreplay.store import ReplayStore
-from mmreplay.tools.inspection import ZARR_JSON, Progress, _files, kept_frames
+from mmreplay.tools.inspection import ZARR_JSON, Progress, files_under
 
 
 # -- verify ----------------------------------------------------------------------------------
@@ -231,25 +231,23 @@ def _check_open_store(root: Path, problems: list[str], *, report_failure: bool) 
             problems.append(f"store does not open: {exc}")
         return None
     with store:
-        for check in (store._ring.check_valid, getattr(store._sampler, "check_valid", None)):
-            try:
-                if check is not None:
-                    check()
-            except RuntimeError as exc:
-                problems.append(f"invariant broken: {exc}")
-        problems += ring_problems(store._ring)
+        try:
+            store.views.check_valid()
+        except RuntimeError as exc:
+            problems.append(f"invariant broken: {exc}")
+        problems += ring_problems(store.views.step_columns())
         return len(store)
 
 
-def ring_problems(ring: StepRing) -> list[str]:
+def ring_problems(ring: StepColumns) -> list[str]:
     """Invariants of the kept step columns that `StepRing.check_valid` does not cover."""
-    env, f = kept_frames(ring)
-    if (ring.written - ring.oldest > ring.S).any():
-        return [f"cursors keep more than {ring.S} frames per env: written {ring.written}, "
-                f"oldest {ring.oldest}"]
-    c = ring.steps[env, f % ring.S]
+    env, f = ring.kept_frames()
+    if (ring.written - ring.oldest > ring.slots_per_env).any():
+        return [f"cursors keep more than {ring.slots_per_env} frames per env: "
+                f"written {ring.written}, oldest {ring.oldest}"]
+    c = ring.steps[env, f % ring.slots_per_env]
     has_next = f + 1 < ring.written[env]
-    n = ring.steps[env, (f + 1) % ring.S]
+    n = ring.steps[env, (f + 1) % ring.slots_per_env]
     cont = has_next & (n["pos"] == c["pos"] + 1) & (n["episode"] == c["episode"])
     ended = c["has_step"] & (c["terminated"] | c["truncated"])
     checks = [
@@ -271,7 +269,7 @@ def ring_problems(ring: StepRing) -> list[str]:
     return out + _running_problems(ring)
 
 
-def _running_problems(ring: StepRing) -> list[str]:
+def _running_problems(ring: StepColumns) -> list[str]:
     bad = np.flatnonzero(ring.running & (ring.written == 0))
     return [f"envs {bad[:10].tolist()} are marked running but have no frame"] if bad.size else []
 
@@ -287,7 +285,7 @@ def _unexpected_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> 
     """Files that are neither named by the manifest nor part of the fixed layout."""
     named = set(manifest["files"]) | {MANIFEST, LOCK, READERS}
     out = []
-    for path, _ in _files(root):
+    for path, _ in files_under(root):
         rel = path.relative_to(root).as_posix()
         if rel in named or _allowed(rel.split("/"), spec):
             continue

@@ -1,0 +1,98 @@
+"""Priority bookkeeping of a store: one priority column per step slot, kept by the sampler.
+
+Transitions and sequence starts share the column: a sequence's priority is the priority of
+its start step. Every write goes through `Priorities.set` (last value wins for a slot given
+twice), which tells the sampler, every prioritized sequence index, and the set of step
+blocks the next commit must rewrite. Uniform stores have no column (`sampler` is None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from mmreplay.errors import InvalidInputError
+from mmreplay.index.ring import StepRing
+from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler
+from mmreplay.spec import StoreSpec
+
+Listener = Callable[[np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class PriorityState:
+    """Raw priorities of the sampleable transitions (flat-slot order) and the priority a new
+    transition enters with."""
+
+    sampleable: np.ndarray
+    max_priority: float
+
+
+class Priorities:
+    """The priority column of one store (see the module doc)."""
+
+    def __init__(self, spec: StoreSpec, sampler: Sampler) -> None:
+        self.spec = spec
+        self.sampler = None if spec.sampler == "uniform" else cast(PrioritySampler, sampler)
+        self.dirty: set[int] = set()  # step blocks whose priorities changed since the commit
+        self.listeners: list[Listener] = []  # told (flat, values) of every write
+
+    def require(self, what: str, kinds: tuple[str, ...]) -> PrioritySampler:
+        """The sampler, if this store samples one of `kinds`; else `InvalidInputError`."""
+        if self.sampler is None or self.spec.sampler not in kinds:
+            need = " or ".join(repr(kind) for kind in kinds)
+            raise InvalidInputError(f"{what} needs sampler={need}; this store samples "
+                                    f"{self.spec.sampler!r}")
+        return self.sampler
+
+    def set(self, flat: np.ndarray, values: np.ndarray) -> int:
+        """The priority column at these step slots; for a slot given twice the last value
+        wins. Returns how many slots were set."""
+        assert self.sampler is not None  # callers `require` first
+        flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
+        values = values[::-1][first]
+        self.sampler.set_priorities(flat, values)
+        self._written(flat, values)
+        return int(flat.size)
+
+    def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int | None:
+        """Proportional stores: the priorities of transition `ids` found sampleable in
+        `ring`, in one compiled call (others ignored; the last value of a slot wins);
+        returns how many slots were set. None, changing nothing, for other samplers."""
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler):
+            return None
+        applied = sampler.set_id_priorities(ids, values, ring.id_map())
+        if applied is None:  # some ids live in the ring's spill table
+            applied = sampler.set_id_priorities(ids, values, ring.id_map(), ring.spilled(ids))
+        assert applied is not None  # their slots given: nothing is missed
+        self._written(applied.slots, applied.priorities)
+        return int(applied.slots.size)
+
+    def _written(self, flat: np.ndarray, values: np.ndarray) -> None:
+        """Tell the listeners, and mark the step blocks for the next commit."""
+        for listener in self.listeners:
+            listener(flat, values)
+        blocks = flat % self.spec.slots_per_env // self.spec.block_slots
+        self.dirty.update(blocks.tolist())
+
+    def of_starts(self, flat: np.ndarray) -> np.ndarray:
+        """The priorities of these step slots (what sequence starts take)."""
+        return cast(PrioritizedSampler, self.sampler).priorities_at(flat)
+
+    def state(self, valid: np.ndarray) -> PriorityState | None:
+        """The priorities of the slots `valid` marks; None for uniform stores."""
+        if self.sampler is None:
+            return None
+        return PriorityState(sampleable=self.sampler.priorities()[valid],
+                             max_priority=float(self.sampler.max_priority()))
+
+    def commit_fields(self) -> dict[str, Any]:
+        """What `Committer.commit` persists of the column (and which blocks changed)."""
+        sampler = self.sampler
+        return {"priorities": None if sampler is None else sampler.priorities(),
+                "max_priority": 1.0 if sampler is None else sampler.max_priority(),
+                "prio_dirty": self.dirty}

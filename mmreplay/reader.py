@@ -1,0 +1,135 @@
+"""Reading transitions beside a writer: the refresh of the index, the follow protocol, the
+retry of reads a writer overwrote, and the batch assembly. The store only orchestrates.
+
+A writer commits a manifest that gives frames up *before* it overwrites them::
+
+    writer:  commit manifest (kept_from moves on)  ->  overwrite the frames given up
+    reader:  read frames  ->  re-check the manifest  ->  any frame it read given up? retry
+
+so a read-only store that re-checks the manifest after reading knows whether what it read
+may have changed underneath it (`Reader.follow_writer`). A writable store is the writer:
+it has nothing to follow. A read is retried at most `READER_RETRIES` times
+(`Reader.consistent`, shared by transitions and sequences).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
+from mmreplay.index.ring import StepRing
+from mmreplay.index.samplers import Sampler
+from mmreplay.storage.frame_store import FrameStore
+from mmreplay.storage.manifest import MANIFEST, read_manifest
+from mmreplay.torch_batch import Batch, make_batch
+
+READER_RETRIES = 5
+T = TypeVar("T")
+
+
+class Reader:
+    """Keeps a store's sampler current with its ring, and reads consistent batches."""
+
+    def __init__(self, path: Path, ring: StepRing, frames: FrameStore, sampler: Sampler, *,
+                 writable: bool) -> None:
+        self.path = path
+        self.ring = ring
+        self.frames = frames
+        self.sampler = sampler
+        self.writable = writable
+        self.manifest_key: tuple[int, int, int] | None = None  # (inode, mtime, size) seen last
+
+    # -- keeping the index current -------------------------------------------------
+    def refresh(self) -> None:
+        """Follow the writer (read-only stores), then re-test what changed since last time."""
+        self.follow_writer()
+        slots, valid = self.ring.refresh()
+        if slots.size:  # most samples of a learner that adds between them change nothing
+            self.sampler.update(slots, valid, self.ring.steps["id"].reshape(-1)[slots])
+
+    def follow_writer(self) -> bool:
+        """Read-only: give up the frames a writer has given up since; True if any were."""
+        if self.writable:
+            return False
+        try:
+            st = os.stat(self.path / MANIFEST)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key == self.manifest_key:
+                return False
+            self.manifest_key = key
+            kept = np.asarray(read_manifest(self.path)["kept_from"], dtype=np.int64)
+        except (OSError, InvalidStoreError, ValueError, TypeError):
+            return False  # the writer's business; this reader keeps its generation
+        ring = self.ring
+        if kept.shape != ring.kept_from.shape or (kept <= ring.kept_from).all():
+            return False
+        np.maximum(ring.kept_from, kept, out=ring.kept_from)
+        ring.rebuild_validity()
+        self.update_all_slots()
+        return True
+
+    def update_all_slots(self) -> None:
+        """Tell the sampler the validity and id of every slot (after a full rebuild)."""
+        ring = self.ring
+        self.sampler.update(np.arange(ring.valid.size), ring.valid, ring.steps["id"].reshape(-1))
+
+    # -- consistent reads ------------------------------------------------------------
+    def consistent(self, attempt: Callable[[], T | None]) -> T:
+        """`attempt()` until it returns a result (None: a writer overwrote what it read)."""
+        for _ in range(READER_RETRIES):
+            result = attempt()
+            if result is not None:
+                return result
+        raise InvalidStoreError(f"{self.path}: a writer overwrote frames while they were read "
+                                f"{READER_RETRIES} times in a row; try again")
+
+    def still_valid(self, flat: np.ndarray, valid: np.ndarray | None = None) -> bool:
+        """After a read: False if a writer gave up any of these slots meanwhile (valid in
+        `valid`, e.g. a sequence index's starts, instead of the transition mask)."""
+        if not self.follow_writer():
+            return True
+        return bool((self.ring.valid if valid is None else valid)[flat].all())
+
+    def sample(self, rng: np.random.Generator, size: int, beta: float) -> Batch:
+        """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
+        def attempt() -> Batch | None:
+            self.refresh()
+            if self.sampler.count() == 0:
+                raise EmptyStoreError(
+                    "cannot sample: the store holds no sampleable transition yet")
+            draw = self.sampler.sample(rng, size, beta)
+            batch = self.batch(draw.slots, draw.weights)
+            return batch if self.still_valid(draw.slots) else None
+
+        return self.consistent(attempt)
+
+    def get(self, wanted: np.ndarray) -> Batch:
+        """The sampleable transitions with these ids (see `ReplayStore.get`)."""
+        self.refresh()
+        flat, found = self.ring.flat_of_ids(wanted)
+        if not found.all():
+            bad = wanted[~found][:5].tolist()
+            raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
+        batch = self.batch(flat, np.ones(flat.size, np.float32))
+        if not self.still_valid(flat):
+            raise UnknownIdError("some of these transitions were overwritten by the writer "
+                                 "while they were read")
+        return batch
+
+    def batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
+        """The transitions at valid flat slots, frames read in one call."""
+        look = self.ring.lookup(flat)
+        frames = self.frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
+        return make_batch(frames=frames, action=look.action, reward=look.reward,
+                          terminated=look.terminated, truncated=look.truncated,
+                          discount=look.discount, weights=weights, ids=look.ids,
+                          extras=look.extras, steps=look.steps)
+
+    def ids(self, flat: np.ndarray) -> np.ndarray:
+        """The transition ids at these flat slots, increasing."""
+        return np.sort(self.ring.steps["id"].reshape(-1)[flat])

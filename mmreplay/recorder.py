@@ -1,0 +1,139 @@
+"""Recording steps: ``reset``/``add`` arguments checked, then written to the ring and frames.
+
+`Recorder.add` and `Recorder.reset` check one call's arguments (`validate`); `Recorder.add_rows`
+checks a whole block of rows at once and then records them in order, so a caller that
+batches many steps (the Ray block taker) pays for the checks once. Either way a rejected
+call changes nothing. The store holds the lock and refuses read-only or closed stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmreplay import validate
+from mmreplay.errors import InvalidInputError
+from mmreplay.index.ring import StepRing
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.frame_store import FrameStore
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Rows of steps for `ReplayStore.add_rows`: row ``t`` is one ``add`` of the envs
+    `env_ids`; every array has a leading ``(rows, len(env_ids))`` shape."""
+
+    env_ids: Any
+    action: Any          # (rows, envs, *action_shape)
+    reward: Any          # (rows, envs)
+    next_obs: Any        # (rows, envs, *obs_shape)
+    terminated: Any      # (rows, envs) bool
+    truncated: Any       # (rows, envs) bool
+    autoreset: Any       # (rows, envs) bool: the row's frame is o_0 of a new episode
+    extras: Any = None   # {name: (rows, envs, *shape)}, exactly the declared extras
+
+
+class Recorder:
+    """Appends checked steps and episode starts to one store's ring and frame store."""
+
+    def __init__(self, spec: StoreSpec, ring: StepRing, frames: FrameStore) -> None:
+        self.spec = spec
+        self.ring = ring
+        self.frames = frames
+        self.all_envs = np.arange(spec.num_envs, dtype=np.int64)
+        self.scalar_step = validate.scalar_step_checker(spec)
+
+    def reset(self, obs: Any, env_ids: Any) -> None:
+        """o_0 of a new episode for all envs or the listed ones (see `ReplayStore.reset`)."""
+        envs = validate.env_ids(self.spec, env_ids)
+        count = 1 if self.spec.num_envs == 1 and env_ids is not None else envs.size
+        frames = validate.observations(self.spec, obs, count)
+        self.frames.append(envs, self.ring.begin_episodes(envs), frames)
+
+    def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
+            autoreset: Any, env_ids: Any, extras: Any) -> None:
+        """One step of every env or of the listed ones (see `ReplayStore.add`)."""
+        if self.scalar_step is not None and autoreset is None and env_ids is None \
+                and extras is None and not self.spec.extras and self.ring.running[0]:
+            step = self.scalar_step(action, reward, next_obs, terminated, truncated)
+            if step is not None:  # else: not plain scalars; the general path checks them
+                self.frames.append_one(0, self.ring.record_step(0, *step), next_obs)
+                return
+        spec = self.spec
+        envs = self.all_envs if env_ids is None else validate.env_ids(spec, env_ids)
+        count = envs.size
+        frames = validate.observations(spec, next_obs, count, "next_obs")
+        auto = validate.flags(spec, "autoreset", autoreset, count)
+        term = validate.flags(spec, "terminated", terminated, count)
+        trunc = validate.flags(spec, "truncated", truncated, count)
+        act, rew = validate.actions(spec, action, count), validate.rewards(spec, reward, count)
+        extra = validate.extras(spec, extras, count)
+        self._check_running(envs, auto, self.ring.running[envs])
+        self.record(envs, act, rew, frames, term, trunc, auto, extra)
+
+    def add_rows(self, rows: StepRows) -> None:
+        """Every row of `rows`, checked at once before the first is recorded."""
+        envs, act, rew, frames, term, trunc, auto, extras = self._checked_rows(rows)
+        running = self.ring.running[envs]
+        for t in range(rew.shape[0]):  # episode order of the whole block, before any write
+            self._check_running(envs, auto[t], running)
+            running = auto[t] | ~(term[t] | trunc[t])
+        for t in range(rew.shape[0]):
+            self.record(envs, act[t], rew[t], frames[t], term[t], trunc[t], auto[t],
+                        {name: value[t] for name, value in extras.items()})
+
+    def _checked_rows(self, rows: StepRows) -> tuple[Any, ...]:
+        spec = self.spec
+        envs = validate.env_ids(spec, rows.env_ids)
+        shape = np.shape(rows.reward)
+        if len(shape) != 2 or shape[1] != envs.size or shape[0] == 0:
+            raise InvalidInputError(f"rows reward shape {shape} != expected (rows >= 1, "
+                                    f"{envs.size}) (rows, envs)")
+        count = shape[0] * shape[1]
+
+        def flat(value: Any, tail: tuple[int, ...]) -> Any:
+            arr = np.asarray(validate.to_numpy(value))
+            if arr.shape[:2] != shape:
+                raise InvalidInputError(f"rows array of shape {arr.shape} does not start with "
+                                        f"(rows, envs) = {shape}")
+            return arr.reshape(count, *tail) if arr.shape[2:] == tail else arr
+
+        frames = validate.observations(spec, flat(rows.next_obs, spec.obs_shape), count,
+                                       "next_obs")
+        act = validate.actions(spec, flat(rows.action, spec.action_shape), count)
+        rew = validate.rewards(spec, flat(rows.reward, ()), count)
+        flags = [validate.flags(spec, name, flat(getattr(rows, name), ()), count)
+                 for name in ("terminated", "truncated", "autoreset")]
+        tails = {name: tail for name, tail, _ in spec.extras}
+        given = rows.extras
+        if isinstance(given, dict):
+            given = {k: flat(v, tails.get(k, np.shape(v)[2:])) for k, v in given.items()}
+        extras = validate.extras(spec, given, count)
+        return (envs, act.reshape(*shape, *spec.action_shape), rew.reshape(shape),
+                frames.reshape(*shape, *spec.obs_shape), *(f.reshape(shape) for f in flags),
+                {k: v.reshape(*shape, *v.shape[1:]) for k, v in extras.items()})
+
+    @staticmethod
+    def _check_running(envs: np.ndarray, auto: np.ndarray, running: np.ndarray) -> None:
+        idle = envs[~auto & ~running]
+        if idle.size:
+            raise InvalidInputError(
+                f"add for env {int(idle[0])} whose episode has ended or not begun: call reset "
+                f"(or pass autoreset=True for it) first")
+
+    def record(self, envs: np.ndarray, act: np.ndarray, rew: np.ndarray, frames: np.ndarray,
+               term: np.ndarray, trunc: np.ndarray, auto: np.ndarray,
+               extras: dict[str, np.ndarray] | None = None) -> None:
+        """A step after its checks (one row per env of `envs`, each running or `auto`)."""
+        extras = extras or {}
+        if not auto.any():  # the common case: every listed env steps
+            self.frames.append(
+                envs, self.ring.record_steps(envs, act, rew, term, trunc, extras), frames)
+            return
+        step, again = np.flatnonzero(~auto), np.flatnonzero(auto)
+        slots = self.ring.record_steps(envs[step], act[step], rew[step], term[step],
+                                       trunc[step], {k: v[step] for k, v in extras.items()})
+        self.frames.append(envs[step], slots, frames[step])
+        self.frames.append(envs[again], self.ring.begin_episodes(envs[again]), frames[again])

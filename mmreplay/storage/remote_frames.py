@@ -1,0 +1,302 @@
+"""Frame chunks fetched from a bucket on demand, into a bounded local cache directory.
+
+A store read from object storage keeps, in its cache directory, a *sparse* copy of each
+shard file it has touched: the file has the object's size, its index (the last bytes,
+fetched once) and exactly the chunks a read has needed, written at their offsets; the
+rest is holes. `ShardFiles` maps these files as it maps local ones and asks `ensure`
+first, so a batch fetches only the inner chunks it touches: every shard's index is read
+at open, then a batch costs one round trip (a ranged request per run of nearby chunks,
+all concurrently)::
+
+    bucket  frames/c.0.3.0.0  [chunk 0][chunk 1]...[chunk 511][index|crc]
+    cache   frames/c.0.3.0.0  [ hole  ][chunk 1]...[  hole   ][index|crc]
+
+Chunk reads are conditional on the etag the index was read with, and every chunk is
+checked against its own crc32c before it is kept. A changed object (a newer push) or a
+mismatch drops the shard and fetches it again once; then the error is raised. After a
+newer index is read, the bucket's manifest is checked again (`after_fetch`), so frames a
+writer gave up since the open are dropped before a read of them is believed. When the
+fetched bytes exceed the budget, whole shard files are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+
+from mmreplay.errors import InvalidStoreError
+from mmreplay.spec import StoreSpec
+from mmreplay.storage.codec import max_chunk_bytes
+from mmreplay.storage.frame_store import FRAMES
+from mmreplay.storage.manifest import MANIFEST, parse_spec
+from mmreplay.storage.objects import ObjectChangedError, Objects
+from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
+from mmreplay.storage.transfer import follow_bucket, pull
+
+CONCURRENCY = 32  # requests in flight
+MAX_GAP = 16 << 10  # chunks of one shard this close are read in one request
+Shard = tuple[int, int]  # (env, shard)
+
+
+class RemoteChunks:
+    """On-demand fetch of frame chunks from `objects` into ``root/frames`` (sparse files)."""
+
+    def __init__(self, objects: Objects, root: Path, spec: StoreSpec, *, budget_bytes: int,
+                 after_fetch: Callable[[], None] | None = None) -> None:
+        self.objects, self.spec, self.budget = objects, spec, budget_bytes
+        self._dir = root / FRAMES
+        self._suffix = ".0" * len(spec.obs_shape)
+        self._num_chunks, self._k = spec.num_chunks, spec.shard_chunks
+        self._max_chunk = max_chunk_bytes(spec)
+        self._have = np.zeros(spec.num_envs * spec.num_chunks, bool)
+        self._index: dict[Shard, tuple[np.ndarray, str | None]] = {}  # index, etag
+        self._held: OrderedDict[Shard, int] = OrderedDict()  # shard -> bytes fetched, LRU
+        self._listed = sorted(objects.list(f"{FRAMES}/c."))
+        self._after_fetch = after_fetch
+        self._forget: Callable[[int, int], None] = lambda env, shard: None
+        self._pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="mmreplay-fetch")
+        self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
+        self._cond = threading.Condition()  # guards _have, _inflight, eviction
+        self._book = threading.Lock()  # guards _index, _held and the counters
+        self.bytes_fetched = 0  # chunks and shard indexes
+        self.chunk_bytes = 0  # chunks only: what the reads needed
+        self.requests = 0
+
+    @property
+    def cached_bytes(self) -> int:
+        """Fetched bytes the cache directory holds now."""
+        with self._book:
+            return sum(self._held.values())
+
+    def key(self, env: int, shard: int) -> str:
+        return f"{FRAMES}/c.{env}.{shard}{self._suffix}"
+
+    def ensure(self, keys: np.ndarray, forget: Callable[[int, int], None] | None = None, *,
+               reader_locked: bool = True) -> None:
+        """Make the chunks ``keys`` (``env * num_chunks + chunk``) present in their files.
+
+        Several threads may call it at once (prefetch workers): each fetches the chunks no
+        other is fetching, without holding the lock over the network, then waits for the
+        rest. Only a caller that holds the reader's lock (no decode can be running) may
+        unmap files: evict, or replace a changed shard; others leave that to the next."""
+        if forget is not None:  # `ShardFiles.forget`: unmap a file before it is replaced
+            self._forget = forget
+        keys = keys[keys < self._have.size]  # the zero chunk and RAM tails are not fetched
+        with self._cond:
+            missing = np.unique(keys[~self._have[keys]])
+            mine = missing[~self._inflight[missing]]
+            self._inflight[mine] = True
+        try:
+            if mine.size:
+                self._fetch(mine, may_unmap=reader_locked)
+        finally:
+            with self._cond:
+                self._inflight[mine] = False
+                self._cond.notify_all()
+                while (self._inflight[missing] & ~self._have[missing]).any():
+                    self._cond.wait()
+                if reader_locked:
+                    self._evict(self._shards(keys))
+                self._touch(keys)
+
+    def fetch_indexes(self) -> None:
+        """Read the index of every shard file in the bucket now (one request each,
+        concurrently), so a read's chunks then cost one round trip."""
+        shards = [_shard_of(k) for k in self._listed]
+        self._pool_map(self._fetch_index, [s for s in shards if s not in self._index])
+        self._follow()
+
+    def _fetch(self, missing: np.ndarray, *, may_unmap: bool) -> None:
+        env, chunk = np.divmod(missing, self._num_chunks)
+        want: dict[Shard, list[int]] = {}
+        for e, c in zip(env.tolist(), chunk.tolist(), strict=True):
+            want.setdefault((e, c // self._k), []).append(c % self._k)
+        changed = self._fetch_shards(want)
+        if changed and may_unmap:  # replaced since their index was read: read it again
+            with self._cond:
+                for shard in changed:
+                    self._drop(shard)
+            again = self._fetch_shards({shard: want[shard] for shard in changed})
+            if again:
+                raise InvalidStoreError(f"{self.objects.url}/{self.key(*sorted(again)[0])} "
+                                        f"keeps changing or is damaged: its chunks fail their "
+                                        f"crc32c checksum")
+
+    def _fetch_shards(self, want: dict[Shard, list[int]]) -> set[Shard]:
+        """Fetch indexes, then chunk runs; returns the shards found changed."""
+        new = [shard for shard in want if shard not in self._index]
+        self._pool_map(self._fetch_index, new)
+        if new:
+            self._follow()  # a newer file may hold frames the bucket gave up since
+        runs = [(shard, run) for shard, positions in want.items()
+                for run in self._runs(shard, sorted(positions))]
+        results = self._pool_map(lambda item: self._fetch_run(*item), runs)
+        return {shard for (shard, _), ok in zip(runs, results, strict=True) if not ok}
+
+    def _runs(self, shard: Shard, positions: list[int]) -> list[list[int]]:
+        """Positions grouped so each group is one ranged request (gaps under MAX_GAP)."""
+        index = self._index[shard][0]
+        where = f"{self.objects.url}/{self.key(*shard)}"
+        runs: list[list[int]] = []
+        for j in positions:
+            if index[j, 0] < 0:
+                raise InvalidStoreError(f"frame chunk {j} of {where} is absent")
+            prev = runs[-1][-1] if runs else None
+            if prev is not None and 0 <= index[j, 0] - index[prev].sum() <= MAX_GAP:
+                runs[-1].append(j)
+            else:
+                runs.append([j])
+        return runs
+
+    def _fetch_run(self, shard: Shard, run: list[int]) -> bool:
+        """One ranged read of chunks `run` of a shard, each checked; False if the object
+        changed (or a chunk fails its checksum)."""
+        index, etag = self._index[shard]
+        lo, hi = int(index[run[0], 0]), int(index[run[-1]].sum())
+        try:
+            data = self.objects.get_range_if(self.key(*shard), lo, hi, etag)
+        except ObjectChangedError:
+            return False
+        self.requests += 1
+        parts = [data[index[j, 0] - lo:index[j].sum() - lo] for j in run]
+        if len(data) != hi - lo or not all(_crc_ok(part) for part in parts):
+            return False
+        fd = os.open(self._path(shard), os.O_WRONLY)
+        try:
+            os.pwrite(fd, data, lo)
+        finally:
+            os.close(fd)
+        first = shard[0] * self._num_chunks + shard[1] * self._k
+        with self._cond:
+            self._have[[first + j for j in run]] = True
+        self._count(shard, hi - lo, chunks=sum(len(p) for p in parts))
+        return True
+
+    def _shards(self, keys: np.ndarray) -> set[Shard]:
+        env, chunk = np.divmod(np.unique(keys), self._num_chunks)
+        return set(zip(env.tolist(), (chunk // self._k).tolist(), strict=True))
+
+    def _touch(self, keys: np.ndarray) -> None:
+        with self._book:
+            for shard in self._shards(keys):
+                if shard in self._held:
+                    self._held.move_to_end(shard)
+
+    def _count(self, shard: Shard, fetched: int, *, chunks: int = 0) -> None:
+        with self._book:  # fetch threads of one read share the counters
+            self._held[shard] = self._held.get(shard, 0) + fetched
+            self._held.move_to_end(shard)
+            self.bytes_fetched += fetched
+            self.chunk_bytes += chunks
+
+    def _pool_map(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))  # one pool: no threads started per batch
+
+    def close(self) -> None:
+        """Stop the request threads."""
+        self._pool.shutdown(wait=True)
+
+    def _fetch_index(self, shard: Shard) -> None:
+        """Read a shard's index (its last bytes, one request) and create its sparse file."""
+        key, n = self.key(*shard), index_size(self._k)
+        where = f"{self.objects.url}/{key}"
+        tail, info = self.objects.get_suffix(key, n)
+        self.requests += 1
+        limit = max_shard_bytes(self._k, self._max_chunk)
+        if info.size > limit:
+            raise InvalidStoreError(f"{where} is {info.size} bytes, more than a frame file "
+                                    f"can be ({limit})")
+        index = parse_index(tail, info.size, self._k, self._max_chunk, where)
+        with open(self._path(shard), "wb") as f:
+            f.truncate(info.size)
+            os.pwrite(f.fileno(), tail, info.size - len(tail))
+        with self._book:
+            self._index[shard] = (index, info.etag)
+        self._count(shard, len(tail))
+
+    def _follow(self) -> None:
+        if self._after_fetch is not None:
+            self._after_fetch()
+
+    def _path(self, shard: Shard) -> Path:
+        return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
+
+    def _drop(self, shard: Shard) -> None:
+        """Forget a shard: unmap, delete its local file, mark its chunks absent (caller
+        holds the condition)."""
+        self._forget(*shard)
+        self._path(shard).unlink(missing_ok=True)
+        first = shard[0] * self._num_chunks + shard[1] * self._k
+        self._have[first:first + self._k] = False
+        with self._book:
+            self._index.pop(shard, None)
+            self._held.pop(shard, None)
+
+    def _evict(self, keep: set[Shard]) -> None:
+        """Drop least recently used shards (never those of this read, nor one being
+        fetched) beyond the budget (caller holds the condition)."""
+        for shard in list(self._held):
+            if self.cached_bytes <= self.budget:
+                return
+            first = shard[0] * self._num_chunks + shard[1] * self._k
+            if shard not in keep and not self._inflight[first:first + self._k].any():
+                self._drop(shard)
+
+
+def _shard_of(key: str) -> Shard:
+    """(env, shard) of a frame key ``frames/c.<env>.<shard>.0...``."""
+    parts = key.split("/")[-1].split(".")
+    return int(parts[1]), int(parts[2])
+
+
+def _crc_ok(data: bytes) -> bool:
+    """A chunk ends with the crc32c of the bytes before it (the codec's last step)."""
+    return len(data) >= 5 and google_crc32c.value(data[:-4]) == struct.unpack(
+        "<I", data[-4:])[0]
+
+
+REMOTE_CACHE_BYTES = 2 << 30  # fetched frame bytes a store read from a bucket keeps
+
+
+def open_remote(objects: Objects, root: Path, *,
+                budget_bytes: int | None = None) -> RemoteChunks:
+    """Pull a bucket store's small files into `root` (an empty directory) and return the
+    fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups."""
+    manifest = pull(objects, root, frames=False)
+    spec = parse_spec(manifest)
+    if spec.shard_chunks == 1:
+        raise InvalidStoreError(f"{objects.url} is a format-1 store (a file per chunk); it "
+                                f"cannot be read from the bucket: mmreplay pull it first")
+    remote = RemoteChunks(objects, root, spec, after_fetch=_follower(objects, root),
+                          budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
+                          else budget_bytes)
+    try:
+        remote.fetch_indexes()
+    except BaseException:
+        remote.close()
+        raise
+    return remote
+
+
+def _follower(objects: Objects, root: Path) -> Callable[[], None]:
+    """`follow_bucket`, skipped while the bucket's manifest keeps its etag (a HEAD)."""
+    seen: list[str | None] = [None]
+
+    def follow() -> None:
+        info = objects.head(MANIFEST)
+        if info is None or info.etag is None or info.etag != seen[0]:
+            follow_bucket(objects, root)
+            seen[0] = None if info is None else info.etag
+
+    return follow

@@ -1,0 +1,277 @@
+"""Stores in object storage, measured against a local SeaweedFS server (`weed server -s3`).
+
+    python scripts/bench_object_storage.py                      # 1M frames (~10 min)
+    python scripts/bench_object_storage.py --frames 200000      # smaller
+    python scripts/bench_object_storage.py --frames 20000 --add-steps 5000 --kills 2  # smoke
+
+Figures (issue 20's targets; read by people, never asserted):
+
+1. `add` throughput of a store mirroring every flush into the bucket, next to the same
+   store without a mirror (one run, side by side), and the mirror's lag in generations.
+2. A `--frames` store pushed whole, then `--new-steps` more steps pushed: bytes uploaded.
+3. The store opened from the bucket: open + first batch; bytes fetched per batch with an
+   empty cache (on the wire, through a counting proxy) against the compressed chunks the
+   batch touches; warm-cache `sample(32)` against the same store on local disk; learner
+   wait in `batches(32, prefetch=8)` with `--rtt-ms` injected round trip.
+4. `--kills` server kills (SIGKILL) mid-push: generations lost, frames wrong.
+
+Frames are real Atari frames (`ale_frames`, Breakout, random policy) cycled. Writes
+`object_storage.json` under `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from ale_frames import AleFrames, record_frames
+from bench import build_parser, machine_info, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
+
+from mmreplay import ReplayStore  # noqa: E402
+
+
+@dataclass
+class Args:
+    frames: int = 1_000_000
+    """frames in the store that is pushed and read from the bucket (its capacity)"""
+    distinct_frames: int = 20_000
+    """real frames recorded and cycled"""
+    add_steps: int = 100_000
+    """steps added per store in the with/without mirror comparison"""
+    flush_every: int = 10_000
+    """steps between flushes (and mirror pushes) while adding"""
+    new_steps: int = 10_000
+    """steps added before the incremental push"""
+    batch_size: int = 32
+    """transitions per batch"""
+    reps: int = 100
+    """timed batches per latency figure"""
+    rtt_ms: float = 30.0
+    """round trip injected by the proxy for the prefetch figure"""
+    kills: int = 20
+    """server kills mid-push (each restart of weed takes ~18 s)"""
+    only: str = "mirror,push,read,kills"
+    """phases to run (read needs push); the others keep their figures in the JSON"""
+    out_dir: str = "data/bench"
+    """directory of object_storage.json"""
+
+
+def feed(store: ReplayStore, rec: AleFrames, steps: int, start: int = 0, *,
+         flush_every: int = 0, on_flush: Any = None) -> float:
+    """Feed `steps` recorded steps (cycled); returns the seconds it took."""
+    n = len(rec.frames)
+    t0 = time.perf_counter()
+    for k in range(start, start + steps):
+        i = k % n
+        if rec.is_first[i] or k == 0:  # a stream position after a reset, or the first
+            store.reset(rec.frames[i])
+        else:
+            store.add(int(rec.actions[i]), float(rec.rewards[i]), rec.frames[i],
+                      bool(rec.terminated[i]), bool(rec.truncated[i]))
+        if flush_every and (k + 1) % flush_every == 0:
+            store.flush()
+            if on_flush is not None:
+                on_flush()
+    return time.perf_counter() - t0
+
+
+def new_store(path: Path, capacity: int, **kw: Any) -> ReplayStore:
+    return ReplayStore.create(path, capacity=capacity, obs_shape=(84, 84), frame_stack=4,
+                              seed=0, **kw)
+
+
+def mirror_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dict[str, Any]:
+    """add with and without a mirror, side by side: after a warm-up store, two rounds
+    alternating plain and mirrored stores; the mirror's lag after each flush."""
+    with new_store(tmp / "warm", 4_000) as warm:  # compiles the kernels, fills caches
+        feed(warm, rec, 4_000, flush_every=1_000)
+    rates: dict[str, list[float]] = {"plain": [], "mirrored": []}
+    lags: list[int] = []
+    waits: list[float] = []
+    for r in range(2):
+        with new_store(tmp / f"plain{r}", args.add_steps) as plain:
+            rates["plain"].append(args.add_steps / feed(plain, rec, args.add_steps,
+                                                        flush_every=args.flush_every))
+        with new_store(tmp / f"mirrored{r}", args.add_steps,
+                       mirror=server.url(f"mirrored{r}")) as m:
+            rates["mirrored"].append(args.add_steps / feed(
+                m, rec, args.add_steps, flush_every=args.flush_every,
+                on_flush=lambda m=m: lags.append(m.mirror.lag)))
+            t0 = time.perf_counter()
+            m.flush(wait_mirror=True)
+            waits.append(time.perf_counter() - t0)
+    plain_rate, mirror_rate = max(rates["plain"]), max(rates["mirrored"])
+    return {"add_steps_per_s_without_mirror": plain_rate,
+            "add_steps_per_s_with_mirror": mirror_rate,
+            "add_ratio_with_over_without": mirror_rate / plain_rate, "rounds": rates,
+            "final_wait_mirror_s": max(waits), "mirror_lag_generations_max": max(lags),
+            "mirror_lag_generations_median": statistics.median(lags)}
+
+
+def push_figures(server: S3Server, rec: AleFrames, path: Path, args: Args) -> dict[str, Any]:
+    """A `--frames` store pushed whole, then `--new-steps` more pushed incrementally."""
+    url = server.url("big")
+    with new_store(path, args.frames) as store:
+        fill_s = feed(store, rec, args.frames, flush_every=100_000)
+        first = store.push(url)
+        feed(store, rec, args.new_steps, start=args.frames)
+        second = store.push(url)
+    frame_bytes = sum(p.stat().st_size for p in (path / "frames").glob("c.*"))
+    return {"fill_s": fill_s, "store_frame_bytes": frame_bytes,
+            "full_push_bytes": first.uploaded_bytes, "full_push_s": first.seconds,
+            "incremental_push_bytes": second.uploaded_bytes,
+            "incremental_push_objects": second.uploaded_objects,
+            "incremental_push_s": second.seconds,
+            "incremental_over_full": second.uploaded_bytes / first.uploaded_bytes}
+
+
+def read_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[str, Any]:
+    url = server.url("big")
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with ReplayStore.open(url, "r", cache_dir=tmp) as direct:
+        direct.sample(args.batch_size)
+        out["open_and_first_batch_s_direct"] = time.perf_counter() - t0
+    counting = FaultProxy(server.ports[3])
+    try:
+        t0 = time.perf_counter()
+        remote = ReplayStore.open(url, "r", cache_dir=tmp, cache_bytes=8 << 30,
+                                  storage_options=server.options(counting.endpoint))
+        remote.sample(args.batch_size)
+        out["open_and_first_batch_s_through_proxy"] = time.perf_counter() - t0
+        ratios = []
+        for _ in range(20):  # cold batches: every chunk new (the store is large)
+            wire, chunks = counting.bytes_down, remote.remote.chunk_bytes
+            remote.sample(args.batch_size)
+            ratios.append((counting.bytes_down - wire) / max(1, remote.remote.chunk_bytes
+                                                             - chunks))
+        out["cold_wire_bytes_over_chunk_bytes_median"] = statistics.median(ratios)
+        out.update(warm_figures(remote, path, args))
+        remote.close()
+    finally:
+        counting.close()
+    out.update(latency_figures(server, url, tmp, args))
+    return out
+
+
+def warm_figures(remote: ReplayStore, path: Path, args: Args) -> dict[str, Any]:
+    """sample(32) once every chunk is in the cache, next to the local store."""
+    ids = remote.valid_ids()
+    t0 = time.perf_counter()
+    for part in np.array_split(ids, max(1, ids.size // 20_000)):
+        remote.get(part)  # fetch every chunk
+    warm_up_s = time.perf_counter() - t0
+    with ReplayStore.open(path, "r") as local:
+        times: dict[str, list[float]] = {"local": [], "bucket": []}
+        for _ in range(args.reps):
+            for name, store in (("local", local), ("bucket", remote)):
+                t = time.perf_counter()
+                store.sample(args.batch_size)
+                times[name].append(time.perf_counter() - t)
+    local_ms = statistics.median(times["local"]) * 1e3
+    bucket_ms = statistics.median(times["bucket"]) * 1e3
+    return {"cache_fill_s": warm_up_s, "warm_sample_ms_local": local_ms,
+            "warm_sample_ms_bucket": bucket_ms, "warm_bucket_over_local": bucket_ms / local_ms}
+
+
+def latency_figures(server: S3Server, url: str, tmp: Path, args: Args) -> dict[str, Any]:
+    """Learner wait in batches(32, prefetch=8) with an injected round trip."""
+    slow = FaultProxy(server.ports[3], latency_s=args.rtt_ms / 1e3)
+    try:
+        with ReplayStore.open(url, "r", cache_dir=tmp,
+                              storage_options=server.options(slow.endpoint)) as remote:
+            it = remote.batches(args.batch_size, prefetch=8)
+            waits = []
+            for k in range(args.reps + 16):
+                t = time.perf_counter()
+                next(it)
+                if k >= 16:  # the pipeline is full
+                    waits.append(time.perf_counter() - t)
+                time.sleep(0.005)  # the learner's step
+            it.close()
+    finally:
+        slow.close()
+    return {"rtt_ms": args.rtt_ms, "learner_wait_ms_median": statistics.median(waits) * 1e3,
+            "learner_wait_ms_p90": float(np.percentile(waits, 90)) * 1e3}
+
+
+def kill_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dict[str, Any]:
+    """Kill the server mid-push `--kills` times; count lost generations and wrong frames."""
+    url = server.url("kills")
+    lost = wrong = completed = 0
+    with new_store(tmp / "kills", 50_000) as store:
+        feed(store, rec, 20_000)
+        store.push(url)
+        for k in range(args.kills):
+            feed(store, rec, 2_000, start=20_000 + 2_000 * k)
+            store.flush()
+            before = store.generation - 1
+            slow = FaultProxy(server.ports[3], bandwidth=2_000_000)
+            pusher = threading.Thread(target=_push, args=(store, url, server, slow))
+            pusher.start()
+            time.sleep(0.2)
+            server.kill()
+            pusher.join(120)
+            slow.close()
+            server.start()
+            with ReplayStore.open(url, "r", cache_dir=tmp) as remote:
+                lost += remote.generation < before
+                with ReplayStore.open(tmp / "kills", "r") as local:  # ids both still hold
+                    ids = np.intersect1d(remote.valid_ids(), local.valid_ids())[::11]
+                    wrong += int((np.asarray(remote.get(ids).obs)
+                                  != np.asarray(local.get(ids).obs)).any(axis=(1, 2, 3)).sum())
+            completed += store.push(url, take_over=True).generation == store.generation
+    return {"kills": args.kills, "generations_lost": lost, "wrong_frames": wrong,
+            "next_push_completed": completed}
+
+
+def _push(store: ReplayStore, url: str, server: S3Server, proxy: FaultProxy) -> None:
+    try:
+        store.push(url, storage_options=server.options(proxy.endpoint))
+    except Exception:  # noqa: BLE001,S110 -- the server is killed under it
+        pass
+
+
+def main() -> None:
+    args = Args(**vars(build_parser(Args, __doc__.splitlines()[0]).parse_args()))
+    rec = record_frames("ALE/Breakout-v5", args.distinct_frames, seed=0)
+    path = Path(args.out_dir) / "object_storage.json"
+    result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    result.update({"machine": machine_info(),
+                   "note": "one 2-core machine shared with other jobs (loaded); the S3 "
+                           "server runs on the same machine"})
+    phases = args.only.split(",")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        server = S3Server(weed_binary() or "weed", tmp / "weed" / "data")
+        server.start()
+        os.environ.update(server.env())
+        try:
+            for name, run in (("mirror", lambda: mirror_figures(server, rec, tmp, args)),
+                              ("push", lambda: push_figures(server, rec, tmp / "big", args)),
+                              ("read", lambda: read_figures(server, tmp / "big", tmp, args)),
+                              ("kills", lambda: kill_figures(server, rec, tmp, args))):
+                if name not in phases:
+                    continue
+                t0 = time.perf_counter()
+                result[name] = {**run(), "args": asdict(args)}
+                print(f"{name} ({time.perf_counter() - t0:.0f} s): {result[name]}", flush=True)
+        finally:
+            server.stop()
+    print(f"wrote {write_json(result, Path(args.out_dir), 'object_storage.json')}")
+
+
+if __name__ == "__main__":
+    main()
