@@ -15,6 +15,9 @@ import functools
 import importlib
 from types import ModuleType
 
+# Status of one chunk's decode (`numba_kernels.decode_chunks`, `codec.ChunkCodec.check`).
+OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
+
 
 @functools.cache
 def compiled() -> ModuleType:
