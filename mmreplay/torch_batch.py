@@ -78,6 +78,8 @@ def make_batch(*, frames: np.ndarray, action: np.ndarray, reward: np.ndarray,
 def _taken(array: np.ndarray, dtype: np.dtype | type) -> torch.Tensor:
     """A fresh array as a tensor: as it is if it has `dtype` (native order, C-contiguous),
     else a converted copy."""
+    import torch
+
     native = np.dtype(dtype).newbyteorder("=")
     return torch.from_numpy(np.ascontiguousarray(array, dtype=native))
 
