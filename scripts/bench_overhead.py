@@ -22,7 +22,6 @@ sides alike. Writes `--out` (JSON). Figures only: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,11 +30,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import parse_args, run_main
 
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
@@ -59,14 +59,6 @@ class Args:
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
     """where the JSON goes"""
-
-
-def parse_args(argv: list[str] | None = None) -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in fields(Args):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
-                            default=f.default)
-    return Args(**vars(parser.parse_args(argv)))
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -143,7 +135,8 @@ def sb3_section(args: Args) -> dict[str, Any]:
 def per_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
     from ale_frames import record_frames
-    from bench import feed_timed, stacked_steps
+    from benchlib.baselines import stacked_steps
+    from benchlib.harness import feed_timed
     from cpprb import PrioritizedReplayBuffer
 
     from mmreplay import ReplayStore
@@ -208,9 +201,9 @@ def run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_worker":
-        worker(parse_args(sys.argv[3:]), sys.argv[2])
+        worker(parse_args(Args, sys.argv[3:], description=__doc__), sys.argv[2])
         return
-    args = parse_args()
+    args = parse_args(Args, description=__doc__)
     argv = sys.argv[1:]
     trees = {"this_checkout": run_tree(ROOT, argv)}
     if args.baseline:
@@ -226,4 +219,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
