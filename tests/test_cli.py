@@ -274,9 +274,9 @@ def test_plot_has_no_empty_panel_and_the_sampler_view(rec: Recorded) -> None:
 def test_plot_leaves_out_panels_without_data(tmp_path: Path) -> None:
     path = tmp_path / "p"
     with ReplayStore.create(path, capacity=16, obs_shape=OBS, sampler="prioritized") as store:
-        store.reset(frame(0))
+        store.reset(frame(0, OBS))
         for t in range(4):
-            store.add(0, 1.0, frame(t + 1), False, False)  # one running episode
+            store.add(0, 1.0, frame(t + 1, OBS), False, False)  # one running episode
     with ReplayStore.open(path, mode="r") as store:
         result = plot_store(store)
     assert result.skipped == ("episode length (complete episodes)",

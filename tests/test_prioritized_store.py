@@ -147,7 +147,7 @@ def test_compiled_updates_match_a_dict_of_last_values(tmp_path, seed):
     live ids are found only through the ring's spill table) and wrap around."""
     rng = np.random.default_rng(seed)
     store = make(tmp_path, capacity=3 * 11, num_envs=3)
-    store.reset(np.stack([frame(0)] * 3))
+    store.reset(np.stack([frame(0, OBS)] * 3))
     want: dict[int, float] = {}
     spilled = 0
     for step in range(400):
@@ -155,10 +155,10 @@ def test_compiled_updates_match_a_dict_of_last_values(tmp_path, seed):
         if envs.size:
             done = rng.random(envs.size) < 0.05
             store.add(np.zeros(envs.size, np.int64), np.ones(envs.size, np.float32),
-                      np.stack([frame(step)] * envs.size), done, np.zeros(envs.size, bool),
+                      np.stack([frame(step, OBS)] * envs.size), done, np.zeros(envs.size, bool),
                       env_ids=envs)
             if done.any():
-                store.reset(np.stack([frame(step)] * int(done.sum())), env_ids=envs[done])
+                store.reset(np.stack([frame(step, OBS)] * int(done.sum())), env_ids=envs[done])
         live = store.valid_ids()
         if live.size == 0 or step % 3:
             continue
