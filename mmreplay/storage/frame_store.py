@@ -285,7 +285,7 @@ class FrameStore:
             self._shard_writer.add(env, chunk, self._codec.encode(frames))
             return
         self._held[(env, chunk)] = frames
-        self._submit_held()
+        _submit_held(self)
 
     # -- the dictionary of "zstd-dict" ------------------------------------------
     def _hold_for_training(self, env: int, chunk: int, frames: np.ndarray) -> None:
@@ -316,20 +316,6 @@ class FrameStore:
         data = self._codec.dictionary
         return None if data is None else dictionary_record(data)
 
-    def _submit_held(self) -> None:
-        """Hand finished chunks to the writer, in order, each after its hook.
-
-        A chunk whose hook (a give-up commit) raised stays held, readable from RAM,
-        and is retried by the next chunk or `drain`, so no finished chunk is ever lost.
-        """
-        assert self._writer is not None, "append on a read-only frame store"
-        while self._held:
-            key, frames = next(iter(self._held.items()))
-            if self._hook is not None:
-                self._hook(key[0], key[1], key[1])
-            del self._held[key]
-            self._writer.submit(key, self.chunk_path(*key), frames)
-
     def drain(self) -> None:
         """Wait until every finished chunk is on disk (raises a failed write's error); a
         "zstd-dict" store trains its dictionary now if chunks are waiting for it."""
@@ -337,7 +323,7 @@ class FrameStore:
         if self._shard_writer is not None:
             self._shard_writer.drain()
         if self._writer is not None:
-            self._submit_held()
+            _submit_held(self)
             self._writer.drain()
 
     def sync(self) -> None:
@@ -456,29 +442,15 @@ class FrameStore:
             k = int(unique[i]) - tails
             table[i] = self.tail[k] if k < self.spec.num_envs else 0
         disk = np.flatnonzero(unique < tails)
-        held = self._held_keys()
+        held = _held_keys(self)
         maybe = disk if held is None else disk[np.isin(unique[disk], held)]
         found = []
         for i in maybe.tolist():
-            chunk = self._in_ram(*divmod(int(unique[i]), self.num_chunks))
+            chunk = _in_ram(self, *divmod(int(unique[i]), self.num_chunks))
             if chunk is not None:
                 table[i] = chunk
                 found.append(i)
         return np.setdiff1d(disk, found, assume_unique=True) if found else disk
-
-    def _held_keys(self) -> np.ndarray | None:
-        """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
-        whose write failed); None when the cache holds chunks (any key may be cached)."""
-        if len(self._cache) > MAX_HELD_LOOKUPS:
-            return None
-        keys: list[tuple[int, int]] = [*self._held, *self._cache]
-        if self._trainer is not None:
-            keys += self._trainer.keys()
-        if self._writer is not None:
-            keys += list(self._writer.failed)
-        if self._shard_writer is not None:
-            keys += self._shard_writer.pending_chunks()
-        return np.array([e * self.num_chunks + c for e, c in keys], np.int64)
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
         """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
@@ -517,22 +489,52 @@ class FrameStore:
             return f"{self._shards.path(env, shard)} (chunk {j})"
         return self._chunk_file(env, chunk)
 
-    def _in_ram(self, env: int, chunk: int) -> np.ndarray | None:
-        """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
-        found = self._cache.get((env, chunk))
-        if found is None and self._shard_writer is not None:
-            data = self._shard_writer.get(env, chunk)
-            found = None if data is None else self._codec.decode(data, "a finished chunk in RAM")
-        if found is None:
-            found = self._held.get((env, chunk))
-        if found is None and self._trainer is not None:
-            found = self._trainer.get((env, chunk))
-        if found is None and self._writer is not None:
-            failed = self._writer.failed.get((env, chunk))
-            found = None if failed is None else failed[1]
-        return found
-
-
 def _address(data: bytes) -> int:
     """The address of a bytes object's buffer (the caller keeps `data` alive)."""
     return int(np.frombuffer(data, np.uint8).ctypes.data)
+
+
+def _submit_held(fs: FrameStore) -> None:
+    """Hand finished chunks to the writer, in order, each after its hook.
+
+    A chunk whose hook (a give-up commit) raised stays held, readable from RAM,
+    and is retried by the next chunk or `drain`, so no finished chunk is ever lost.
+    """
+    assert fs._writer is not None, "append on a read-only frame store"
+    while fs._held:
+        key, frames = next(iter(fs._held.items()))
+        if fs._hook is not None:
+            fs._hook(key[0], key[1], key[1])
+        del fs._held[key]
+        fs._writer.submit(key, fs.chunk_path(*key), frames)
+
+
+def _held_keys(fs: FrameStore) -> np.ndarray | None:
+    """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
+    whose write failed); None when the cache holds chunks (any key may be cached)."""
+    if len(fs._cache) > MAX_HELD_LOOKUPS:
+        return None
+    keys: list[tuple[int, int]] = [*fs._held, *fs._cache]
+    if fs._trainer is not None:
+        keys += fs._trainer.keys()
+    if fs._writer is not None:
+        keys += list(fs._writer.failed)
+    if fs._shard_writer is not None:
+        keys += fs._shard_writer.pending_chunks()
+    return np.array([e * fs.num_chunks + c for e, c in keys], np.int64)
+
+
+def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
+    """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
+    found = fs._cache.get((env, chunk))
+    if found is None and fs._shard_writer is not None:
+        data = fs._shard_writer.get(env, chunk)
+        found = None if data is None else fs._codec.decode(data, "a finished chunk in RAM")
+    if found is None:
+        found = fs._held.get((env, chunk))
+    if found is None and fs._trainer is not None:
+        found = fs._trainer.get((env, chunk))
+    if found is None and fs._writer is not None:
+        failed = fs._writer.failed.get((env, chunk))
+        found = None if failed is None else failed[1]
+    return found
