@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing
+from mmreplay.index.ring import StepRing, id_map, spilled
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler
 from mmreplay.spec import StoreSpec
 
@@ -58,16 +58,17 @@ class Priorities:
         self._written(flat, values)
         return int(flat.size)
 
-    def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int | None:
-        """Proportional stores: the priorities of transition `ids` found sampleable in
-        `ring`, in one compiled call (others ignored; the last value of a slot wins);
-        returns how many slots were set. None, changing nothing, for other samplers."""
+    def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
+        """The priorities of transition `ids` found sampleable in `ring` (others ignored; the
+        last value of a slot wins); returns how many slots were set. Proportional stores do
+        it in one compiled call, from ids to tree leaves."""
         sampler = self.sampler
         if not isinstance(sampler, PrioritizedSampler):
-            return None
-        applied = sampler.set_id_priorities(ids, values, ring.id_map())
+            flat, found = ring.flat_of_ids(ids)
+            return self.set(flat[found], values[found])
+        applied = sampler.set_id_priorities(ids, values, id_map(ring))
         if applied is None:  # some ids live in the ring's spill table
-            applied = sampler.set_id_priorities(ids, values, ring.id_map(), ring.spilled(ids))
+            applied = sampler.set_id_priorities(ids, values, id_map(ring), spilled(ring, ids))
         assert applied is not None  # their slots given: nothing is missed
         self._written(applied.slots, applied.priorities)
         return int(applied.slots.size)

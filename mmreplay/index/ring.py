@@ -72,7 +72,7 @@ class Lookup:
 @dataclass(frozen=True)
 class IdMap:
     """Where transition ids live, for compiled callers: id ``i`` in ``[0, next_id)`` is at flat
-    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `StepRing.spilled`.
+    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `spilled`.
     Views of the ring's arrays: valid until the ring next changes."""
 
     loc: np.ndarray
@@ -391,22 +391,6 @@ class StepRing:
         found &= (self.valid if valid is None else valid)[flat]
         return flat, found
 
-    def id_map(self) -> IdMap:
-        """The id -> flat slot map and the validity mask as plain arrays (see `IdMap`)."""
-        return IdMap(self._id_loc, self._flat_cols["id"], self.valid, self.next_id,
-                     bool(self._id_spill))
-
-    def spilled(self, ids: np.ndarray) -> np.ndarray:
-        """Flat slot of each id by the map or, where a newer id took its entry, the spill
-        table; -1 for ids held nowhere (no validity check)."""
-        known = (ids >= 0) & (ids < self.next_id)
-        flat = np.where(known, self._id_loc[ids % self._id_loc.size], -1)
-        slot_ids = self.steps["id"].reshape(-1)
-        missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
-        if missed.size:
-            flat[missed] = [self._id_spill.get(i, -1) for i in ids[missed].tolist()]
-        return flat
-
     def valid_flat(self) -> np.ndarray:
         return np.flatnonzero(self.valid)
 
@@ -432,8 +416,6 @@ class StepRing:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
         if not self.spec.extras:
             return {}
-        if not self.spec.extras:
-            return {}
         cols = self.steps.reshape(-1)
         return {name: cols[EXTRA_PREFIX + name][flat] for name, _, _ in self.spec.extras}
 
@@ -449,3 +431,21 @@ class StepRing:
         if (self.oldest > self.written).any() or (self.written < 0).any():
             raise RuntimeError(
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
+
+
+def id_map(ring: StepRing) -> IdMap:
+    """The ring's id -> flat slot map and validity mask as plain arrays (see `IdMap`)."""
+    return IdMap(ring._id_loc, ring._flat_cols["id"], ring.valid, ring.next_id,
+                 bool(ring._id_spill))
+
+
+def spilled(ring: StepRing, ids: np.ndarray) -> np.ndarray:
+    """Flat slot of each id by the ring's map or, where a newer id took its entry, its spill
+    table; -1 for ids held nowhere (no validity check)."""
+    known = (ids >= 0) & (ids < ring.next_id)
+    flat = np.where(known, ring._id_loc[ids % ring._id_loc.size], -1)
+    slot_ids = ring._flat_cols["id"]
+    missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
+    if missed.size:
+        flat[missed] = [ring._id_spill.get(i, -1) for i in ids[missed].tolist()]
+    return flat

@@ -378,7 +378,7 @@ class FrameStore:
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
         if self._table is not None:
-            return self._read_table(flat, out).view(self.spec.obs_dtype).reshape(shape)
+            return _read_table(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
         count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
@@ -397,42 +397,6 @@ class FrameStore:
         dest = out[:size].reshape(flat.size, frame_bytes)
         compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
-
-    def _read_table(self, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """`read` through the table of every decoded chunk: one compiled plan, the chunks
-        it lacks loaded (from RAM or decoded from disk straight into their rows), one
-        compiled gather. Returns ``(flat.size, frame_bytes)`` uint8."""
-        kernels, table = tables(), self._table
-        assert table is not None
-        src = np.empty(flat.size, np.int64)
-        missing = np.empty(flat.size, np.int64)
-        count = kernels.table_plan(flat, self.spec.slots_per_env, self._chunk_len,
-                                   self.num_chunks, self.next_slot, self.tail_fill,
-                                   table.loaded, src, missing)
-        if count:
-            self._load_rows(table, missing[:count])
-        frame_bytes = self._tail_rows.shape[1]
-        size = flat.size * frame_bytes
-        if out is None or out.size < size:
-            out = np.empty(size, np.uint8)
-        dest = out[:size].reshape(flat.size, frame_bytes)
-        kernels.table_gather(table.frames, self._tail_rows, src, dest)
-        return dest
-
-    def _load_rows(self, table: ChunkTable, keys: np.ndarray) -> None:
-        """Fill the table rows of chunks `keys`: from RAM (finished, not yet in their file)
-        or decoded from disk."""
-        disk = []
-        for key in keys.tolist():
-            chunk = self._in_ram(*divmod(key, self.num_chunks))
-            if chunk is None:
-                disk.append(key)
-            else:
-                table.put(key, chunk)
-        if disk:
-            rows = np.array(disk, np.int64)
-            self._decode(rows, rows, table.rows)
-            table.mark(rows)
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
@@ -538,3 +502,41 @@ def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
         failed = fs._writer.failed.get((env, chunk))
         found = None if failed is None else failed[1]
     return found
+
+
+def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """`read` through the table of every decoded chunk: one compiled plan, the chunks
+    it lacks loaded (from RAM or decoded from disk straight into their rows), one
+    compiled gather. Returns ``(flat.size, frame_bytes)`` uint8."""
+    kernels, table = tables(), fs._table
+    assert table is not None
+    src = np.empty(flat.size, np.int64)
+    missing = np.empty(flat.size, np.int64)
+    count = kernels.table_plan(flat, fs.spec.slots_per_env, fs._chunk_len,
+                               fs.num_chunks, fs.next_slot, fs.tail_fill,
+                               table.loaded, src, missing)
+    if count:
+        _load_rows(fs, table, missing[:count])
+    frame_bytes = fs._tail_rows.shape[1]
+    size = flat.size * frame_bytes
+    if out is None or out.size < size:
+        out = np.empty(size, np.uint8)
+    dest = out[:size].reshape(flat.size, frame_bytes)
+    kernels.table_gather(table.frames, fs._tail_rows, src, dest)
+    return dest
+
+
+def _load_rows(fs: FrameStore, table: ChunkTable, keys: np.ndarray) -> None:
+    """Fill the table rows of chunks `keys`: from RAM (finished, not yet in their file)
+    or decoded from disk."""
+    disk = []
+    for key in keys.tolist():
+        chunk = _in_ram(fs, *divmod(key, fs.num_chunks))
+        if chunk is None:
+            disk.append(key)
+        else:
+            table.put(key, chunk)
+    if disk:
+        rows = np.array(disk, np.int64)
+        fs._decode(rows, rows, table.rows)
+        table.mark(rows)
