@@ -15,6 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from mmreplay.errors import InvalidInputError
+from mmreplay.index.ring import StepRing, id_map, spilled
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler
 from mmreplay.spec import StoreSpec
 
@@ -54,11 +55,30 @@ class Priorities:
         flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
         values = values[::-1][first]
         self.sampler.set_priorities(flat, values)
+        self._written(flat, values)
+        return int(flat.size)
+
+    def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
+        """The priorities of transition `ids` found sampleable in `ring` (others ignored; the
+        last value of a slot wins); returns how many slots were set. Proportional stores do
+        it in one compiled call, from ids to tree leaves."""
+        sampler = self.sampler
+        if not isinstance(sampler, PrioritizedSampler):
+            flat, found = ring.flat_of_ids(ids)
+            return self.set(flat[found], values[found])
+        applied = sampler.set_id_priorities(ids, values, id_map(ring))
+        if applied is None:  # some ids live in the ring's spill table
+            applied = sampler.set_id_priorities(ids, values, id_map(ring), spilled(ring, ids))
+        assert applied is not None  # their slots given: nothing is missed
+        self._written(applied.slots, applied.priorities)
+        return int(applied.slots.size)
+
+    def _written(self, flat: np.ndarray, values: np.ndarray) -> None:
+        """Tell the listeners, and mark the step blocks for the next commit."""
         for listener in self.listeners:
             listener(flat, values)
         blocks = flat % self.spec.slots_per_env // self.spec.block_slots
         self.dirty.update(blocks.tolist())
-        return int(flat.size)
 
     def of_starts(self, flat: np.ndarray) -> np.ndarray:
         """The priorities of these step slots (what sequence starts take)."""

@@ -128,7 +128,7 @@ class Reader:
         return make_batch(frames=frames, action=look.action, reward=look.reward,
                           terminated=look.terminated, truncated=look.truncated,
                           discount=look.discount, weights=weights, ids=look.ids,
-                          extras=look.extras)
+                          extras=look.extras, steps=look.steps)
 
     def ids(self, flat: np.ndarray) -> np.ndarray:
         """The transition ids at these flat slots, increasing."""

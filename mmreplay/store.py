@@ -303,8 +303,7 @@ class ReplayStore(BucketMethods):
         values = validate.priorities(priorities, wanted.size)
         self._priorities.require("update_priorities", ("prioritized", "rank"))
         self._reader.refresh()
-        flat, found = self._ring.flat_of_ids(wanted)
-        return self._priorities.set(flat[found], values[found])
+        return self._priorities.set_ids(wanted, values, self._ring)
 
     @_reading
     def get(self, ids: Any) -> Batch:

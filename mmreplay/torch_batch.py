@@ -23,7 +23,9 @@ class Batch:
     ``obs``/``next_obs`` are ``(B, frame_stack, *obs_shape)`` in the store's dtype
     (uint8 for pixels: scaling is the model's job). ``reward`` is the n-step
     discounted return, ``discount`` is ``0`` after termination and
-    ``gamma ** m`` otherwise, so the target is ``reward + discount * V(next_obs)``.
+    ``gamma ** m`` otherwise, so the target is ``reward + discount * V(next_obs)``;
+    ``steps`` is that m, the window's length (n, or fewer where the episode ended; None
+    in batches rebuilt from transported fields).
     ``extras`` holds the store's declared per-step extras of step t (recorded by the
     same ``add`` as ``action``), ``(B, *shape)`` each; empty without extras.
     """
@@ -38,6 +40,7 @@ class Batch:
     weights: torch.Tensor
     ids: torch.Tensor
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -46,27 +49,39 @@ class Batch:
 def make_batch(*, frames: np.ndarray, action: np.ndarray, reward: np.ndarray,
                terminated: np.ndarray, truncated: np.ndarray, discount: np.ndarray,
                weights: np.ndarray, ids: np.ndarray,
-               extras: dict[str, np.ndarray] | None = None) -> Batch:
+               extras: dict[str, np.ndarray] | None = None,
+               steps: np.ndarray | None = None) -> Batch:
     """A `Batch` of CPU tensors.
 
-    `frames` is a fresh C-contiguous ``(2, B, ...)`` array (obs, next_obs) that the
-    batch takes over without a copy; the small columns are copied (native order).
+    Every array is fresh, made for this batch by the caller: `frames` is a C-contiguous
+    ``(2, B, ...)`` array (obs, next_obs) and the small columns are taken over without a
+    copy where they already have the field's dtype in native order (else converted).
     """
     import torch
 
     both = torch.from_numpy(frames)
     return Batch(
         obs=both[0],
-        action=_tensor(action, action.dtype),
-        reward=_tensor(reward, np.float32),
+        action=_taken(action, action.dtype),
+        reward=_taken(reward, np.float32),
         next_obs=both[1],
-        terminated=_tensor(terminated, np.bool_),
-        truncated=_tensor(truncated, np.bool_),
-        discount=_tensor(discount, np.float32),
-        weights=_tensor(weights, np.float32),
-        ids=_tensor(ids, np.int64),
-        extras=tensors(extras or {}),
+        terminated=_taken(terminated, np.bool_),
+        truncated=_taken(truncated, np.bool_),
+        discount=_taken(discount, np.float32),
+        weights=_taken(weights, np.float32),
+        ids=_taken(ids, np.int64),
+        extras={name: _taken(a, a.dtype) for name, a in (extras or {}).items()},
+        steps=None if steps is None else _taken(steps, np.int64),
     )
+
+
+def _taken(array: np.ndarray, dtype: np.dtype | type) -> torch.Tensor:
+    """A fresh array as a tensor: as it is if it has `dtype` (native order, C-contiguous),
+    else a converted copy."""
+    import torch
+
+    native = np.dtype(dtype).newbyteorder("=")
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=native))
 
 
 def tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -124,7 +124,7 @@ def to_numpy(value: Any) -> Any:
 
 def transition_ids(ids: Any) -> np.ndarray:
     arr = np.atleast_1d(np.asarray(to_numpy(ids)))
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidInputError(f"ids must be a 1-d array of ints, got dtype {arr.dtype} "
                                 f"shape {arr.shape}")
     return arr.astype(np.int64)
@@ -132,7 +132,7 @@ def transition_ids(ids: Any) -> np.ndarray:
 
 def beta(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
-            or not np.isfinite(value) or value < 0:
+            or not math.isfinite(value) or value < 0:
         raise InvalidInputError(f"beta must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -143,7 +143,7 @@ def priorities(value: Any, count: int) -> np.ndarray:
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
     arr = arr.astype(np.float64)
-    if not (np.isfinite(arr).all() and (arr >= 0).all()):
+    if arr.size and not (arr.min() >= 0.0 and arr.max() < np.inf):  # NaN fails both
         bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
         raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
     return arr
@@ -177,31 +177,43 @@ def cache_budget(spec: StoreSpec, value: int | None) -> int:
 
 
 def scalar_step_checker(spec: StoreSpec) -> Callable[..., tuple[Any, ...] | None] | None:
-    """A fast check of one single-env step given as plain scalars, or None if the spec
-    has more envs, an action shape, a non-integer action dtype or float frames.
+    """A fast check of one single-env step, or None if the store has more envs.
 
-    The checker returns ``(action, reward, terminated, truncated)`` when every
-    argument is exactly what the general checks would accept unchanged, and None
-    otherwise (the caller then runs the general checks, which raise or convert).
+    The step must come unbatched: `action` a plain int (integer action dtype, no action
+    shape) or a numpy array of exactly the action's shape and dtype, `reward` a plain or
+    numpy real, `next_obs` a numpy array of exactly the observation's shape and dtype, the
+    flags plain or numpy bools. The checker returns ``(action, reward, terminated,
+    truncated)`` when every argument is exactly what the general checks would accept
+    unchanged, and None otherwise (the caller then runs the general checks, which raise
+    or convert).
     """
-    action_dtype = np.dtype(spec.action_dtype)
-    obs_dtype = np.dtype(spec.obs_dtype)
-    if spec.num_envs != 1 or spec.action_shape or action_dtype.kind not in "iu" \
-            or obs_dtype.kind == "f":
+    if spec.num_envs != 1:
         return None
-    info = np.iinfo(action_dtype)
-    low, high, shape = int(info.min), int(info.max), spec.obs_shape
+    action_dtype, obs_dtype = np.dtype(spec.action_dtype), np.dtype(spec.obs_dtype)
+    plain_ints = not spec.action_shape and action_dtype.kind in "iu"
+    info = np.iinfo(action_dtype) if action_dtype.kind in "iu" else None
+    low, high = (int(info.min), int(info.max)) if info is not None else (0, 0)
+    shape, action_shape = spec.obs_shape, spec.action_shape
+    float_obs, float_action = obs_dtype.kind == "f", action_dtype.kind == "f"
     ints, reals = (int, np.integer), (int, float, np.integer, np.floating)
     flag_types = (bool, np.bool_)
+
+    def plain_action(action: Any) -> bool:
+        if type(action) is np.ndarray:
+            return action.shape == action_shape and action.dtype == action_dtype and (
+                not float_action or math.isfinite(action.sum()))
+        return plain_ints and isinstance(action, ints) and not isinstance(action, bool) \
+            and low <= action <= high
 
     def check(action: Any, reward: Any, obs: Any, terminated: Any,
               truncated: Any) -> tuple[Any, ...] | None:
         if type(terminated) not in flag_types or type(truncated) not in flag_types \
                 or type(obs) is not np.ndarray or obs.shape != shape or obs.dtype != obs_dtype \
-                or not isinstance(action, ints) or isinstance(action, bool) \
                 or not isinstance(reward, reals) or isinstance(reward, bool):
             return None
-        if not low <= action <= high or not math.isfinite(reward):
+        # a sum is finite only if every element is (one that overflows takes the long path)
+        if not plain_action(action) or not math.isfinite(reward) \
+                or (float_obs and not math.isfinite(obs.sum())):
             return None
         return action, float(reward), bool(terminated), bool(truncated)
 

@@ -186,6 +186,7 @@ class ReferenceReplay:
             "terminated": terminated,
             "truncated": truncated,
             "discount": 0.0 if terminated else self.gamma**m,
+            "steps": m,
             "extras": episode.extras[t],
         }
 

@@ -294,7 +294,7 @@ def test_sample_prints_shapes(rec: Recorded, capsys: pytest.CaptureFixture[str])
     assert code == 0 and rows["obs"][1:3] == ["(5,", "4,"] and rows["obs"][5] == "uint8"
     assert rows["reward"][1:3] == ["(5,)", "float32"] and rows["ids"][2] == "int64"
     assert set(rows) == {"obs", "action", "reward", "next_obs", "terminated", "truncated",
-                         "discount", "weights", "ids"}
+                         "discount", "weights", "ids", "steps"}
     assert run(capsys, "sample", rec.path, "--batch-size", 5, "--seed", 1)[1] == out
 
 

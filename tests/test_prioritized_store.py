@@ -8,6 +8,7 @@ from conftest import frame
 from scipy import stats
 
 from mmreplay import InvalidInputError, ReplayStore
+from mmreplay.index.ring import id_map
 
 OBS = (2, 2)
 
@@ -138,3 +139,52 @@ def test_wraparound_keeps_tree_consistent(tmp_path):
     mass = store._sampler.probabilities()
     valid = store._ring.valid
     assert np.all(mass[~valid] == 0) and np.all(mass[valid] > 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_updates_match_a_dict_of_last_values(tmp_path, seed):
+    """update_priorities (one compiled call) against a naive model: the last value given for
+    each id sampleable at update time, in stores whose envs advance independently (so some
+    live ids are found only through the ring's spill table) and wrap around."""
+    rng = np.random.default_rng(seed)
+    store = make(tmp_path, capacity=3 * 11, num_envs=3)
+    store.reset(np.stack([frame(0, OBS)] * 3))
+    want: dict[int, float] = {}
+    spilled = 0
+    for step in range(400):
+        envs = np.flatnonzero(rng.random(3) < [0.9, 0.5, 0.1])
+        if envs.size:
+            done = rng.random(envs.size) < 0.05
+            store.add(np.zeros(envs.size, np.int64), np.ones(envs.size, np.float32),
+                      np.stack([frame(step, OBS)] * envs.size), done, np.zeros(envs.size, bool),
+                      env_ids=envs)
+            if done.any():
+                store.reset(np.stack([frame(step, OBS)] * int(done.sum())), env_ids=envs[done])
+        live = store.valid_ids()
+        if live.size == 0 or step % 3:
+            continue
+        spilled += id_map(store._ring).spills
+        ids = np.concatenate([rng.choice(live, 6), rng.integers(0, store.counts.transitions + 5,
+                                                                4)])
+        values = rng.random(ids.size) * 5
+        expected = {int(i): float(v) for i, v in zip(ids, values, strict=True)
+                    if int(i) in set(live.tolist())}
+        assert store.update_priorities(ids, values) == len(expected)
+        want.update(expected)
+        store._sampler.check_valid()
+        keep = [i for i in want if i in set(store.valid_ids().tolist())]
+        flat, found = store._ring.flat_of_ids(np.array(keep, np.int64))
+        assert found.all()
+        np.testing.assert_array_equal(store._sampler.priorities()[flat], [want[i] for i in keep])
+    assert spilled > 0  # the spill table was exercised
+
+
+def test_overflowing_update_changes_nothing(tmp_path):
+    store = make(tmp_path, alpha=10.0)
+    record(store, 20)
+    ids = store.valid_ids()
+    before = store._sampler.priorities().copy()
+    with pytest.raises(InvalidInputError, match="overflows"):
+        store.update_priorities(ids[:3], [1.0, 1e40, 2.0])
+    assert np.array_equal(before, store._sampler.priorities())
+    store._sampler.check_valid()

@@ -46,7 +46,7 @@ def assert_store_matches(store: Any, reference: ReferenceReplay) -> None:
         return
     batch = store.get(ids)
     _check_field("ids", batch.ids.numpy(), ids, ids)
-    for name in ("obs", "next_obs", "action", "terminated", "truncated"):
+    for name in ("obs", "next_obs", "action", "terminated", "truncated", "steps"):
         want = np.stack([np.asarray(expected[i][name]) for i in ids.tolist()])
         _check_field(name, getattr(batch, name).numpy(), want, ids)
     for name in ("reward", "discount"):

@@ -141,9 +141,9 @@ def assert_same_transitions(ref: ReplayBuffer, ours: FrameOnceReplayBuffer, adds
         assert got.discounts is None and want.discounts is None
     else:
         torch.testing.assert_close(got.rewards, want.rewards, rtol=1e-6, atol=1e-6)
-        # equal where they matter: SB3 keeps gamma^m after a termination, the store 0
-        torch.testing.assert_close((1 - got.dones) * got.discounts,
-                                   (1 - want.dones) * want.discounts, rtol=1e-6, atol=0)
+        # gamma^m also after a termination, as SB3's own (float32 there: rtol)
+        torch.testing.assert_close(got.discounts, want.discounts, rtol=1e-6, atol=0)
+        assert got.discounts.dtype == want.discounts.dtype
     return ids
 
 

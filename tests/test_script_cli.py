@@ -25,7 +25,7 @@ SCRIPTS = ROOT / "scripts"
 TRAINING = ["train_dqn.py", "apex_dqn.py", "sb3_dqn.py", "sb3_parity.py", "train_r2d2.py",
             "train_offline.py", "record_atari.py"]
 BENCH = ["bench.py", "bench_scale.py", "bench_sequences.py", "bench_prioritized.py",
-         "bench_ray.py", "bench_datasets.py", "bench_prefetch.py"]
+         "bench_ray.py", "bench_datasets.py", "bench_prefetch.py", "bench_overhead.py"]
 CARTPOLE_DQN = ["--env", "CartPole-v1", "--learning-rate", "1e-3", "--buffer-size", "2000",
                 "--batch-size", "16", "--learning-starts", "100", "--target-network-frequency",
                 "100"]

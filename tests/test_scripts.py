@@ -236,6 +236,21 @@ def test_bench_sequences_smoke(tmp_path: Path) -> None:
         assert figures["median_ms"] > 0
 
 
+def test_bench_overhead_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    proc = run_script("bench_overhead.py", "--frames", "2000", "--small-steps", "300",
+                      "--reps", "40", "--block", "10", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tree = json.loads(out.read_text())["trees"]["this_checkout"]
+    assert tree["mmreplay_from"] == str(ROOT / "mmreplay")
+    for figures in (*tree["sb3"].values(), tree["per"]["sample32_plus_update32"],
+                    tree["per"]["update32"]):
+        for row in figures.values():
+            assert 0 < row["median_us"] <= row["p90_us"]
+    assert tree["sb3"]["add"]["sb3_ReplayBuffer"]["ratio_to_sb3_ReplayBuffer"] == 1.0
+    assert "cpprb_PrioritizedReplayBuffer" in tree["per"]["update32"]
+
+
 def test_bench_codec_smoke(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
     proc = run_script("bench_codec.py", "--games", "Pong", "--frames", "600",

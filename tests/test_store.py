@@ -356,6 +356,37 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
     assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
 
 
+def test_unbatched_array_steps_store_what_batched_arrays_store(tmp_path):
+    """Float observations and shaped actions given unbatched (one env) take the short path
+    too; it stores exactly what the general path stores, and refuses what it refuses."""
+    rng = np.random.default_rng(1)
+    stores = [make(tmp_path / name, capacity=40, obs_shape=(4,), obs_dtype=np.float32,
+                   action_shape=(2,), action_dtype=np.float32, n_step=2)
+              for name in ("short", "general")]
+    for store in stores:
+        store.reset(np.zeros(4, np.float32))
+    for _ in range(1, 80):
+        action = rng.normal(size=2).astype(np.float32)
+        obs, reward = rng.normal(size=4).astype(np.float32), np.float32(rng.normal())
+        term = bool(rng.random() < 0.1)
+        stores[0].add(action, reward, obs, term, False)
+        stores[1].add(action[None], np.array([reward]), obs[None], np.array([term]),
+                      np.array([False]))
+        if term:
+            for store in stores:
+                store.reset(obs)
+    a, b = (snapshot(store) for store in stores)
+    assert np.array_equal(a[0], b[0]) and a[0].size > 20
+    assert_same_batches(a[1], b[1])
+    assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
+    good = np.zeros(4, np.float32)
+    for obs, action in ((np.array([0, np.nan, 0, 0], np.float32), np.zeros(2, np.float32)),
+                        (good, np.array([np.inf, 0], np.float32))):
+        with pytest.raises(InvalidInputError, match="NaN or inf"):
+            stores[0].add(action, 0.0, obs, False, False)
+    assert np.array_equal(stores[0]._ring.steps, stores[1]._ring.steps)
+
+
 def test_actions_that_do_not_fit_the_action_dtype_are_refused(tmp_path):
     store = make(tmp_path, action_dtype="int8")
     store.reset(frame(0, OBS))
@@ -368,10 +399,10 @@ def test_actions_that_do_not_fit_the_action_dtype_are_refused(tmp_path):
 
 def test_cache_budget_default_and_bad_values(tmp_path):
     small = make(tmp_path / "small")  # 64 frames of 12 bytes: every decoded chunk is cached
-    assert small._frames._cache.budget == 64 * 12
+    assert small._frames.cache_budget == 64 * 12
     big = make(tmp_path / "big", capacity=4000, obs_shape=(84, 84, 3, 4))  # 1.1 GiB: none
-    assert big._frames._cache.budget == 0
-    assert make(tmp_path / "set", cache_bytes=5)._frames._cache.budget == 5
+    assert big._frames.cache_budget == 0
+    assert make(tmp_path / "set", cache_bytes=5)._frames.cache_budget == 5
     for bad in (-1, 1.5, "1", True):
         with pytest.raises(InvalidInputError, match="cache_bytes"):
             ReplayStore.open(small.path, "r", cache_bytes=bad)

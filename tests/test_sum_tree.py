@@ -550,3 +550,16 @@ def test_incremental_updates_equal_a_rebuild_bit_for_bit() -> None:
     targets = rng.random(20_000) * tree.total()
     np.testing.assert_array_equal(tree.find(targets), rebuilt.find(targets))
     tree.check_valid()
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_find_checked_and_arrays_agree_with_find(capacity):
+    """`find_checked` (no target checks) walks as `find` does, and `arrays` views the live
+    node arrays (a write through them shows in `total`)."""
+    rng = np.random.default_rng(capacity)
+    tree = SumTree(capacity)
+    tree.set(np.arange(capacity), rng.integers(0, 3, capacity).astype(np.float64) + 0.5)
+    targets = rng.random(64) * tree.total()
+    np.testing.assert_array_equal(tree.find_checked(targets), tree.find(targets))
+    arrays = tree.arrays()
+    assert arrays.sums[1] == tree.total() and arrays.leaf0 >= capacity

@@ -64,8 +64,22 @@ class Lookup:
     terminated: np.ndarray
     truncated: np.ndarray
     discount: np.ndarray        # float64
+    steps: np.ndarray           # m: steps in the n-step window (fewer when the episode ends)
     ids: np.ndarray
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
+
+
+@dataclass(frozen=True)
+class IdMap:
+    """Where transition ids live, for compiled callers: id ``i`` in ``[0, next_id)`` is at flat
+    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `spilled`.
+    Views of the ring's arrays: valid until the ring next changes."""
+
+    loc: np.ndarray
+    slot_ids: np.ndarray
+    valid: np.ndarray
+    next_id: int
+    spills: bool  # some live ids are only in the spill table
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,9 @@ class StepRing:
         self.num_envs = spec.num_envs
         self.steps = np.zeros((self.num_envs, self.slots_per_env), step_dtype(spec))
         self.steps["id"] = -1
+        # flat views of the step columns the read path uses (``steps`` is never replaced)
+        self._flat_cols = {name: self.steps.reshape(-1)[name]
+                           for name in ("pos", "reward", "terminated", "truncated", "action", "id")}
         self.written = np.zeros(self.num_envs, np.int64)     # frames ever written per env
         self.kept_from = np.zeros(self.num_envs, np.int64)   # extra lower bound (from a manifest)
         self.running = np.zeros(self.num_envs, bool)         # episode open: accepts steps
@@ -287,8 +304,7 @@ class StepRing:
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:
         """Recompute validity where it may have changed; returns (flat slots, valid)."""
         oldest = self.oldest
-        if np.array_equal(self._dirty_lo, self.written) and np.array_equal(
-                oldest, self._refreshed_oldest):
+        if (self._dirty_lo == self.written).all() and (oldest == self._refreshed_oldest).all():
             return np.empty(0, np.int64), np.empty(0, bool)  # nothing changed
         self._refreshed_oldest = oldest
         env, frames = self._candidates()
@@ -382,7 +398,7 @@ class StepRing:
     def lookup(self, flat: np.ndarray) -> Lookup:
         """Everything a batch needs for valid flat slots, computed by index (compiled)."""
         spec, size = self.spec, flat.size
-        cols = self.steps.reshape(-1)
+        cols = self._flat_cols
         obs = np.empty((size, spec.frame_stack), np.int64)
         next_obs = np.empty((size, spec.frame_stack), np.int64)
         ret, discount = np.empty(size), np.empty(size)
@@ -391,12 +407,15 @@ class StepRing:
                          spec.stack_padding == "first", self._gamma_pow, cols["pos"],
                          cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
                          ret, term, trunc, discount)
+        steps = (next_obs[:, -1] - obs[:, -1]) % self.slots_per_env  # frames t + m, t: one env
         return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
                       reward=ret, terminated=term, truncated=trunc, discount=discount,
-                      ids=cols["id"][flat], extras=self.extras_at(flat))
+                      steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat))
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
+        if not self.spec.extras:
+            return {}
         cols = self.steps.reshape(-1)
         return {name: cols[EXTRA_PREFIX + name][flat] for name, _, _ in self.spec.extras}
 
@@ -412,3 +431,21 @@ class StepRing:
         if (self.oldest > self.written).any() or (self.written < 0).any():
             raise RuntimeError(
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
+
+
+def id_map(ring: StepRing) -> IdMap:
+    """The ring's id -> flat slot map and validity mask as plain arrays (see `IdMap`)."""
+    return IdMap(ring._id_loc, ring._flat_cols["id"], ring.valid, ring.next_id,
+                 bool(ring._id_spill))
+
+
+def spilled(ring: StepRing, ids: np.ndarray) -> np.ndarray:
+    """Flat slot of each id by the ring's map or, where a newer id took its entry, its spill
+    table; -1 for ids held nowhere (no validity check)."""
+    known = (ids >= 0) & (ids < ring.next_id)
+    flat = np.where(known, ring._id_loc[ids % ring._id_loc.size], -1)
+    slot_ids = ring._flat_cols["id"]
+    missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
+    if missed.size:
+        flat[missed] = [ring._id_spill.get(i, -1) for i in ids[missed].tolist()]
+    return flat

@@ -19,7 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
+from mmreplay.index.ring import IdMap
 from mmreplay.index.sum_tree import SumTree
+from mmreplay.kernels import priorities as priority_kernels
 from mmreplay.spec import StoreSpec
 
 FloatArray = npt.NDArray[np.float64]
@@ -33,6 +35,17 @@ class Draw:
 
     slots: np.ndarray
     weights: np.ndarray
+
+
+@dataclass(frozen=True)
+class Applied:
+    """Slots whose priorities an update set (increasing, unique) and the values set."""
+
+    slots: np.ndarray
+    priorities: np.ndarray
+
+
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 class Sampler(Protocol):
@@ -75,7 +88,7 @@ class UniformSampler:
 
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float = 0.0) -> Draw:
         k = rng.integers(0, self.count(), size=batch_size)
-        slots = self._tree.find(k.astype(np.float64) + 0.5)
+        slots = self._tree.find_checked(k + 0.5)  # k + 0.5 < count == total
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
 
     def check_valid(self) -> None:
@@ -230,6 +243,9 @@ class PrioritizedSampler:
         self.eps = float(eps)
         self._table = _PriorityTable(num_slots)
         self._tree = SumTree(num_slots)
+        # below this a priority's mass cannot overflow (checked without np.errstate's cost)
+        # ((1e300 ** (1 / alpha)) ** alpha = 1e300; alpha <= 300 / 307 < 1 never enlarges)
+        self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
 
     def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._table.admit(slots, valid, ids)
@@ -249,6 +265,35 @@ class PrioritizedSampler:
                 f"priority {float(p.max())!r} overflows (p + eps)^alpha with alpha={self.alpha}")
         self._tree.set(slots, masses)
         self._table.set(slots, p)
+
+    def set_id_priorities(self, ids: IntArray, priorities: FloatArray, where: IdMap,
+                          pre: IntArray | None = None) -> Applied | None:
+        """New raw priorities of transition `ids` found sampleable through `where`, in one
+        compiled call (the last value of a slot wins; other ids are ignored). Returns None,
+        changing nothing, when `where` spills and an id needs `pre`: its flat slots (-1
+        unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
+        kernels, tree = priority_kernels(), self._tree.arrays()
+        slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
+        if priorities.size and 0.0 <= priorities.min() and priorities.max() < self._safe_p:
+            masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
+        else:  # a value the kernel rejects, or one whose mass may overflow
+            with np.errstate(over="ignore", invalid="ignore"):
+                masses = (priorities + self.eps) ** self.alpha
+        count = kernels.apply_priorities(
+            ids, priorities, masses, _NO_SLOTS if pre is None else pre, where.spills,
+            where.next_id, where.loc, where.slot_ids, where.valid, self._table.p, tree.sums,
+            tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
+            tree.leaf0, slots, values)
+        if count == kernels.MISSED:
+            return None
+        if count == kernels.BAD_VALUE:
+            _as_priorities(priorities, ids.size)  # raises, saying what is wrong
+        if count == kernels.OVERFLOW:
+            raise InvalidInputError(f"priority {float(priorities.max())!r} overflows "
+                                    f"(p + eps)^alpha with alpha={self.alpha}")
+        if count:
+            self._table.max_p = max(self._table.max_p, float(values[:count].max()))
+        return Applied(slots[:count], values[:count])
 
     def priorities(self) -> np.ndarray:
         return self._table.p.copy()

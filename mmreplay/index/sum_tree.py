@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from mmreplay.kernels import compiled
 
-__all__ = ["SumTree"]
+__all__ = ["SumTree", "TreeArrays"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -63,6 +63,20 @@ def _prefix_rows(kids: FloatArray, out: FloatArray | None = None) -> FloatArray:
 def _row_min(kids: FloatArray) -> FloatArray:
     """Smallest entry per row (argmin + gather beats np.minimum.reduce on short rows)."""
     return kids[np.arange(kids.shape[0]), kids.argmin(axis=1)]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeArrays:
+    """A tree's node arrays and level table, as the compiled ``tree_set`` takes them."""
+
+    sums: FloatArray
+    mins: FloatArray
+    prefix: FloatArray
+    offsets: IntArray
+    fanouts: IntArray
+    firsts: IntArray
+    shifts: IntArray
+    leaf0: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +191,15 @@ class SumTree:
         remainder is clamped below the node's mass, and the first child whose prefix-row entry
         exceeds it is one where the (non-decreasing) row steps up, i.e. a child of positive mass.
         """
-        t = self._check_targets(targets)
-        out = np.zeros(t.shape, dtype=np.int64)
+        return self.find_checked(self._check_targets(targets))
+
+    def find_checked(self, targets: FloatArray) -> IntArray:
+        """`find` of float64 targets the caller knows lie in ``[0, total()]`` (no checks)."""
+        out = np.zeros(targets.shape, dtype=np.int64)
         if self._levels:
             offsets, fanouts, _, _ = self._walk
-            compiled().tree_find(self._prefix, offsets, fanouts, t.reshape(-1), out.reshape(-1))
+            compiled().tree_find(self._prefix, offsets, fanouts, targets.reshape(-1),
+                                 out.reshape(-1))
         return out
 
     def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
@@ -225,6 +243,11 @@ class SumTree:
         self._leaf_mins[: self.capacity] = np.where(vals > 0.0, vals, np.inf)
         for level in reversed(self._levels):
             self._rebuild(level)
+
+    def arrays(self) -> TreeArrays:
+        """The node arrays, for a compiled caller that writes leaves with ``tree_set`` (sorted,
+        unique leaves; finite masses >= 0), which keeps every invariant of `check_valid`."""
+        return TreeArrays(self._sum, self._min, self._prefix, *self._walk, self._leaf0)
 
     # ----------------------------------------------------------------------------- invariants
 

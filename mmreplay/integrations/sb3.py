@@ -32,6 +32,7 @@ imported only here (extra ``sb3``).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -62,6 +63,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
 STATE_VERSION = 1
+_ALL_FOLLOW = np.ones(64, bool)  # `StackLayout.follows` without stacking: read-only rows
+_ALL_FOLLOW.flags.writeable = False
 
 
 # -- stacks <-> frames ----------------------------------------------------------------------
@@ -143,7 +146,8 @@ class StackLayout:
     def follows(self, obs: np.ndarray, next_obs: np.ndarray) -> np.ndarray:
         """Per env: `next_obs` is `obs` shifted by one frame."""
         if self.frame_stack == 1:
-            return np.ones(obs.shape[0], bool)
+            return _ALL_FOLLOW[: obs.shape[0]] if obs.shape[0] <= _ALL_FOLLOW.size \
+                else np.ones(obs.shape[0], bool)
         return np.asarray(_flat(self.older(next_obs) == self.shifted(obs)).all(axis=1))
 
     def fresh(self, obs: np.ndarray) -> np.ndarray:
@@ -330,36 +334,49 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
         """Record one step of every env (see the module docstring for episode edges)."""
         step = self._checked_step(obs, next_obs, action, reward, done, infos)
+        if self.n_envs == 1:
+            self._add_one(step)
+            return
         starts = ~self._running | ~_rows_equal(step.obs, self._last_next)
         starts_at = np.flatnonzero(starts)
-        stale = starts_at[~self.layout.fresh(step.obs[starts_at])]
-        if stale.size:
-            raise ValueError(
-                f"obs of env {int(stale[0])} starts an episode but its stack holds older "
-                f"frames: the buffer keeps the newest frame only, so an episode must start "
-                f"with a zero-padded stack (VecFrameStack reset)")
         if starts_at.size:
-            frames = self.layout.newest(step.obs[starts_at])
-            if self.n_envs == 1:
-                self.store.reset(frames[0])
-            else:
-                self.store.reset(frames, env_ids=starts_at)
-        newest = self.layout.newest(step.next_obs)
-        if self.n_envs == 1:
-            self.store.add(step.action[0], step.reward[0], newest[0], bool(step.terminated[0]),
-                           bool(step.truncated[0]))
-        else:
-            self.store.add(step.action, step.reward, newest, step.terminated, step.truncated)
+            stale = starts_at[~self.layout.fresh(step.obs[starts_at])]
+            if stale.size:
+                raise ValueError(
+                    f"obs of env {int(stale[0])} starts an episode but its stack holds older "
+                    f"frames: the buffer keeps the newest frame only, so an episode must start "
+                    f"with a zero-padded stack (VecFrameStack reset)")
+            self.store.reset(self.layout.newest(step.obs[starts_at]), env_ids=starts_at)
+        self.store.add(step.action, step.reward, self.layout.newest(step.next_obs),
+                       step.terminated, step.truncated)
         going = ~(step.terminated | step.truncated)
         self._running = going
         self._last_next[going] = step.next_obs[going]
+
+    def _add_one(self, step: _Step) -> None:
+        """`add` of a one-env buffer, with scalar bookkeeping (the same steps and checks)."""
+        obs, layout = step.obs, self.layout
+        if not self._running[0] or not (obs == self._last_next).all():
+            if not layout.fresh(obs)[0]:
+                raise ValueError(
+                    "obs of env 0 starts an episode but its stack holds older frames: the "
+                    "buffer keeps the newest frame only, so an episode must start with a "
+                    "zero-padded stack (VecFrameStack reset)")
+            self.store.reset(layout.newest(obs)[0])
+        ended = bool(step.terminated[0]) or bool(step.truncated[0])
+        self.store.add(step.action[0], step.reward[0], layout.newest(step.next_obs)[0],
+                       bool(step.terminated[0]), bool(step.truncated[0]))
+        self._running[0] = not ended
+        if not ended:
+            self._last_next[0] = step.next_obs[0]
 
     def _checked_step(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
                       infos: list[dict[str, Any]]) -> _Step:
         """`add`'s arguments as arrays of the right shapes, or a ValueError."""
         n = self.n_envs
-        arrays = [_shaped(name, value, (n, *self.obs_shape), self._obs_dtype)
-                  for name, value in (("obs", obs), ("next_obs", next_obs))]
+        shape = (n, *self.obs_shape)
+        arrays = [_shaped("obs", obs, shape, self._obs_dtype),
+                  _shaped("next_obs", next_obs, shape, self._obs_dtype)]
         act = np.asarray(action)
         if act.size != n * self.action_dim:
             raise ValueError(f"action shape {act.shape}: expected {n} x {self.action_dim} values")
@@ -368,9 +385,12 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if rew.size != n or flags.size != n or len(infos) != n:
             raise ValueError(f"reward, done and infos need {n} entries each (n_envs), got "
                              f"{rew.size}, {flags.size} and {len(infos)}")
-        if not np.isfinite(rew).all():
+        if not math.isfinite(rew.sum()) and not np.isfinite(rew).all():
             raise ValueError(f"rewards must be finite, got {rew.tolist()}")
-        if arrays[0].dtype.kind == "f" and not all(np.isfinite(a).all() for a in arrays):
+        # a sum is finite only if every element is (a sum that overflows checks them all)
+        if arrays[0].dtype.kind == "f" and not (math.isfinite(arrays[0].sum())
+                                                and math.isfinite(arrays[1].sum())) \
+                and not all(np.isfinite(a).all() for a in arrays):
             raise ValueError("obs and next_obs must be finite")
         if not self.layout.follows(arrays[0], arrays[1]).all():
             bad = int(np.flatnonzero(~self.layout.follows(arrays[0], arrays[1]))[0])
@@ -378,9 +398,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                 f"next_obs of env {bad} is not its obs shifted by one frame: observations must "
                 f"be VecFrameStack stacks of frame_stack={self.layout.frame_stack} frames")
         # As SB3's NStepReplayBuffer: a time-out ends the episode even without `done`.
-        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos])
-        if not self.handle_timeout_termination:
-            timeout[:] = False
+        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos]) \
+            if self.handle_timeout_termination else np.zeros(n, bool)
         return _Step(obs=arrays[0], next_obs=arrays[1],
                      action=act.reshape(n, self.action_dim).astype(self._action_dtype),
                      reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
@@ -410,8 +429,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
 
         ``dones`` is 1 for a window that ended in termination (not truncation);
         ``discounts`` is ``None`` for 1-step (SB3 then uses the algorithm's gamma), else
-        ``gamma ** m`` for a window of m steps (0 after termination, where
-        ``1 - dones`` is 0 too).
+        ``gamma ** m`` for a window of m steps, also after a termination, as SB3's
+        ``NStepReplayBuffer`` (the store's own ``Batch.discount`` is 0 there).
         """
         obs, next_obs = self.layout.to_sb3(batch.obs), self.layout.to_sb3(batch.next_obs)
         rewards = batch.reward.reshape(-1, 1)
@@ -419,13 +438,17 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             obs = torch.from_numpy(np.asarray(self._normalize_obs(obs.numpy(), env)))
             next_obs = torch.from_numpy(np.asarray(self._normalize_obs(next_obs.numpy(), env)))
             rewards = torch.from_numpy(self._normalize_reward(rewards.numpy(), env))
-        dev = self.device
-        discounts = None if self.n_steps == 1 else batch.discount.reshape(-1, 1).to(dev)
-        return ReplayBufferSamples(
-            observations=obs.to(dev), actions=batch.action.to(dev),
-            next_observations=next_obs.to(dev),
-            dones=batch.terminated.to(torch.float32).reshape(-1, 1).to(dev),
-            rewards=rewards.to(dev), discounts=discounts)
+        discounts = None
+        if self.n_steps > 1:
+            assert batch.steps is not None  # store batches carry their window lengths
+            discounts = torch.from_numpy(
+                (self.gamma ** batch.steps.numpy()).astype(np.float32).reshape(-1, 1))
+        fields = dict(observations=obs, actions=batch.action, next_observations=next_obs,
+                      dones=batch.terminated.to(torch.float32).reshape(-1, 1),
+                      rewards=rewards, discounts=discounts)
+        if self.device.type != "cpu":
+            fields = {k: None if v is None else v.to(self.device) for k, v in fields.items()}
+        return ReplayBufferSamples(**fields)
 
     # -- pickling (save_replay_buffer / load_replay_buffer) ----------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -501,7 +524,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 def _shaped(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = np.asarray(value)
-    if arr.size != int(np.prod(shape)):
+    if arr.size != math.prod(shape):
         raise ValueError(f"{name} shape {arr.shape} != expected {shape} (n_envs, *obs_shape)")
     if arr.dtype != dtype:
         raise ValueError(f"{name} dtype {arr.dtype} != observation space dtype {dtype}")
@@ -514,4 +537,4 @@ def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _flat(a: np.ndarray) -> np.ndarray:
     """``(N, ...)`` -> ``(N, rest)``, also for N = 0."""
-    return a.reshape(a.shape[0], int(np.prod(a.shape[1:], dtype=np.int64)))
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))

@@ -39,8 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.kernels import compiled
+from mmreplay.kernels import compiled, tables
 from mmreplay.spec import StoreSpec
+from mmreplay.storage.chunk_table import ChunkTable
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
 from mmreplay.storage.safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
@@ -185,12 +186,17 @@ class FrameStore:
         self._trainer = (DictionaryTrainer(spec.dict_train_chunks)
                          if writable and self._codec.needs_dictionary else None)
         self._max_bytes = max_chunk_bytes(spec)
-        self._cache = ChunkCache(cache_bytes)
+        self.cache_budget = cache_bytes  # decoded chunks kept in RAM: a table or an LRU
+        whole = spec.num_envs * spec.num_chunks * self._codec.nbytes
+        self._table = ChunkTable(spec.num_envs * spec.num_chunks, self._codec.nbytes,
+                                 spec.chunk_frames) if 0 < whole <= cache_bytes else None
+        self._cache = ChunkCache(0 if self._table is not None else cache_bytes)
         self._hook = before_chunk_write
         self._chunk_len = spec.chunk_frames
         self.num_chunks = spec.num_chunks
         self.tail = np.zeros((spec.num_envs, spec.chunk_frames, *spec.obs_shape), spec.obs_dtype)
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
+        self._tail_rows = self.tail.reshape(spec.num_envs * spec.chunk_frames, -1).view(np.uint8)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
         sharded = spec.shard_chunks > 1  # format 2; else a file per chunk
         self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable and not sharded \
@@ -235,6 +241,10 @@ class FrameStore:
 
     def cache_stats(self) -> CacheStats:
         """Budget and fill of the decoded-chunk cache."""
+        if self._table is not None:
+            held = int(np.count_nonzero(self._table.loaded))
+            return CacheStats(budget_bytes=self.cache_budget,
+                              nbytes=held * self._table.chunk_bytes, chunks=held)
         return CacheStats(budget_bytes=self._cache.budget, nbytes=self._cache.nbytes,
                           chunks=len(self._cache))
 
@@ -260,7 +270,10 @@ class FrameStore:
     def _write_chunk(self, env: int, chunk: int) -> None:
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
-        self._cache.put((env, chunk), frames)
+        if self._table is not None:
+            self._table.put(env * self.num_chunks + chunk, frames)
+        else:
+            self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
         if self._trainer is not None:
             self._hold_for_training(env, chunk, frames)
@@ -364,6 +377,8 @@ class FrameStore:
         flat = flat.reshape(-1)
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
+        if self._table is not None:
+            return _read_table(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
         count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
@@ -487,3 +502,41 @@ def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
         failed = fs._writer.failed.get((env, chunk))
         found = None if failed is None else failed[1]
     return found
+
+
+def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """`read` through the table of every decoded chunk: one compiled plan, the chunks
+    it lacks loaded (from RAM or decoded from disk straight into their rows), one
+    compiled gather. Returns ``(flat.size, frame_bytes)`` uint8."""
+    kernels, table = tables(), fs._table
+    assert table is not None
+    src = np.empty(flat.size, np.int64)
+    missing = np.empty(flat.size, np.int64)
+    count = kernels.table_plan(flat, fs.spec.slots_per_env, fs._chunk_len,
+                               fs.num_chunks, fs.next_slot, fs.tail_fill,
+                               table.loaded, src, missing)
+    if count:
+        _load_rows(fs, table, missing[:count])
+    frame_bytes = fs._tail_rows.shape[1]
+    size = flat.size * frame_bytes
+    if out is None or out.size < size:
+        out = np.empty(size, np.uint8)
+    dest = out[:size].reshape(flat.size, frame_bytes)
+    kernels.table_gather(table.frames, fs._tail_rows, src, dest)
+    return dest
+
+
+def _load_rows(fs: FrameStore, table: ChunkTable, keys: np.ndarray) -> None:
+    """Fill the table rows of chunks `keys`: from RAM (finished, not yet in their file)
+    or decoded from disk."""
+    disk = []
+    for key in keys.tolist():
+        chunk = _in_ram(fs, *divmod(key, fs.num_chunks))
+        if chunk is None:
+            disk.append(key)
+        else:
+            table.put(key, chunk)
+    if disk:
+        rows = np.array(disk, np.int64)
+        fs._decode(rows, rows, table.rows)
+        table.mark(rows)

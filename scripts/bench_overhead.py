@@ -1,0 +1,222 @@
+"""Per-call overhead, side by side with the buffers a user would otherwise pick.
+
+    python scripts/bench_overhead.py                          # this checkout
+    git archive main mmreplay | tar -x -C /tmp/mmreplay-main  # an older version beside it:
+    python scripts/bench_overhead.py --baseline /tmp/mmreplay-main
+
+Each code tree (this checkout, then ``--baseline`` if given) runs in a fresh subprocess that
+imports mmreplay from that tree and measures, in that one process:
+
+    sb3     a (4,)-float observation, one env, a Discrete(2) action: `FrameOnceReplayBuffer`
+            ``add`` and ``sample(64)`` against SB3's own ``ReplayBuffer`` (same stream, calls
+            interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly
+    per     a prioritized store of `--frames` real Breakout frames (84x84, 4-stacks + next
+            stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, and the update
+            alone, against cpprb's ``PrioritizedReplayBuffer`` (next_of + stack_compress)
+            filled with the same stream
+
+Figures are medians and 90th percentiles in microseconds per call, plus the ratio of medians
+to the baseline buffer of the same process, so a machine that drifts or is shared moves both
+sides alike. Writes `--out` (JSON). Figures only: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from common import parse_args, run_main
+
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+
+
+@dataclass
+class Args:
+    frames: int = 200_000
+    """frames in the prioritized store and in cpprb's buffer (per section)"""
+    small_steps: int = 20_000
+    """steps added (and timed) into the small-observation buffers before sampling"""
+    reps: int = 3000
+    """timed calls per sampling figure"""
+    block: int = 50
+    """calls per block when two buffers are timed in turns"""
+    baseline: str = ""
+    """a directory holding an older `mmreplay` package, measured after this checkout"""
+    sections: str = "sb3,per"
+    """comma-separated sections to run"""
+    seed: int = 0
+    """seed of the streams and of every buffer's sampling"""
+    out: str = "data/bench/overhead.json"
+    """where the JSON goes"""
+
+
+# -- timing ------------------------------------------------------------------------------------
+def summary(seconds: list[float]) -> dict[str, float]:
+    us = np.asarray(seconds) * 1e6
+    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
+
+
+def interleaved(calls: dict[str, Callable[[int], object]], reps: int,
+                block: int) -> dict[str, dict[str, float]]:
+    """Time ``call(i)`` for i in 0..reps-1 on every buffer, in turns of `block` calls, so a
+    machine that slows down mid-run slows every buffer alike."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    clock = time.perf_counter
+    for start in range(0, reps, block):
+        for name, call in calls.items():
+            spent = times[name]
+            for i in range(start, min(start + block, reps)):
+                begin = clock()
+                call(i)
+                spent.append(clock() - begin)
+    return {name: summary(spent) for name, spent in times.items()}
+
+
+def with_ratios(figures: dict[str, dict[str, float]], baseline: str) -> dict[str, Any]:
+    base = figures[baseline]["median_us"]
+    return {name: {**f, "ratio_to_" + baseline: f["median_us"] / base}
+            for name, f in figures.items()}
+
+
+# -- sb3: small observations -------------------------------------------------------------------
+def sb3_section(args: Args) -> dict[str, Any]:
+    from gymnasium import spaces
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from mmreplay import ReplayStore
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+
+    rng = np.random.default_rng(args.seed)
+    n = args.small_steps
+    space, act = spaces.Box(-10, 10, (4,), np.float32), spaces.Discrete(2)
+    tmp = tempfile.mkdtemp(prefix="mmreplay-overhead-")
+    ours = FrameOnceReplayBuffer(n + 10, space, act, device="cpu", path=f"{tmp}/sb3",
+                                 seed=args.seed)
+    theirs = ReplayBuffer(n + 10, space, act, device="cpu")
+    store = ReplayStore.create(f"{tmp}/store", capacity=n + 10, obs_shape=(4,),
+                               obs_dtype=np.float32, seed=args.seed)
+    obs = rng.standard_normal((n + 1, 1, 4)).astype(np.float32)
+    done = rng.random(n) < 0.005  # CartPole-like episodes of ~200 steps
+    actions, reward = rng.integers(0, 2, (n, 1, 1)), np.ones((n, 1), np.float32)
+    store.reset(obs[0, 0])
+
+    def sb3_add(buf: Any) -> Callable[[int], object]:
+        return lambda i: buf.add(obs[i], obs[i + 1], actions[i], reward[i], done[i:i + 1], [{}])
+
+    def store_add(i: int) -> None:
+        store.add(int(actions[i, 0, 0]), 1.0, obs[i + 1, 0], bool(done[i]), False)
+        if done[i]:
+            store.reset(obs[i + 1, 0])
+
+    add = interleaved({"mmreplay_sb3_adapter": sb3_add(ours), "sb3_ReplayBuffer": sb3_add(theirs),
+                       "mmreplay_ReplayStore": store_add}, n, args.block)
+    sample = interleaved({"mmreplay_sb3_adapter": lambda i: ours.sample(64),
+                          "sb3_ReplayBuffer": lambda i: theirs.sample(64),
+                          "mmreplay_ReplayStore": lambda i: store.sample(64)},
+                         args.reps, args.block)
+    ours.close()
+    store.close()
+    return {"add": with_ratios(add, "sb3_ReplayBuffer"),
+            "sample64": with_ratios(sample, "sb3_ReplayBuffer")}
+
+
+# -- per: prioritized sample + update with frames ----------------------------------------------
+def per_section(args: Args) -> dict[str, Any]:
+    sys.path.insert(0, str(SCRIPTS))
+    from ale_frames import record_frames
+    from benchlib.baselines import stacked_steps
+    from benchlib.harness import feed_timed
+    from cpprb import PrioritizedReplayBuffer
+
+    from mmreplay import ReplayStore
+
+    rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/per"
+    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed, sampler="prioritized", alpha=0.6)
+    feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
+    rb: Any = PrioritizedReplayBuffer(
+        args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
+                      "act": {"dtype": np.int64}, "rew": {}, "done": {}},
+        next_of="obs", stack_compress="obs", alpha=0.6)
+    for step in stacked_steps(rec, args.frames + 100, channels_last=True, desc="fill cpprb"):
+        if step.new_episode and rb.get_stored_size():
+            rb.on_episode_end()
+        rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
+               done=float(step.terminated))
+    new = rng.random((args.reps, 32))
+
+    def ours(i: int) -> None:
+        store.update_priorities(store.sample(32, beta=0.4).ids, new[i])
+
+    def cpprb(i: int) -> None:
+        rb.update_priorities(rb.sample(32, beta=0.4)["indexes"], new[i])
+
+    both = interleaved({"mmreplay_ReplayStore": ours, "cpprb_PrioritizedReplayBuffer": cpprb},
+                       args.reps, args.block)
+    drawn = [store.sample(32).ids for _ in range(args.reps)]
+    indexes = [rb.sample(32)["indexes"] for _ in range(args.reps)]
+    update = interleaved({
+        "mmreplay_ReplayStore": lambda i: store.update_priorities(drawn[i], new[i]),
+        "cpprb_PrioritizedReplayBuffer": lambda i: rb.update_priorities(indexes[i], new[i])},
+        args.reps, args.block)
+    store.close()
+    return {"sample32_plus_update32": with_ratios(both, "cpprb_PrioritizedReplayBuffer"),
+            "update32": with_ratios(update, "cpprb_PrioritizedReplayBuffer"),
+            "frames": args.frames}
+
+
+SECTIONS = {"sb3": sb3_section, "per": per_section}
+
+
+# -- one code tree per subprocess ----------------------------------------------------------------
+def worker(args: Args, out: str) -> None:
+    import mmreplay
+
+    result: dict[str, Any] = {"mmreplay_from": str(Path(mmreplay.__file__).parent)}
+    for name in args.sections.split(","):
+        result[name] = SECTIONS[name](args)
+        print(json.dumps({name: result[name]}, indent=1), flush=True)
+    Path(out).write_text(json.dumps(result))
+
+
+def run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
+    out = tempfile.mktemp(prefix="mmreplay-overhead-", suffix=".json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(SCRIPTS)])}
+    subprocess.run([sys.executable, __file__, "_worker", out, *argv], env=env, check=True)
+    return json.loads(Path(out).read_text())
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "_worker":
+        worker(parse_args(Args, sys.argv[3:], description=__doc__), sys.argv[2])
+        return
+    args = parse_args(Args, description=__doc__)
+    argv = sys.argv[1:]
+    trees = {"this_checkout": run_tree(ROOT, argv)}
+    if args.baseline:
+        trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv)
+    report = {"command": "python scripts/bench_overhead.py " + " ".join(argv),
+              "args": asdict(args), "machine": platform.platform(),
+              "cpus": os.cpu_count(), "load_average": os.getloadavg(), "trees": trees,
+              "note": "medians and p90 per call in microseconds; ratios are to the baseline "
+                      "buffer measured in the same process, calls interleaved in blocks"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    run_main(main)
