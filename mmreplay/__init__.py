@@ -6,6 +6,7 @@
 
 from mmreplay import _moved
 from mmreplay.errors import (
+    ClosedStoreError,
     DatasetFormatError,
     EmptyStoreError,
     InvalidInputError,
@@ -22,6 +23,7 @@ from mmreplay.torch_batch import Batch, SequenceBatch
 
 __all__ = [
     "Batch",
+    "ClosedStoreError",
     "DatasetFormatError",
     "EmptyStoreError",
     "InvalidInputError",

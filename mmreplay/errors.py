@@ -33,7 +33,11 @@ class DatasetFormatError(MmreplayError, ValueError):
 
 
 class StoreLockedError(MmreplayError, RuntimeError):
-    """Another process holds the store open for writing."""
+    """Another writer (in another process, or an earlier one in this one) holds the store."""
+
+
+class ClosedStoreError(InvalidInputError):
+    """A call on a store after its ``close()`` (reads and writes alike)."""
 
 
 class ReadOnlyError(MmreplayError, PermissionError):

@@ -35,8 +35,8 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from mmreplay import validate
-from mmreplay.errors import InvalidInputError, InvalidStoreError, ReadOnlyError
+from mmreplay import lifecycle, validate
+from mmreplay.errors import ClosedStoreError, InvalidInputError, InvalidStoreError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
@@ -48,7 +48,13 @@ from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
-from mmreplay.storage.commit import Committer, readers_shared, rng_from_state, take_lock
+from mmreplay.storage.commit import (
+    Committer,
+    readers_shared,
+    release_lock,
+    rng_from_state,
+    take_lock,
+)
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 from mmreplay.storage.layout import check_store_files
 from mmreplay.storage.manifest import (
@@ -78,6 +84,30 @@ def _locked(method: F) -> F:
             return method(self, *args, **kwargs)
 
     return cast(F, wrapper)
+
+
+def _reading(method: F) -> F:
+    """`_locked`, and refused on a closed store (`ClosedStoreError`), not answered from RAM."""
+
+    @functools.wraps(method)
+    def wrapper(self: ReplayStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            _refuse_closed(self, method.__name__)
+            return method(self, *args, **kwargs)
+
+    return cast(F, wrapper)
+
+
+def _refuse_closed(store: ReplayStore, what: str) -> None:
+    if store.closed:
+        raise ClosedStoreError(f"{what} on a closed store ({store.path}): open it again with "
+                               f"ReplayStore.open")
+
+
+def _check_writable(store: ReplayStore, what: str) -> None:
+    _refuse_closed(store, what)
+    if not store.writable:
+        raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
 
 @dataclass(frozen=True)
@@ -153,7 +183,7 @@ class ReplayStore(BucketMethods):
                     lock_fd=take_lock(root))
         store.reseed(seed)
         store.flush()
-        return store.attach_mirror(mirror, storage_options, False)
+        return lifecycle.track(store).attach_mirror(mirror, storage_options, False)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
@@ -185,7 +215,7 @@ class ReplayStore(BucketMethods):
 
         A running episode in a listed env ends as truncated at its last step.
         """
-        self._check_writable("reset")
+        _check_writable(self, "reset")
         self._recorder.reset(obs, env_ids)
 
     @_locked
@@ -195,7 +225,7 @@ class ReplayStore(BucketMethods):
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`."""
-        self._check_writable("add")
+        _check_writable(self, "add")
         self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
                            extras)
 
@@ -204,11 +234,11 @@ class ReplayStore(BucketMethods):
         """Record many ``add`` calls at once: row ``t`` of every array in `rows` is one
         ``add(..., env_ids=rows.env_ids)``. Every row is checked (shapes, dtypes, values,
         episode order) before the first is recorded, so a bad block changes nothing."""
-        self._check_writable("add")
+        _check_writable(self, "add")
         self._recorder.add_rows(rows)
 
     # -- reading ------------------------------------------------------------------
-    @_locked
+    @_reading
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
@@ -227,6 +257,7 @@ class ReplayStore(BucketMethods):
         thread makes them, so with concurrent ``add`` calls the exact sequence
         depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
+        _refuse_closed(self, "batches")
         validate.batch_size(batch_size)
         validate.beta(beta)
         it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
@@ -240,7 +271,7 @@ class ReplayStore(BucketMethods):
         Ids no longer (or not yet) sampleable are ignored; for duplicates the last value
         wins; NaN, inf or negative priorities raise and change nothing.
         """
-        self._check_writable("update_priorities")
+        _check_writable(self, "update_priorities")
         wanted = validate.transition_ids(ids)
         values = validate.priorities(priorities, wanted.size)
         self._priorities.require("update_priorities", ("prioritized", "rank"))
@@ -248,12 +279,12 @@ class ReplayStore(BucketMethods):
         flat, found = self._ring.flat_of_ids(wanted)
         return self._priorities.set(flat[found], values[found])
 
-    @_locked
+    @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
         return self._reader.get(validate.transition_ids(ids))
 
-    @_locked
+    @_reading
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
         """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
@@ -268,7 +299,7 @@ class ReplayStore(BucketMethods):
         key = sequence_key(self.spec, length, cross_episodes, period)
         return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
 
-    @_locked
+    @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
                       period: int = 1) -> SequenceBatch:
         """The sequences starting at these transition ids (each a valid start, see
@@ -296,7 +327,7 @@ class ReplayStore(BucketMethods):
         Sequences whose start is no longer a valid start are ignored; for duplicate starts
         the last value wins; NaN or inf TD errors raise and change nothing.
         """
-        self._check_writable("update_sequence_priorities")
+        _check_writable(self, "update_sequence_priorities")
         rows, errors = validate.sequence_priorities(ids, td_errors)
         eta = validate.unit_interval("eta", eta)
         self._priorities.require("update_sequence_priorities", ("prioritized",))
@@ -350,7 +381,7 @@ class ReplayStore(BucketMethods):
 
     @_locked
     def _commit(self) -> None:
-        self._check_writable("flush")
+        _check_writable(self, "flush")
         self._reader.refresh()  # new transitions get their priorities before they are saved
         if self.durable:
             self._frames.sync()
@@ -376,6 +407,11 @@ class ReplayStore(BucketMethods):
                 lock_fd, self._lock_fd = self._lock_fd, None
                 _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
 
+    @property
+    def closed(self) -> bool:
+        """True once `close` ran: every later read or write raises `ClosedStoreError`."""
+        return self._closed
+
     def __enter__(self) -> ReplayStore:
         return self
 
@@ -385,12 +421,6 @@ class ReplayStore(BucketMethods):
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
-
-    def _check_writable(self, what: str) -> None:
-        if self._closed:
-            raise InvalidInputError(f"{what} on a closed store")
-        if not self.writable:
-            raise ReadOnlyError(f"{what} on a store opened read-only (mode='r')")
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
@@ -472,7 +502,7 @@ def _close_files(frames: FrameStore, commits: Committer, lock_fd: int | None,
             commits.close()
         finally:
             if lock_fd is not None:
-                os.close(lock_fd)
+                release_lock(lock_fd)
             if remote is not None:  # a store read from a bucket: its cache goes
                 remote.close()
                 shutil.rmtree(commits.root, ignore_errors=True)
@@ -532,7 +562,7 @@ def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
         return _open_read_only(root, lambda manifest: opened(manifest, None))
     lock_fd = take_lock(root)
     try:
-        return opened(read_manifest(root), lock_fd)
+        return lifecycle.track(opened(read_manifest(root), lock_fd))  # flushed at exit
     except BaseException:
-        os.close(lock_fd)
+        release_lock(lock_fd)
         raise

@@ -1,11 +1,19 @@
-"""numpy -> torch: the `Batch` handed to learners (the only module that imports torch)."""
+"""numpy -> torch: the `Batch` handed to learners (the only core module that imports torch).
+
+torch is imported on the first batch built, not by ``import mmreplay``: the ``mmreplay``
+command and code that only records or inspects never pay its import (over a second).
+`Batch` and `SequenceBatch` are defined without it (their annotations are strings).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ def make_batch(*, frames: np.ndarray, action: np.ndarray, reward: np.ndarray,
     `frames` is a fresh C-contiguous ``(2, B, ...)`` array (obs, next_obs) that the
     batch takes over without a copy; the small columns are copied (native order).
     """
+    import torch
+
     both = torch.from_numpy(frames)
     return Batch(
         obs=both[0],
@@ -66,6 +76,8 @@ def tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
 
 def _tensor(array: np.ndarray, dtype: np.dtype | type) -> torch.Tensor:
     """A fresh, C-contiguous, native-byte-order copy as a tensor."""
+    import torch
+
     native = np.dtype(dtype).newbyteorder("=")
     return torch.from_numpy(np.array(array, dtype=native, order="C", copy=True))
 
@@ -104,6 +116,8 @@ def make_sequence_batch(*, obs: np.ndarray, next_obs: np.ndarray, action: np.nda
                         weights: np.ndarray, extras: dict[str, np.ndarray]) -> SequenceBatch:
     """A `SequenceBatch` of CPU tensors; `obs`/`next_obs` are views of one fresh array
     that the batch takes over without a copy."""
+    import torch
+
     return SequenceBatch(
         obs=torch.from_numpy(obs), next_obs=torch.from_numpy(next_obs),
         action=_tensor(action, action.dtype), reward=_tensor(reward, np.float32),

@@ -25,6 +25,7 @@ from gymnasium.wrappers import AtariPreprocessing
 from tqdm import tqdm
 
 from mmreplay import ReplayStore
+from mmreplay.tools.inspection import disk_usage
 
 gym.register_envs(ale_py)
 
@@ -137,8 +138,9 @@ if __name__ == "__main__":
         print(f"episodes     {counts.episodes}")
         print(f"disk         {total_bytes / 2**20:.2f} MiB in files ({chunk_bytes / 2**20:.2f} MiB "
               f"frame chunks), {total_blocks / 2**20:.2f} MiB allocated incl. folders")
-        print(f"compression  {raw_bytes / total_bytes:.1f}x: {raw_bytes / 2**20:.1f} MiB of raw "
-              f"frames / file bytes ({raw_bytes / total_blocks:.1f}x of allocated blocks)")
+        ratio = disk_usage(store).compression_ratio or float("nan")  # as `mmreplay info`
+        print(f"compression  {ratio:.1f}x: {raw_bytes / 2**20:.1f} MiB of raw frames / file "
+              f"bytes ({raw_bytes / total_blocks:.1f}x of allocated blocks)")
         batch = store.sample(32)
         print("sample(32)")
         for f in fields(batch):

@@ -100,7 +100,9 @@ def test_info_json_numbers(rec: Recorded, capsys: pytest.CaptureFixture[str]) ->
     assert disk["frames_in_chunks"] + disk["frames_in_tail"] == CAPACITY
     frames_dir = sum(p.stat().st_size for p in (rec.path / "frames").rglob("*") if p.is_file())
     assert disk["frames_bytes"] == frames_dir
-    assert disk["compression_ratio"] == pytest.approx(disk["frames_in_chunks"] * 64 / frames_dir)
+    all_files = sum(p.stat().st_size for p in rec.path.rglob("*") if p.is_file())
+    assert disk["total_bytes"] == all_files
+    assert disk["compression_ratio"] == pytest.approx(CAPACITY * 64 / all_files)
     ram = info["ram"]
     assert ram["steps_bytes"] > 0 and ram["tail_bytes"] == CHUNK * 64
     assert ram["total_bytes"] == sum(ram[k] for k in ("steps_bytes", "masks_bytes",

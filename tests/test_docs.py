@@ -51,6 +51,7 @@ NEEDS: dict[str, tuple[list[str], str]] = {
     "docs/guides/sb3.md": (["stable_baselines3", "ale_py"], "sb3,atari"),
     "docs/guides/ray.md": (["ray", "gymnasium"], "ray,atari"),
     "docs/guides/datasets.md": (["gymnasium", "minari"], "atari,minari"),
+    "docs/lifecycle.md": (["gymnasium"], "atari"),
 }
 
 

@@ -100,7 +100,7 @@ def test_vector_recorder_equals_hand_loop(tmp_path: Path, mode: str) -> None:
 
     env = make()
     rec = create_store_for(env, tmp_path / "rec", **store_kw(capacity=3 * 101))
-    env = RecordVectorToStore(env, rec)
+    env = RecordVectorToStore(env, rec, close_store=False)  # compared below
     env.reset(seed=seed)
     for a in actions:
         env.step(a)

@@ -260,8 +260,10 @@ def test_hostile_metadata_and_spaces(tmp_path: Path) -> None:
         action_space=gym.spaces.Discrete(2))
     with pytest.raises(DatasetFormatError, match="not a Box"):
         import_minari("dict/obs-v0", tmp_path / "store")
-    with pytest.raises(InvalidInputError, match="no local Minari dataset"):
+    with pytest.raises(InvalidInputError, match="is not found locally") as missing:
         import_minari("missing/none-v0", tmp_path / "store")
+    assert "minari download missing/none-v0" in str(missing.value)
+    assert "download=True" not in str(missing.value)  # Minari's own hint is not ours
     assert sorted(p.name for p in tmp_path.iterdir()) == ["minari"]
 
 

@@ -175,7 +175,35 @@ def test_guessed_channels_and_evicted_frames(tmp_path):
     ids = assert_same_transitions(ref, ours, adds, 3)
     assert ours.layout.first
     assert ids.min() > 4 * 200  # only the newest ~16 frames per env are kept
-    assert ours.size() == ids.size <= 64
+    assert len(ours.store) == ids.size <= 64
+    assert ours.size() == 64 // 4  # SB3's: positions per env, capped at buffer_size // n_envs
+
+
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_size_counts_positions_per_env_as_sb3s(tmp_path, n_envs):
+    """``size()`` after every ``add``, filling and wrapping, equals SB3's ``ReplayBuffer``."""
+    space = spaces.Box(0, 255, (4, 5, 5), np.uint8)
+    ref = ReplayBuffer(48, space, spaces.Discrete(3), device="cpu", n_envs=n_envs)
+    ours = FrameOnceReplayBuffer(48, space, spaces.Discrete(3), device="cpu", n_envs=n_envs,
+                                 path=tmp_path / "s", frame_stack=4, seed=0)
+    venv = VecFrameStack(DummyVecEnv([lambda i=i: RandomFrames((1, 5, 5), i)
+                                      for i in range(n_envs)]), 4)
+    rng = np.random.default_rng(0)
+    obs, sizes = venv.reset(), []
+    for _ in range(70):
+        actions = rng.integers(0, 3, n_envs)
+        new_obs, rewards, dones, infos = venv.step(actions)
+        next_obs = new_obs.copy()
+        for i, done in enumerate(dones):
+            if done:
+                next_obs[i] = infos[i]["terminal_observation"]
+        for buf in (ref, ours):
+            buf.add(obs, next_obs, actions, rewards, dones, infos)
+        sizes.append((ours.size(), ref.size()))
+        obs = new_obs
+    assert [a for a, _ in sizes] == [b for _, b in sizes]
+    assert sizes[-1][1] == 48 // n_envs  # wrapped: capped as SB3 caps it
+    ours.close()
 
 
 def test_zero_padding_matches_vecframestack(tmp_path):

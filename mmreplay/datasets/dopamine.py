@@ -116,13 +116,23 @@ class DopamineImport:
 # -- files -----------------------------------------------------------------------------
 def find_checkpoints(directory: str | os.PathLike[str]) -> list[int]:
     """Checkpoint numbers with an observation file in `directory`, ascending."""
-    root = Path(directory)
-    if not root.is_dir():
-        raise DatasetFormatError(f"{root} is not a directory")
+    root = check_directory(directory)
     found = sorted(int(m.group(1)) for p in root.iterdir() if (m := _NAME.fullmatch(p.name)))
     if not found:
         raise DatasetFormatError(f"{root} holds no {PREFIX}observation_ckpt.N.gz file")
     return found
+
+
+def check_directory(directory: str | os.PathLike[str]) -> Path:
+    """`directory` as a Path, if it is one (`FileNotFoundError` / `NotADirectoryError`)."""
+    root = Path(directory)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist (expected Dopamine's replay_logs "
+                                f"directory)")
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root} is not a directory (expected Dopamine's replay_logs "
+                                 f"directory)")
+    return root
 
 
 def open_npy_gz(path: Path) -> tuple[gzip.GzipFile, tuple[int, ...], np.dtype]:
@@ -365,7 +375,7 @@ def import_dopamine(directory: str | os.PathLike[str], target: str | os.PathLike
     import can write. The store is built beside `target` and renamed into place at the
     end; on any error nothing is left at `target`. `options` go to `ReplayStore.create`.
     """
-    root = Path(directory)
+    root = check_directory(directory)
     numbers = find_checkpoints(root) if checkpoints is None else list(checkpoints)
     ckpts = [load_checkpoint(root, n) for n in numbers]  # all checked before a store exists
     shapes = {c.obs_shape for c in ckpts}

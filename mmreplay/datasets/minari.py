@@ -189,8 +189,12 @@ def import_minari(dataset_id: str, target: str | Path, *, frame_stack: int | Non
     """
     try:
         dataset = minari.load_dataset(dataset_id)
-    except FileNotFoundError as exc:
-        raise InvalidInputError(f"no local Minari dataset {dataset_id!r}: {exc}") from None
+    except FileNotFoundError:
+        raise InvalidInputError(
+            f"Minari dataset {dataset_id!r} is not found locally (in "
+            f"{get_dataset_path(dataset_id)}); download it first with "
+            f"`minari download {dataset_id}` or minari.download_dataset({dataset_id!r})"
+        ) from None
     saved = _saved_metadata(dataset)
     obs_shape, obs_dtype = _box(dataset.observation_space, "observation")
     action_shape, action_dtype = _action_layout(dataset.action_space, saved)

@@ -9,8 +9,14 @@ observation of a truncated episode is kept and the two flags stay apart. Vector 
 must use gymnasium's next-step autoreset (the default of ``SyncVectorEnv`` and
 ``AsyncVectorEnv``): the step after a finished one is an autoreset step, passed to
 ``store.add`` as ``autoreset`` (its action and reward are ignored, its observation is
-o_0 of the next episode). The store is not flushed or closed here: that stays the
-caller's choice. gymnasium is imported only in this module (extra ``atari``).
+o_0 of the next episode).
+
+The wrapper owns the store it records into: ``env.close()`` flushes and closes it, so
+``RecordVectorToStore(envs, create_store_for(envs, path, ...))`` needs no handle to the
+store. Pass ``close_store=False`` to keep using the store after the env is closed (sampling
+from it, recording more); ``env.close()`` then only flushes it. A store left open when the
+program ends is flushed at exit anyway, with a warning (`mmreplay.lifecycle`).
+gymnasium is imported only in this module (extra ``atari``).
 """
 
 from __future__ import annotations
@@ -34,12 +40,23 @@ __all__ = ["RecordToStore", "RecordVectorToStore", "create_store_for"]
 
 
 class RecordToStore(gym.Wrapper):
-    """A single env whose every ``reset`` and ``step`` is also written to `store`."""
+    """A single env whose every ``reset`` and ``step`` is also written to `store`.
 
-    def __init__(self, env: gym.Env, store: ReplayStore) -> None:
+    ``close()`` closes the env, then flushes and closes `store` (only flushes it with
+    ``close_store=False``).
+    """
+
+    def __init__(self, env: gym.Env, store: ReplayStore, *, close_store: bool = True) -> None:
         super().__init__(env)
         _check_store(store, env.observation_space, env.action_space, num_envs=1)
         self.store = store
+        self.close_store = close_store
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            _release(self.store, self.close_store)
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -54,9 +71,13 @@ class RecordToStore(gym.Wrapper):
 
 
 class RecordVectorToStore(VectorWrapper):
-    """A vector env (next-step autoreset) whose every step is also written to `store`."""
+    """A vector env (next-step autoreset) whose every step is also written to `store`.
 
-    def __init__(self, env: VectorEnv, store: ReplayStore) -> None:
+    ``close()`` closes the envs, then flushes and closes `store` (only flushes it with
+    ``close_store=False``).
+    """
+
+    def __init__(self, env: VectorEnv, store: ReplayStore, *, close_store: bool = True) -> None:
         super().__init__(env)
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
         if AutoresetMode(mode) is not AutoresetMode.NEXT_STEP:
@@ -66,6 +87,7 @@ class RecordVectorToStore(VectorWrapper):
         _check_store(store, env.single_observation_space, env.single_action_space,
                      num_envs=env.num_envs)
         self.store = store
+        self.close_store = close_store
         self._autoreset = np.zeros(env.num_envs, dtype=bool)
 
     def reset(self, *, seed: int | None = None,
@@ -87,6 +109,20 @@ class RecordVectorToStore(VectorWrapper):
                        autoreset=self._autoreset.copy())
         self._autoreset = np.logical_or(terminated, truncated)
         return obs, rewards, terminated, truncated, info
+
+    def close(self, **kwargs: Any) -> None:
+        try:
+            super().close(**kwargs)
+        finally:
+            _release(self.store, self.close_store)
+
+
+def _release(store: ReplayStore, close: bool) -> None:
+    """At env close: close the store, or only flush it (a closed one is left alone)."""
+    if close:
+        store.close()  # idempotent
+    elif not store.closed and store.writable:
+        store.flush()
 
 
 def create_store_for(env: gym.Env | VectorEnv, path: str | os.PathLike[str], *, capacity: int,

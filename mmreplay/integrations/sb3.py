@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmreplay import lifecycle
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import Batch
 
@@ -178,6 +179,7 @@ def _acquire(key: str, opener: Any) -> ReplayStore:
             _OPEN[key] = (store, refs + 1)
             return store
         store = opener()
+        lifecycle.untrack(store)  # the buffers' finalizers close it, at exit too (`_release`)
         _OPEN[key] = (store, 1)
         return store
 
@@ -384,8 +386,10 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                      reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
 
     def size(self) -> int:
-        """How many transitions can be sampled now."""
-        return len(self.store)
+        """Positions filled per env, as SB3's ``ReplayBuffer.size()``: one per ``add`` (where
+        every env steps), at most ``buffer_size // n_envs``. ``len(buffer.store)`` is the
+        number of transitions that can be sampled now."""
+        return min(self.store.counts.transitions // self.n_envs, self.buffer_size)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+# Status of one chunk's decode (`numba_kernels.decode_chunks`, `codec.ChunkCodec.check`).
+OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
+
 
 def compiled() -> ModuleType:
     """`mmreplay.kernels.numba_kernels`, imported on the first call."""

@@ -284,15 +284,40 @@ def rng_from_state(state: dict[str, Any]) -> np.random.Generator:
 
 
 def take_lock(root: Path) -> int:
-    """Take the writer lock (``root/lock``, created if absent, never through a symlink)."""
+    """Take the writer lock (``root/lock``, created if absent, never through a symlink).
+
+    flock(2) locks belong to an open file, not a process, so a second writer in the same
+    process is refused like one in another; the message says which (see `_HELD`).
+    """
     fd = _open_lock_file(root / LOCK, writer=True)
     assert fd is not None  # a writer's open raises instead
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        here = _file_key(fd) in _HELD.values()
         os.close(fd)
+        if here:
+            raise StoreLockedError(
+                f"{root} is already open for writing in this process: use that ReplayStore, "
+                f"or close() it before opening the store again") from None
         raise StoreLockedError(f"{root} is already open for writing by another process") from None
+    _HELD[fd] = _file_key(fd)
     return fd
+
+
+def release_lock(fd: int) -> None:
+    """Give up a lock `take_lock` returned (closing its descriptor)."""
+    _HELD.pop(fd, None)
+    os.close(fd)
+
+
+# Lock files whose writer lock this process holds: descriptor -> (st_dev, st_ino).
+_HELD: dict[int, tuple[int, int]] = {}
+
+
+def _file_key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 @contextmanager

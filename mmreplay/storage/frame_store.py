@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import zarr
-from zarr.codecs import Crc32cCodec
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.kernels import compiled
@@ -50,7 +48,14 @@ ChunkHook = Callable[[int, int, int], None]  # (env, first chunk, last chunk) to
 
 
 def create_frames_array(root: Path, spec: StoreSpec) -> None:
-    """Create the zarr group at `root` and its empty `frames` array."""
+    """Create the zarr group at `root` and its empty `frames` array.
+
+    zarr is imported here, not with the module: only creating a store needs it (reads and
+    writes go through `codec` and `shards`), and its import costs a CLI call ~0.2 s.
+    """
+    import zarr
+    from zarr.codecs import Crc32cCodec
+
     group = zarr.open_group(str(root), mode="w-", zarr_format=3)
     sharded = spec.shard_chunks > 1
     group.create_array(

@@ -42,6 +42,7 @@ from mmreplay.tools.cli_remote import add_remote_commands, verify_url
 from mmreplay.tools.verify import verify_store
 
 PROG = "mmreplay"
+PRIORITY_OPTIONS = ("alpha", "priority_eps")  # spec fields a uniform store does not use
 
 
 class UsageError(Exception):
@@ -107,12 +108,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _info_sections(info: ins.StoreInfo) -> list[tuple[str, list[tuple[str, str]]]]:
     c, d, r = info.counts, info.disk, info.ram
-    ratio = "n/a (no frame chunk written yet)" if d.compression_ratio is None else \
-        f"{d.compression_ratio:.2f}x ({d.frames_in_chunks} kept frames in chunks)"
+    ratio = "n/a (no frame kept yet)" if d.compression_ratio is None else \
+        f"{d.compression_ratio:.1f}x (raw kept frames / all files)"
+    cache = "none: reads decode from the frame files" if r.cache_budget_bytes == 0 else \
+        f"up to {_size(r.cache_budget_bytes)}, on demand"
     sections = [
         ("store", [("path", info.path), ("format", f"mmreplay v{info.format_version}"),
                    ("generation", str(info.generation))]),
-        ("config", [(k, _show_value(v)) for k, v in info.spec.items()]),
+        ("config", [(k, _show_value(v)) for k, v in info.spec.items()
+                    if info.sampler != "uniform" or k not in PRIORITY_OPTIONS]),
         ("counts", [("frames written", str(c.frames_written)),
                     ("frames kept", f"{c.frames_kept} ({d.frames_in_tail} in the RAM tail)"),
                     ("transitions", str(c.transitions)), ("sampleable", str(c.sampleable)),
@@ -123,7 +127,7 @@ def _info_sections(info: ins.StoreInfo) -> list[tuple[str, list[tuple[str, str]]
         ("ram (estimated)", [("step columns", _size(r.steps_bytes)),
                              ("masks", _size(r.masks_bytes)), ("sampler", _size(r.sampler_bytes)),
                              ("frame tail", _size(r.tail_bytes)), ("total", _size(r.total_bytes)),
-                             ("chunk cache", f"up to {_size(r.cache_budget_bytes)}, on demand")]),
+                             ("chunk cache", cache)]),
     ]
     return [*sections, ("sampler", _sampler_pairs(info))]
 
@@ -259,11 +263,16 @@ def _show_episode(image: Any, store: Any, args: argparse.Namespace) -> int:
         frames = [image.fromarray(f) for f in big]
         _save(frames[0], out, save_all=True, append_images=frames[1:], loop=0,
               duration=max(1, round(1000 / args.fps)))
+        with image.open(out) as gif:  # Pillow merges identical consecutive frames
+            written = gif.n_frames
+        held = f"{_plural(written, 'GIF frame')} of its {len(images)} kept frames" + \
+            (" (identical consecutive frames merged)" if written < len(images) else "")
     else:
         out = args.out or f"episode_{args.episode}.png"
         cols = min(len(images), 16)
         _save(image.fromarray(ins.tile(images, cols=cols, scale=args.scale)), out)
-    print(f"wrote {out}: episode {args.episode}, {len(images)} kept frames")
+        held = f"{len(images)} kept frames"
+    print(f"wrote {out}: episode {args.episode}, {held}")
     return 0
 
 
@@ -353,13 +362,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _progress_bar(items: Iterable[Any], total: int) -> Iterable[Any]:
-    """A tqdm bar on stderr over frame chunks, for stores big enough to wait on."""
+    """A tqdm bar on stderr over frame chunks, for stores big enough to wait on; none when
+    stderr is not a terminal (a log file would keep every redraw)."""
+    if total < 256 or not sys.stderr.isatty():
+        return items
     try:
         from tqdm import tqdm
     except ImportError:
         return items
-    return tqdm(items, total=total, desc="chunks", unit="chunk", file=sys.stderr,
-                disable=total < 256, leave=False)
+    return tqdm(items, total=total, desc="chunks", unit="chunk", file=sys.stderr, leave=False)
 
 
 # -- sample -----------------------------------------------------------------------------

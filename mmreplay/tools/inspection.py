@@ -41,8 +41,10 @@ def open_readonly(path: str | os.PathLike[str]) -> ReplayStore:
 # -- info -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DiskUsage:
-    """Bytes on disk; ``compression_ratio`` = raw bytes of kept frames in chunk files / bytes
-    of the frames directory (frames still in the RAM tail are in the tail file instead)."""
+    """Bytes on disk, and the store's one compression figure (`compression_ratio`): raw
+    bytes of every kept frame / bytes of every file of the store (frame files, the tail
+    file of frames not yet in a chunk, step columns, manifest). `mmreplay info` and
+    ``scripts/record_atari.py`` both report it; None while the store holds no frame."""
 
     total_bytes: int
     frames_bytes: int
@@ -116,12 +118,17 @@ def disk_usage(store: ReplayStore) -> DiskUsage:
     for path, size in files_under(store.path / FRAMES):
         frames_bytes += size
         chunk_files += path.name != ZARR_JSON
-    ratio = in_chunks * spec.frame_bytes / frames_bytes if in_chunks and frames_bytes else None
+    total_bytes = sum(size for _, size in files_under(store.path))
     return DiskUsage(
-        total_bytes=sum(size for _, size in files_under(store.path)),
-        frames_bytes=frames_bytes,
+        total_bytes=total_bytes, frames_bytes=frames_bytes,
         chunk_files=chunk_files, frames_in_chunks=in_chunks, frames_in_tail=in_tail,
-        compression_ratio=ratio)
+        compression_ratio=compression_ratio((in_chunks + in_tail) * spec.frame_bytes,
+                                            total_bytes))
+
+
+def compression_ratio(raw_frame_bytes: int, file_bytes: int) -> float | None:
+    """Raw bytes of the kept frames over the bytes of the store's files (see `DiskUsage`)."""
+    return raw_frame_bytes / file_bytes if raw_frame_bytes and file_bytes else None
 
 
 def files_under(root: Path) -> Iterable[tuple[Path, int]]:

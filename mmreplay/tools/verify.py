@@ -19,6 +19,7 @@ import numpy as np
 from mmreplay.errors import InvalidStoreError, MmreplayError
 from mmreplay.index.ring import StepColumns, step_dtype
 from mmreplay.spec import StoreSpec
+from mmreplay.storage.codec import ChunkCodec
 from mmreplay.storage.commit import LOCK, READERS
 from mmreplay.storage.frame_store import FRAMES, FrameStore
 from mmreplay.storage.layout import check_zarr
@@ -199,10 +200,10 @@ def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
     on_disk_end = written - written % S % C  # later frames live in the tail file
     work = [(e, c) for e in range(spec.num_envs)
             for c in disk_chunks(int(oldest[e]), int(on_disk_end[e]), S, C)]
-    store = FrameStore(root, spec, writable=False, cache_bytes=0)
+    store, codec = FrameStore(root, spec, writable=False, cache_bytes=0), ChunkCodec(spec)
     try:
         for env, chunk in (progress(work, len(work)) if progress else work):
-            problem = _chunk_problem(store, root, env, chunk)
+            problem = _chunk_problem(store, codec, root, env, chunk)
             if problem:
                 problems.append(problem)
     finally:
@@ -210,13 +211,14 @@ def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
     return len(work), int(np.maximum(on_disk_end - oldest, 0).sum())
 
 
-def _chunk_problem(frames: FrameStore, root: Path, env: int, chunk: int) -> str | None:
+def _chunk_problem(frames: FrameStore, codec: ChunkCodec, root: Path, env: int,
+                   chunk: int) -> str | None:
     path = frames.file_path(env, chunk)
     if not os.path.lexists(path):
         where = path.relative_to(root).as_posix()
         return f"frame file {where} is missing (it holds kept frames of chunk {chunk})"
     try:
-        frames.decode(*frames.chunk_bytes(env, chunk))
+        codec.check(*frames.chunk_bytes(env, chunk))  # numcodecs: no numba to load
     except InvalidStoreError as exc:
         return str(exc).replace(f"{root}/", "")  # paths relative to the store, as elsewhere
     return None
