@@ -223,6 +223,7 @@ def kill_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dic
         for k in range(args.kills):
             feed(store, rec, 2_000, start=20_000 + 2_000 * k)
             store.flush()
+            flushed = store.generation  # the old reference was flushed - 1
             slow = FaultProxy(server.ports[3], bandwidth=2_000_000)
             reports: list[Any] = []
             pusher = threading.Thread(target=_push, args=(store, url, server, slow, reports))
@@ -235,9 +236,10 @@ def kill_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dic
             server.start()
             with ReplayStore.open(url, "r", cache_dir=tmp) as remote:
                 lost += remote.generation < acked
-                old_lost += remote.generation < store.generation - 1  # the old reference
-                log.append({"acked": acked, "killed_push_returned": bool(reports),
-                            "local": store.generation, "bucket_after_restart": remote.generation})
+                old_lost += remote.generation < flushed - 1
+                log.append({"acked": acked, "flushed": flushed, "pushed": store.generation,
+                            "killed_push_returned": bool(reports),
+                            "bucket_after_restart": remote.generation})
                 with ReplayStore.open(tmp / "kills", "r") as local:  # ids both still hold
                     ids = np.intersect1d(remote.valid_ids(), local.valid_ids())[::11]
                     wrong += int((np.asarray(remote.get(ids).obs)
