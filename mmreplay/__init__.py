@@ -12,10 +12,13 @@ from mmreplay.errors import (
     InvalidInputError,
     InvalidStoreError,
     MmreplayError,
+    RateLimiterClosedError,
+    RateLimitTimeoutError,
     ReadOnlyError,
     StoreLockedError,
     UnknownIdError,
 )
+from mmreplay.rate_limit import RateLimiter
 from mmreplay.recorder import StepRows
 from mmreplay.spec import StoreSpec
 from mmreplay.store import ReplayStore
@@ -29,6 +32,9 @@ __all__ = [
     "InvalidInputError",
     "InvalidStoreError",
     "MmreplayError",
+    "RateLimitTimeoutError",
+    "RateLimiter",
+    "RateLimiterClosedError",
     "ReadOnlyError",
     "ReplayStore",
     "SequenceBatch",

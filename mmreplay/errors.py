@@ -55,6 +55,18 @@ class UnknownIdError(MmreplayError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class RateLimitTimeoutError(MmreplayError, TimeoutError):
+    """A rate limiter kept an insert or a sample waiting longer than its timeout.
+
+    Nothing was inserted or sampled; the message says which side waited, for how long,
+    and where the samples-per-insert error stood against its buffer.
+    """
+
+
+class RateLimiterClosedError(MmreplayError, RuntimeError):
+    """An insert or sample waited on (or asked) a rate limiter that was shut down."""
+
+
 class ObjectStoreError(MmreplayError, OSError):
     """Object storage (a bucket, or a ``file://`` directory) failed a request after its
     retries. The message names the URL and key, never a credential."""

@@ -17,9 +17,14 @@ import numpy as np
 from mmreplay.errors import InvalidInputError, InvalidStoreError
 
 STACK_PADDINGS = ("zero", "first")
-# "lz4" is zarr's core blosc codec with cname lz4 (decodes ~4x faster than zstd, half the ratio).
-CODECS = ("lz4", "zstd")
-CODEC_LEVELS = {"lz4": (1, 9, 9), "zstd": (-5, 22, 1)}  # low, high, default
+# "lz4" is zarr's core blosc codec with cname lz4; "zstd-dict" is zstd with a dictionary trained
+# per store (docs/compression.md has the measurements).
+CODECS = ("lz4", "zstd", "zstd-dict")
+# codec: (lowest level, highest, default)
+CODEC_LEVELS = {"lz4": (1, 9, 9), "zstd": (-5, 22, 1), "zstd-dict": (1, 19, 1)}
+DICT_FIELDS = ("dict_bytes", "dict_train_chunks")  # in a spec (format 4) only for "zstd-dict"
+DEFAULT_DICT_BYTES = 16 << 10
+DEFAULT_DICT_TRAIN_CHUNKS = 256
 SAMPLERS = ("uniform", "prioritized", "rank")
 # Dtypes a store may hold; anything else (object, void, strings) is refused.
 ALLOWED_DTYPES = (
@@ -58,6 +63,9 @@ class StoreSpec:
     priority_eps: float = 1e-6
     # per-step extra columns: (name, shape, dtype), sorted by name; empty for most stores
     extras: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    # "zstd-dict" only (0 otherwise): the dictionary's size, and the chunks it is trained on
+    dict_bytes: int = 0
+    dict_train_chunks: int = 0
 
     @property
     def extra_bytes(self) -> int:
@@ -93,12 +101,18 @@ class StoreSpec:
             out["extras"] = [[name, list(shape), dtype] for name, shape, dtype in self.extras]
         else:
             del out["extras"]  # stores without extras keep the format they always had
+        if self.codec != "zstd-dict":
+            for key in DICT_FIELDS:
+                del out[key]
         return out
 
     @property
     def format_version(self) -> int:
         """1: a file per chunk; 2: shard files (zarr ``sharding_indexed``); 3: per-step
-        extras in the step blocks (either frame layout, told apart by ``shard_chunks``)."""
+        extras in the step blocks (either frame layout, told apart by ``shard_chunks``); 4:
+        codec ``"zstd-dict"``, a dictionary beside the manifest (with or without extras)."""
+        if self.codec == "zstd-dict":
+            return 4
         if self.extras:
             return 3
         return 1 if self.shard_chunks == 1 else 2
@@ -119,6 +133,7 @@ class StoreSpec:
 
 def make_spec(**kwargs: Any) -> StoreSpec:
     """Validate user-facing arguments and return a complete `StoreSpec`."""
+    codec = parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)
     spec = StoreSpec(
         capacity=parse_int("capacity", kwargs.pop("capacity"), low=2, high=MAX_CAPACITY),
         obs_shape=parse_shape("obs_shape", kwargs.pop("obs_shape")),
@@ -133,7 +148,7 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         action_dtype=parse_dtype("action_dtype", kwargs.pop("action_dtype", "int64")),
         chunk_frames=parse_int("chunk_frames", kwargs.pop("chunk_frames", 0), low=0, high=1 << 16),
         shard_chunks=parse_int("shard_chunks", kwargs.pop("shard_chunks", 0), low=0, high=1 << 16),
-        codec=(codec := parse_choice("codec", kwargs.pop("codec", "lz4"), CODECS)),
+        codec=codec,
         codec_level=parse_codec_level(codec, kwargs.pop("codec_level", None)),
         block_slots=parse_int("block_slots", kwargs.pop("block_slots", 4096), low=1, high=1 << 24),
         sampler=parse_choice("sampler", kwargs.pop("sampler", "uniform"), SAMPLERS),
@@ -141,6 +156,7 @@ def make_spec(**kwargs: Any) -> StoreSpec:
         priority_eps=parse_float("priority_eps", kwargs.pop("priority_eps", 1e-6), low=0.0,
                                  high=1e6),
         extras=parse_extras(kwargs.pop("extras", None)),
+        **parse_dict_options(codec, kwargs),
     )
     if kwargs:
         raise InvalidInputError(f"unknown store options {sorted(kwargs)}")
@@ -201,6 +217,23 @@ def default_chunk_frames(frame_bytes: int) -> int:
     """Largest power of two whose chunk stays within ~64 KiB raw (8 for 84x84 uint8)."""
     frames = max(1, TARGET_CHUNK_BYTES // max(1, frame_bytes))
     return min(4096, 1 << int(math.log2(frames)))
+
+
+def parse_dict_options(codec: str, kwargs: dict[str, Any]) -> dict[str, int]:
+    """``dict_bytes`` and ``dict_train_chunks`` (popped from `kwargs`): for "zstd-dict" only."""
+    given = {key: kwargs.pop(key) for key in DICT_FIELDS if key in kwargs}
+    if codec != "zstd-dict":
+        if given:
+            raise InvalidInputError(f"{sorted(given)} apply to codec 'zstd-dict' only, "
+                                    f"not {codec!r}")
+        return {}
+    return {
+        "dict_bytes": parse_int("dict_bytes", given.get("dict_bytes", DEFAULT_DICT_BYTES),
+                                low=1 << 10, high=512 << 10),
+        "dict_train_chunks": parse_int(
+            "dict_train_chunks", given.get("dict_train_chunks", DEFAULT_DICT_TRAIN_CHUNKS),
+            low=1, high=1 << 16),
+    }
 
 
 def parse_codec_level(codec: str, value: Any) -> int:

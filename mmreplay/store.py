@@ -43,6 +43,7 @@ from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
 from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
+from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
@@ -56,7 +57,7 @@ from mmreplay.storage.commit import (
     take_lock,
 )
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
-from mmreplay.storage.layout import check_store_files
+from mmreplay.storage.layout import check_store_files, store_dictionary
 from mmreplay.storage.manifest import (
     MAX_RAM_BYTES,
     check_manifest,
@@ -68,6 +69,7 @@ from mmreplay.storage.manifest import (
 from mmreplay.storage.objects import is_url, open_objects
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews
 
@@ -133,22 +135,18 @@ class ReplayStore(BucketMethods):
         self._lock_fd: int | None = None
         self._ring = StepRing(spec)
         self._commits = Committer(root, spec, durable=durable)
-        self._frames = FrameStore(root, spec, writable=writable, durable=durable,
-                                  cache_bytes=validate.cache_budget(spec, cache_bytes),
-                                  before_chunk_write=functools.partial(
-                                      self._commits.give_up_chunks, self._ring),
-                                  fetch=None if remote is None else remote.ensure)
+        self._frames = _frame_store(root, spec, writable, durable, cache_bytes,
+                                    functools.partial(self._commits.give_up_chunks, self._ring),
+                                    remote, manifest)
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
         self._priorities = Priorities(spec, self._sampler)
-        self._sequences = SequenceReader(
-            self._reader, lambda: make_sampler(spec),
-            None if spec.sampler == "uniform" else self._priorities.of_starts)
-        self._priorities.listeners.append(self._sequences.set_priorities)
+        self._sequences = _sequence_reader(spec, self._reader, self._priorities)
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
+        self._limits = LimiterSlot()
         self._closed = False
         rng = _start(manifest, writable, self._commits, self._ring, self._frames,
                      self._priorities, self._reader)
@@ -162,26 +160,25 @@ class ReplayStore(BucketMethods):
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
                mirror: str | None = None, storage_options: dict[str, str] | None = None,
-               **options: Any) -> ReplayStore:
+               rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
         `mirror` (a URL) pushes every flush there in the background, with `storage_options`
         (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
+        `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
+        (bytes), or trains one from the first chunks (docs/compression.md).
         """
+        dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
-        cache_bytes = validate.cache_bytes(cache_bytes)
-        root = Path(path)
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            raise InvalidInputError(f"{root} already exists and is not an empty directory")
-        create_frames_array(root, spec)
-        store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
-                    lock_fd=take_lock(root))
+        store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes),
+                        dictionary)
         store.reseed(seed)
+        store.set_rate_limiter(rate_limiter)
         store.flush()
         return lifecycle.track(store).attach_mirror(mirror, storage_options, False)
 
@@ -189,7 +186,8 @@ class ReplayStore(BucketMethods):
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
-             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False) -> Any:
+             cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
+             rate_limiter: RateLimiter | None = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
@@ -198,14 +196,16 @@ class ReplayStore(BucketMethods):
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
+        `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
-        if mode not in ("r", "r+"):
-            raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
+        _check_open_args(path, mode, rate_limiter)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
                              max_ram_bytes)
         store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        if rate_limiter is not None:
+            store.set_rate_limiter(rate_limiter)
         return store.attach_mirror(mirror, storage_options, take_over)
 
     # -- recording ----------------------------------------------------------------
@@ -218,16 +218,17 @@ class ReplayStore(BucketMethods):
         _check_writable(self, "reset")
         self._recorder.reset(obs, env_ids)
 
-    @_locked
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any = None, env_ids: Any = None, *, extras: Any = None) -> None:
         """Record one step of every env, or of the listed `env_ids` (each at most once;
         every argument then has a leading ``len(env_ids)`` dimension and the other envs
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
-        exactly the declared ones) belong to this step, like `action`."""
-        _check_writable(self, "add")
-        self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset, env_ids,
-                           extras)
+        exactly the declared ones) belong to this step, like `action`. With a rate
+        limiter, waits first until the learners let these steps in."""
+        with self._limits.inserting(_steps(self.spec.num_envs, env_ids, autoreset)), self._lock:
+            _check_writable(self, "add")
+            self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
+                               env_ids, extras)
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -237,16 +238,43 @@ class ReplayStore(BucketMethods):
         _check_writable(self, "add")
         self._recorder.add_rows(rows)
 
+    # -- rate limiting ------------------------------------------------------------
+    def set_rate_limiter(self, limiter: RateLimiter | None) -> None:
+        """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`,
+        `batches`, `sample_sequences` on its samples; None removes it.
+
+        The limiter takes the counters this store committed (so a resumed run keeps its
+        ratio) and counts this store's steps as inserts; every flush commits its counters
+        (``mmreplay info`` shows them). Only a writable store takes one, and `close`
+        closes it (waiters wake with `RateLimiterClosedError`).
+        """
+        if limiter is not None:
+            _check_writable(self, "set_rate_limiter")
+        with self._lock:
+            self._limits.attach(limiter, self._commits.committed.get("rate_limiter"),
+                                inserts=self._ring.next_id, capacity=self.spec.capacity)
+
+    @property
+    def rate_limiter(self) -> RateLimiter | None:
+        """The rate limiter in use, if any (see `set_rate_limiter`)."""
+        return self._limits.limiter
+
+    def rate_limiter_state(self) -> dict[str, Any] | None:
+        """The limiter's counters: live if one is attached, else as last committed."""
+        return self._limits.state(self._commits.committed.get("rate_limiter"))
+
     # -- reading ------------------------------------------------------------------
-    @_reading
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
         """`batch_size` sampleable transitions, with replacement.
 
         Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
         the priorities and ``batch.weights`` are importance weights with exponent `beta`.
+        With a rate limiter, waits first until the writers let `batch_size` samples out.
         """
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        return self._reader.sample(self._rng, size, beta)
+        with self._limits.sampling(_items(batch_size)), self._lock:
+            _refuse_closed(self, "sample")
+            size, beta = validate.batch_size(batch_size), validate.beta(beta)
+            return self._reader.sample(self._rng, size, beta)
 
     def batches(self, batch_size: int, *, prefetch: int = 2,
                 beta: float = 0.4) -> BatchPrefetcher:
@@ -258,8 +286,7 @@ class ReplayStore(BucketMethods):
         depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
         _refuse_closed(self, "batches")
-        validate.batch_size(batch_size)
-        validate.beta(beta)
+        validate.batch_size(batch_size), validate.beta(beta)
         it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
         self._prefetchers.add(it)
         return it
@@ -284,7 +311,6 @@ class ReplayStore(BucketMethods):
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
         return self._reader.get(validate.transition_ids(ids))
 
-    @_reading
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
         """`batch_size` sequences of `length` consecutive steps of one env, with replacement,
@@ -293,11 +319,14 @@ class ReplayStore(BucketMethods):
         ``cross_episodes=False`` (R2D2): a sequence stays in one episode, padded and masked
         past its end; starts at episode positions divisible by `period`. ``True``
         (DreamerV3): `length` consecutive steps of the env, ``is_first`` marking each new
-        episode, never padded. See README "Sequences".
+        episode, never padded. See README "Sequences". With a rate limiter, waits first
+        until the writers let ``batch_size * length`` samples (steps) out.
         """
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        key = sequence_key(self.spec, length, cross_episodes, period)
-        return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
+        with self._limits.sampling(_items(batch_size) * _items(length)), self._lock:
+            _refuse_closed(self, "sample_sequences")
+            size, beta = validate.batch_size(batch_size), validate.beta(beta)
+            key = sequence_key(self.spec, length, cross_episodes, period)
+            return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
 
     @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
@@ -328,12 +357,7 @@ class ReplayStore(BucketMethods):
         the last value wins; NaN or inf TD errors raise and change nothing.
         """
         _check_writable(self, "update_sequence_priorities")
-        rows, errors = validate.sequence_priorities(ids, td_errors)
-        eta = validate.unit_interval("eta", eta)
-        self._priorities.require("update_sequence_priorities", ("prioritized",))
-        flat, found = self._sequences.starts_of(rows[:, 0])
-        values = sequence_priority(rows, errors, eta)
-        return self._priorities.set(flat[found], values[found])
+        return _set_sequence_priorities(self, ids, td_errors, eta)
 
     @_locked
     def valid_ids(self) -> np.ndarray:
@@ -375,37 +399,15 @@ class ReplayStore(BucketMethods):
 
     def flush(self, *, wait_mirror: bool = False) -> None:
         """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
-        self._commit()
+        with self._lock:
+            _check_writable(self, "flush")
+            _commit(self)
         if self.mirror is not None:
             self.mirror.notify(self.generation, wait=wait_mirror)
 
-    @_locked
-    def _commit(self) -> None:
-        _check_writable(self, "flush")
-        self._reader.refresh()  # new transitions get their priorities before they are saved
-        if self.durable:
-            self._frames.sync()
-        else:
-            self._frames.drain()  # the manifest may only name chunks that are on disk
-        self._commits.commit(self._ring, self._frames.tail_frames(),
-                             self._rng.bit_generator.state, **self._priorities.commit_fields())
-        self._ring.dirty_blocks.clear()
-        self._priorities.dirty.clear()
-
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
-        for it in list(self._prefetchers):
-            it.close()  # before taking the lock: their threads may be waiting for it
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                if self.writable:
-                    self.flush()
-            finally:
-                self._closed = True
-                lock_fd, self._lock_fd = self._lock_fd, None
-                _close_parts(self._frames, self._commits, lock_fd, self.remote, self.mirror)
+        _close(self)
 
     @property
     def closed(self) -> bool:
@@ -421,6 +423,100 @@ class ReplayStore(BucketMethods):
     def __repr__(self) -> str:
         return (f"ReplayStore({str(self.path)!r}, capacity={self.spec.capacity}, "
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
+
+
+def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
+                 cache_bytes: int | None, before_chunk_write: Callable[..., Any],
+                 remote: RemoteChunks | None, manifest: dict[str, Any] | None) -> FrameStore:
+    return FrameStore(root, spec, writable=writable, durable=durable,
+                      cache_bytes=validate.cache_budget(spec, cache_bytes),
+                      before_chunk_write=before_chunk_write,
+                      fetch=None if remote is None else remote.ensure,
+                      dictionary=None if manifest is None else store_dictionary(root, manifest))
+
+
+def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) -> SequenceReader:
+    """The sequence API's index, told of every priority change (prioritized stores)."""
+    sequences = SequenceReader(reader, lambda: make_sampler(spec),
+                               None if spec.sampler == "uniform" else priorities.of_starts)
+    priorities.listeners.append(sequences.set_priorities)
+    return sequences
+
+
+def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
+            cache_bytes: int | None, dictionary: Any = None) -> ReplayStore:
+    """A new store's files at `root` (absent or an empty directory), opened for writing;
+    a "zstd-dict" store takes `dictionary` (bytes) if given."""
+    if dictionary is not None:
+        dictionary = parse_dictionary(spec.codec, dictionary)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise InvalidInputError(f"{root} already exists and is not an empty directory")
+    create_frames_array(root, spec)
+    store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
+                lock_fd=take_lock(root))
+    if dictionary is not None:
+        store._frames.set_dictionary(dictionary)
+    return store
+
+
+def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:
+    if mode not in ("r", "r+"):
+        raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
+    if rate_limiter is not None and (mode == "r" or is_url(path)):
+        raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
+
+
+def _set_sequence_priorities(store: ReplayStore, ids: Any, td_errors: Any, eta: float) -> int:
+    rows, errors = validate.sequence_priorities(ids, td_errors)
+    eta = validate.unit_interval("eta", eta)
+    store._priorities.require("update_sequence_priorities", ("prioritized",))
+    flat, found = store._sequences.starts_of(rows[:, 0])
+    values = sequence_priority(rows, errors, eta)
+    return store._priorities.set(flat[found], values[found])
+
+
+def _commit(store: ReplayStore) -> None:
+    """One generation: frames on disk first, then steps, priorities, RNG and limiter counters
+    named by a new manifest (`Committer.commit`). Under the store's lock."""
+    store._reader.refresh()  # new transitions get their priorities before they are saved
+    if store.durable:
+        store._frames.sync()
+    else:
+        store._frames.drain()  # the manifest may only name chunks that are on disk
+    store._commits.commit(store._ring, store._frames.tail_frames(),
+                          store._rng.bit_generator.state, **store._priorities.commit_fields(),
+                          rate_limiter=store.rate_limiter_state(),
+                          dictionary=store._frames.dictionary_record())
+    store._ring.dirty_blocks.clear()
+    store._priorities.dirty.clear()
+
+
+def _close(store: ReplayStore) -> None:
+    store._limits.close()  # wakes prefetch threads waiting on it
+    for it in list(store._prefetchers):
+        it.close()  # before taking the lock: their threads may be waiting for it
+    with store._lock:
+        if store._closed:
+            return
+        try:
+            if store.writable:
+                store.flush()
+        finally:
+            store._closed = True
+            lock_fd, store._lock_fd = store._lock_fd, None
+            _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
+
+
+def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
+    """The steps one `add` records (what the rate limiter counts as inserts)."""
+    if env_ids is None and autoreset is None:
+        return num_envs
+    return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
+
+
+def _items(value: Any) -> int:
+    """A count the rate limiter can take (0 for what the argument checks will refuse)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:

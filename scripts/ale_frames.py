@@ -32,7 +32,7 @@ from pathlib import Path
 import ale_py
 import gymnasium as gym
 import numpy as np
-from gymnasium.wrappers import AtariPreprocessing
+from common import make_env
 from tqdm import tqdm
 
 gym.register_envs(ale_py)
@@ -65,21 +65,13 @@ class AleFrames:
         return int(self.is_first.sum())
 
 
-def make_env(game: str) -> gym.Env:
-    """Single ALE env with standard DQN preprocessing and no frame stacking.
-
-    ``obs_type="grayscale"`` does not change the output (the wrapper reads the ALE screen
-    itself) but spares the inner env an RGB copy on each of the 4 skipped frames (~10%).
-    """
-    env = gym.make(game, frameskip=1, obs_type="grayscale")
-    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)
-
-
 def record(game: str, n_frames: int, seed: int, *, progress: bool = False) -> AleFrames:
     """Record `n_frames` observations with a uniform random policy (no cache)."""
     if n_frames < 1:
         raise ValueError(f"n_frames must be >= 1, got {n_frames}")
-    env = make_env(game)
+    # obs_type="grayscale" does not change the output (the wrapper reads the ALE screen
+    # itself) but spares the inner env an RGB copy on each of the 4 skipped frames (~10%).
+    env = make_env(game, obs_type="grayscale")
     rng = np.random.default_rng(seed)
     if not isinstance(env.action_space, gym.spaces.Discrete):
         raise TypeError(f"{game} has action space {env.action_space}; expected a Discrete one")

@@ -1,7 +1,7 @@
 """Ape-X DQN on Ray: N env actors feed one store actor, a learner samples with PER and n-step.
 
     python scripts/apex_dqn.py                          # Breakout, 4 actors, local cluster
-    python scripts/apex_dqn.py --env CartPole-v1 --num-actors 2 --total-timesteps 20000 \
+    python scripts/apex_dqn.py --env CartPole-v1 --num-actors 2 --total-timesteps 20000 \\
         --learning-starts 1000 --learning-rate 1e-3 --buffer-size 20000 --batch-size 64
     ray start --head --port 6379                        # across machines: the head node holds
     python scripts/apex_dqn.py --ray-address auto       # the store on its local disk
@@ -22,29 +22,40 @@ actor reopens the store at its last flush and the env actors start fresh episode
 
 from __future__ import annotations
 
-import argparse
-import ast
-import inspect
 import json
 import os
-import shutil
-import signal
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ale_py
+import common
 import gymnasium as gym
 import numpy as np
 import ray
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from gymnasium.wrappers import AtariPreprocessing
+from common import (
+    Learner,
+    QNetwork,
+    StopFlag,
+    UsageError,
+    crossed,
+    is_atari,
+    linear_schedule,
+    make_env,
+    on_interrupt,
+    parse_args,
+    prepare_run_dir,
+    push_frames,
+    resume_command,
+    run_main,
+)
 from tqdm import tqdm
 
+from mmreplay.errors import RateLimitTimeoutError
 from mmreplay.integrations.ray import BlockWriter, RemoteBatches, start_store_actor
+from mmreplay.rate_limit import RateLimiter
 
 gym.register_envs(ale_py)
 
@@ -89,6 +100,9 @@ class Args:
     """sampleable transitions in the store before the first gradient step"""
     train_frequency: float = 4.0
     """env steps per gradient step at most (the learner waits when it is ahead)"""
+    samples_per_insert: float = 0.0
+    """sampled transitions per inserted step, held by the store's rate limiter (Reverb's
+    SampleToInsertRatio from `learning_starts`); 0: off (only `train_frequency` paces)"""
     target_network_frequency: int = 500
     """gradient steps between target network copies"""
     weight_sync_every: int = 50
@@ -119,84 +133,9 @@ class Args:
     """episodes in the mean return shown and compared with `stop_at_return`"""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, for `--help`."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-    return {
-        node.target.id: str(doc.value.value)
-        for node, doc in zip(body, body[1:], strict=False)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-    }
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    docs = field_docs(Args)
-    for f in fields(Args):
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=docs.get(f.name))
-        else:
-            parser.add_argument(flag, type=type(default), default=default,
-                                help=f"{docs.get(f.name)} (default: {default})")
-    return Args(**vars(parser.parse_args()))
-
-
-def is_atari(env_id: str) -> bool:
-    return "ale_py" in str(gym.spec(env_id).entry_point)
-
-
-def make_env(env_id: str) -> gym.Env:
-    if not is_atari(env_id):
-        return gym.make(env_id)
-    env = gym.make(env_id, frameskip=1)
-    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
-                              terminal_on_life_loss=False, grayscale_obs=True)
-
-
-class QNetwork(nn.Module):
-    """Nature CNN for (stack, 84, 84) uint8 frames; a small MLP for flat vector observations."""
-
-    def __init__(self, obs_shape: tuple[int, ...], num_actions: int) -> None:
-        super().__init__()
-        self.pixels = len(obs_shape) == 3
-        if self.pixels:
-            self.network = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, 8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
-                nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
-                nn.Linear(512, num_actions),
-            )
-        else:
-            self.network = nn.Sequential(
-                nn.Flatten(), nn.Linear(int(np.prod(obs_shape)), 120), nn.ReLU(),
-                nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_actions),
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float() / 255.0 if self.pixels else x.float()
-        return self.network(x)
-
-
 def apex_epsilon(i: int, n: int) -> float:
     """Ape-X's per-actor exploration: 0.4 ** (1 + 7 i / (N - 1))."""
     return 0.4 ** (1 + 7 * i / max(n - 1, 1))
-
-
-def push_frames(stack: np.ndarray, frames: np.ndarray, fresh: np.ndarray) -> None:
-    """Shift each env's last-k frames and append the new one; `fresh` envs restart from zeros
-    (the store pads stacks at an episode's start with zeros)."""
-    stack[fresh] = 0
-    stack[:, :-1] = stack[:, 1:]
-    stack[:, -1] = frames
-
-
-def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
-    slope = (end - start) / max(duration, 1.0)
-    return max(slope * t + start, end) if end < start else min(slope * t + start, end)
 
 
 class EnvActor:
@@ -215,7 +154,8 @@ class EnvActor:
         self.q = QNetwork((k, *space.shape), self.num_actions)
         self.rng = np.random.default_rng([args.seed, index, int(time.time())])
         self.writer = BlockWriter(store, env_ids, block_steps=args.block_steps,
-                                  max_in_flight=args.max_in_flight, compress=args.compress)
+                                  max_in_flight=args.max_in_flight, compress=args.compress,
+                                  insert_timeout_s=600.0)  # a rate limiter waits for the learner
         obs, _ = self.envs.reset(seed=int(self.rng.integers(2**31)))
         self.writer.reset(obs)
         self.stack = np.zeros((len(env_ids), k, *space.shape), space.dtype)
@@ -258,13 +198,22 @@ def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any]) -> None:
     os.replace(pending, run_dir / "checkpoint.pt")
 
 
-def main() -> None:
-    args = parse_args()
-    run_dir = Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}")
-    stop_signal: list[int] = []
-    signal.signal(signal.SIGINT, lambda s, _f: stop_signal.append(s))
-    signal.signal(signal.SIGTERM, lambda s, _f: stop_signal.append(s))
+def make_rate_limiter(args: Args) -> RateLimiter | None:
+    """The store's limiter for `--samples-per-insert`: a band of a few blocks or batches; a
+    short timeout so that the learner goes back to dispatching actor calls."""
+    spi = args.samples_per_insert
+    if spi <= 0:
+        return None
+    buffer = max(2 * max(1.0, spi), spi * args.block_steps * args.envs_per_actor,
+                 2.0 * args.batch_size)
+    return RateLimiter.sample_to_insert_ratio(spi, args.learning_starts, buffer, timeout_s=0.2)
+
+
+def start_ray(args: Args) -> None:
+    """Connect to `--ray-address` or start a local cluster; the Ray workers import `common`
+    from this process (it travels with the actors' code, not by module path)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.cloudpickle.register_pickle_by_value(common)
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:
@@ -272,140 +221,252 @@ def main() -> None:
                  configure_logging=False,
                  object_store_memory=(args.object_store_mb << 20) or None)
 
+
+@dataclass
+class Run:
+    """The learner's side of a run: counters, episode log, networks, the store actor."""
+
+    args: Args
+    run_dir: Path
+    learner: Learner
+    store: Any = None
+    global_step: int = 0
+    updates: int = 0
+    episodes: dict[str, list[Any]] = field(default_factory=lambda: {"step": [], "return": []})
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.run_dir, self.store, {
+            **self.learner.state(), "global_step": self.global_step, "updates": self.updates,
+            "episodes": self.episodes, "args": asdict(self.args)})
+
+    def record(self, report: dict[str, Any]) -> int:
+        """Count an actor call's steps and episodes; returns the step count before it."""
+        before, self.global_step = self.global_step, self.global_step + report["steps"]
+        for ret in report["returns"]:
+            self.episodes["step"].append(self.global_step)
+            self.episodes["return"].append(ret)
+        return before
+
+    def mean_return(self) -> float | None:
+        recent = self.episodes["return"][-self.args.return_window:]
+        return float(np.mean(recent)) if recent else None
+
+    def weights(self) -> Any:
+        return ray.put({k: v.clone() for k, v in self.learner.q.state_dict().items()})
+
+
+def open_run(args: Args, run_dir: Path) -> Run:
+    """A new run (store actor creating the store) or the one in `run_dir` resumed."""
     probe = make_env(args.env)
     obs_space, num_actions = probe.observation_space, int(probe.action_space.n)
     probe.close()
-    atari = is_atari(args.env)
-    k = 4 if atari else 1
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.torch_threads)
-    q_network = QNetwork((k, *obs_space.shape), num_actions)
-    target_network = QNetwork((k, *obs_space.shape), num_actions)
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    target_network.load_state_dict(q_network.state_dict())
-    global_step, updates, episodes = 0, 0, {"step": [], "return": []}
+    k = 4 if is_atari(args.env) else 1
+    run = Run(args, run_dir, Learner.create((k, *obs_space.shape), num_actions,
+                                            args.learning_rate))
     create = None
     if args.resume:
         ckpt = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
-        q_network.load_state_dict(ckpt["q_network"])
-        target_network.load_state_dict(ckpt["target_network"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        global_step, updates, episodes = ckpt["global_step"], ckpt["updates"], ckpt["episodes"]
-        tqdm.write(f"resumed at step {global_step} ({updates} updates, {ckpt['transitions']} "
-                   f"transitions committed with the checkpoint)")
+        run.learner.load(ckpt)
+        run.global_step, run.updates = ckpt["global_step"], ckpt["updates"]
+        run.episodes = ckpt["episodes"]
+        tqdm.write(f"resumed at step {run.global_step} ({run.updates} updates, "
+                   f"{ckpt['transitions']} transitions committed with the checkpoint)")
     else:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            if not args.overwrite:
-                raise SystemExit(f"{run_dir} already holds a run: pass --resume or --overwrite")
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        num_envs = args.num_actors * args.envs_per_actor
         create = dict(capacity=args.buffer_size, obs_shape=obs_space.shape,
-                      obs_dtype=obs_space.dtype, num_envs=num_envs, frame_stack=k,
-                      n_step=args.n_step, gamma=args.gamma, seed=args.seed,
+                      obs_dtype=obs_space.dtype, num_envs=args.num_actors * args.envs_per_actor,
+                      frame_stack=k, n_step=args.n_step, gamma=args.gamma, seed=args.seed,
                       sampler="prioritized", alpha=args.alpha)
-    store = start_store_actor(run_dir / "store", create, flush_every_steps=args.flush_every_steps)
-    spec = ray.get(store.spec.remote())
+    run.store = start_store_actor(run_dir / "store", create,
+                                  flush_every_steps=args.flush_every_steps,
+                                  rate_limiter=make_rate_limiter(args))
+    spec = ray.get(run.store.spec.remote())
     if spec.num_envs != args.num_actors * args.envs_per_actor:
-        raise SystemExit(f"the store has {spec.num_envs} envs; the arguments ask for "
+        raise UsageError(f"the store has {spec.num_envs} envs; the arguments ask for "
                          f"{args.num_actors} x {args.envs_per_actor}")
+    return run
 
-    remote_actor = ray.remote(num_cpus=args.actor_cpus)(EnvActor)
-    actors = [remote_actor.remote(args, i, store, list(range(i * args.envs_per_actor,
-                                                             (i + 1) * args.envs_per_actor)))
-              for i in range(args.num_actors)]
-    weights = ray.put({k_: v.clone() for k_, v in q_network.state_dict().items()})
-    running = {a.run.remote(args.actor_steps, weights): a for a in actors}
-    batches: RemoteBatches | None = None
-    acked, sent_bytes = {}, {}
-    start, start_step, start_updates = time.time(), global_step, updates
-    shown = start
-    progress = tqdm(total=args.total_timesteps, initial=global_step, unit="step",
-                    dynamic_ncols=True)
 
-    def checkpoint() -> None:
-        save_checkpoint(run_dir, store, {
-            "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
-            "optimizer": optimizer.state_dict(), "global_step": global_step, "updates": updates,
-            "episodes": episodes, "args": asdict(args)})
+class Feeder:
+    """The env actors' calls in flight. Each call asks for at most what is left of
+    `total_timesteps`, so a run ends where it was asked to (up to one step per env)."""
 
-    while global_step < args.total_timesteps and not stop_signal:
-        # Collect finished actor calls and send them on with the latest weights.
-        learner_due = batches is not None and updates < global_step / args.train_frequency
-        done, _ = ray.wait(list(running), num_returns=1, timeout=0 if learner_due else 0.05)
+    def __init__(self, run: Run) -> None:
+        args = run.args
+        remote_actor = ray.remote(num_cpus=args.actor_cpus)(EnvActor)
+        self.actors = [remote_actor.remote(args, i, run.store,
+                                           list(range(i * args.envs_per_actor,
+                                                      (i + 1) * args.envs_per_actor)))
+                       for i in range(args.num_actors)]
+        self.run, self.running = run, {}
+        self.acked: dict[Any, int] = {}
+        self.sent_bytes: dict[Any, int] = {}
+
+    def submit(self, actor: Any, weights: Any) -> None:
+        in_flight = sum(steps for _, steps in self.running.values())
+        left = self.run.args.total_timesteps - self.run.global_step - in_flight
+        steps = min(self.run.args.actor_steps, left)
+        if steps > 0:
+            self.running[actor.run.remote(steps, weights)] = (actor, steps)
+
+    def collect(self, timeout: float) -> list[tuple[Any, dict[str, Any]]]:
+        """The calls that finished within `timeout` seconds: (actor, report)."""
+        if not self.running:
+            return []
+        done, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
+        out = []
         for ref in done:
-            actor, report = running.pop(ref), ray.get(ref)
-            before, global_step = global_step, global_step + report["steps"]
-            for ret in report["returns"]:
-                episodes["step"].append(global_step)
-                episodes["return"].append(ret)
-            acked[actor], sent_bytes[actor] = report["acked"], report["bytes"]
-            running[actor.run.remote(args.actor_steps, weights)] = actor
-            progress.update(global_step - before)
-            if global_step // args.checkpoint_every > before // args.checkpoint_every:
-                checkpoint()
+            actor, _ = self.running.pop(ref)
+            report = ray.get(ref)
+            self.acked[actor], self.sent_bytes[actor] = report["acked"], report["bytes"]
+            out.append((actor, report))
+        return out
 
-        # Learn, at most one gradient step per `train_frequency` env steps.
-        if batches is None and ray.get(store.counts.remote()).sampleable >= args.learning_starts:
-            batches = RemoteBatches(store, args.batch_size, prefetch=args.prefetch,
-                                    beta=args.beta, compress=args.compress)
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for the calls in flight (their steps are in the store: they count), then for
+        every block to reach the store actor."""
+        reports = [report for _, report in self.collect_all()]
+        ray.get([a.drain.remote() for a in self.actors])
+        return reports
+
+    def collect_all(self) -> list[tuple[Any, dict[str, Any]]]:
+        out = []
+        while self.running:
+            out += self.collect(timeout=60.0)
+        return out
+
+    def bytes_per_step(self) -> float:
+        return sum(self.sent_bytes.values()) / max(sum(self.acked.values()), 1)
+
+
+class Progress:
+    """The tqdm bar; ingest and learn rates, mean return and episodes shown every second
+    and once more at the end."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.start = run, (time.time(), run.global_step, run.updates)
+        self.bar = tqdm(total=run.args.total_timesteps, initial=run.global_step, unit="step",
+                        dynamic_ncols=True)
+        self.shown = self.start[0]
+
+    def show(self, *, force: bool = False) -> None:
+        now, run = time.time(), self.run
+        if not force and now - self.shown < 1.0:
+            return
+        self.shown, elapsed = now, max(now - self.start[0], 1e-9)
+        mean = run.mean_return()
+        self.bar.set_postfix(
+            ingest=f"{(run.global_step - self.start[1]) / elapsed:.0f}/s",
+            learn=f"{(run.updates - self.start[2]) / elapsed:.1f}b/s",
+            ret="n/a" if mean is None else f"{mean:.1f}", episodes=len(run.episodes["return"]),
+            refresh=force)
+
+    def close(self) -> None:
+        self.show(force=True)
+        self.bar.close()
+
+
+def learn(run: Run, batches: RemoteBatches) -> None:
+    """One gradient step on a prefetched batch; priorities go back without waiting. With
+    a rate limiter, a learner ahead of the actors returns without a step."""
+    args, learner = run.args, run.learner
+    batches.beta = linear_schedule(args.beta, 1.0, args.total_timesteps, run.global_step)
+    try:
+        batch = next(batches)
+    except RateLimitTimeoutError:
+        return  # ahead of the actors: hand their finished calls back first
+    batches.update_priorities(batch.ids, learner.update(batch))
+    run.updates += 1
+    if run.updates % args.target_network_frequency == 0:
+        learner.sync_target()
+
+
+def train(run: Run, feeder: Feeder, progress: Progress, stop: StopFlag) -> RemoteBatches | None:
+    """Collect actor calls and learn until `total_timesteps`, a stop signal or
+    `stop_at_return`; at most one gradient step per `train_frequency` env steps."""
+    args = run.args
+    weights = run.weights()
+    for actor in feeder.actors:
+        feeder.submit(actor, weights)
+    batches: RemoteBatches | None = None
+    while run.global_step < args.total_timesteps and not stop:
+        learner_due = batches is not None and (
+            args.samples_per_insert > 0 or run.updates < run.global_step / args.train_frequency)
+        for actor, report in feeder.collect(timeout=0 if learner_due else 0.05):
+            before = run.record(report)
+            feeder.submit(actor, weights)
+            progress.bar.update(run.global_step - before)
+            if crossed(before, run.global_step, args.checkpoint_every):
+                run.checkpoint()
+        if batches is None and ray.get(run.store.counts.remote()).sampleable \
+                >= args.learning_starts:
+            batches = RemoteBatches(run.store, args.batch_size, prefetch=args.prefetch,
+                                    beta=args.beta, compress=args.compress,
+                                    background=args.samples_per_insert <= 0)
         if learner_due:
-            batches.beta = linear_schedule(args.beta, 1.0, args.total_timesteps, global_step)
-            batch = next(batches)
-            with torch.no_grad():
-                next_value = target_network(batch.next_obs).max(1).values
-                td_target = batch.reward + batch.discount * next_value
-            q_value = q_network(batch.obs).gather(1, batch.action.view(-1, 1)).squeeze(1)
-            loss = (batch.weights * F.smooth_l1_loss(q_value, td_target, reduction="none")).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            batches.update_priorities(batch.ids, (td_target - q_value).abs().detach())
-            updates += 1
-            if updates % args.target_network_frequency == 0:
-                target_network.load_state_dict(q_network.state_dict())
-            if updates % args.weight_sync_every == 0:
-                weights = ray.put({k_: v.clone() for k_, v in q_network.state_dict().items()})
-
-        now = time.time()
-        elapsed = max(now - start, 1e-9)
-        recent = episodes["return"][-args.return_window:]
-        mean_return = float(np.mean(recent)) if recent else float("nan")
-        if now - shown >= 1.0:
-            shown = now
-            progress.set_postfix(
-                ingest=f"{(global_step - start_step) / elapsed:.0f}/s",
-                learn=f"{(updates - start_updates) / elapsed:.1f}b/s",
-                ret=f"{mean_return:.1f}", episodes=len(episodes["return"]), refresh=False)
-        if len(recent) >= args.return_window and mean_return >= args.stop_at_return:
+            learn(run, batches)
+            if run.updates % args.weight_sync_every == 0:
+                weights = run.weights()
+        progress.show()
+        mean = run.mean_return()
+        if len(run.episodes["return"]) >= args.return_window and mean is not None \
+                and mean >= args.stop_at_return:
             break
+    return batches
 
+
+def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches | None,
+           interrupted: bool) -> dict[str, Any]:
+    """Count the calls in flight, checkpoint, close the store; returns the summary."""
+    limited = ray.get(run.store.rate_limiter_stats.remote())  # as the learner stops
+    ray.get(run.store.set_rate_limiting.remote(False))  # the learner stops: let actors finish
+    for report in feeder.finish():
+        progress.bar.update(run.global_step - run.record(report))
     progress.close()
-    ray.get([a.drain.remote() for a in actors])
     if batches is not None:
         batches.close()
-    checkpoint()
-    counts = ray.get(store.counts.remote())
+    run.checkpoint()
+    counts = ray.get(run.store.counts.remote())
+    start, start_step, start_updates = progress.start
     wall = time.time() - start
     waits = sorted(batches.waits) if batches is not None else []
     summary = {
-        "env": args.env, "global_step": global_step, "updates": updates,
-        "episodes": len(episodes["return"]),
-        "mean_return": float(np.mean(episodes["return"][-args.return_window:]))
-        if episodes["return"] else None,
-        "ingest_steps_per_second": (global_step - start_step) / wall,
-        "learner_batches_per_second": (updates - start_updates) / wall,
+        "env": run.args.env, "global_step": run.global_step, "updates": run.updates,
+        "episodes": len(run.episodes["return"]), "mean_return": run.mean_return(),
+        "ingest_steps_per_second": (run.global_step - start_step) / wall,
+        "learner_batches_per_second": (run.updates - start_updates) / wall,
         "learner_wait_median_ms": 1e3 * waits[len(waits) // 2] if waits else None,
-        "bytes_per_step": sum(sent_bytes.values()) / max(sum(acked.values()), 1),
-        "epsilons": [apex_epsilon(i, args.num_actors) for i in range(args.num_actors)],
-        "store_transitions": counts.transitions, "interrupted": bool(stop_signal),
-        "wall_seconds": wall,
+        "bytes_per_step": feeder.bytes_per_step(),
+        "epsilons": [apex_epsilon(i, run.args.num_actors) for i in range(run.args.num_actors)],
+        "store_transitions": counts.transitions, "interrupted": interrupted,
+        "wall_seconds": wall, "rate_limiter": limited,
     }
-    ray.get(store.close.remote())
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    tqdm.write(f"stopped at step {global_step}: " + json.dumps(summary))
-    ray.shutdown()
+    ray.get(run.store.close.remote())
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tqdm.write(f"stopped at step {run.global_step}: " + json.dumps(summary))
+    return summary
+
+
+def main() -> int:
+    args = parse_args(Args, description=__doc__)
+    run_dir = prepare_run_dir(  # before Ray starts: a refused run dir costs nothing
+        Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}"),
+        resume=args.resume, overwrite=args.overwrite)
+    stop = StopFlag()
+    on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "
+                                       f"{resume_command(run_dir)}")  # on a second Ctrl-C
+    start_ray(args)
+    try:
+        torch.manual_seed(args.seed)
+        torch.set_num_threads(args.torch_threads)
+        run = open_run(args, run_dir)
+        feeder = Feeder(run)
+        progress = Progress(run)
+        batches = train(run, feeder, progress, stop)
+        finish(run, feeder, progress, batches, bool(stop))
+    finally:
+        ray.shutdown()
+    return stop.exit_status(resume_command(run_dir))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -22,11 +21,12 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 from ale_frames import record_frames
+from common import dir_bytes, parse_args, run_main
 from numpy.lib import format as npy_format
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,17 +48,6 @@ class Args:
     """gzip level of the checkpoint files (Dopamine's GzipFile default is 9)"""
     out: str = "data/bench/datasets.json"
     """where the figures go"""
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default)
-    return Args(**vars(parser.parse_args()))
 
 
 def dopamine_source(game: str, distinct: int) -> dict[str, np.ndarray]:
@@ -136,12 +125,8 @@ def timed_child(args: list[str], env: dict[str, str] | None = None) -> dict[str,
     return {"seconds": round(wall, 1), "peak_rss_mib": round(peak_kib / 1024, 1)}
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-if __name__ == "__main__":
-    args = parse_args()
+def main() -> None:
+    args = parse_args(Args, description=__doc__)
     work = ROOT / args.workdir
     shutil.rmtree(work, ignore_errors=True)
     src = dopamine_source(args.game, args.distinct_frames)
@@ -170,3 +155,7 @@ if __name__ == "__main__":
     Path(ROOT / args.out).parent.mkdir(parents=True, exist_ok=True)
     (ROOT / args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    run_main(main)

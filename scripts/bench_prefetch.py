@@ -11,28 +11,33 @@ prefetch thread draws the next batches beside it. Figures only.
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from ale_frames import record_frames
+from common import QNetwork, parse_args, run_main
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ale_frames import record_frames  # noqa: E402
-
-from mmreplay import ReplayStore  # noqa: E402
+from mmreplay import ReplayStore
 
 
-def nature_cnn(actions: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
-        nn.Linear(512, actions))
+@dataclass
+class Args:
+    frames: int = 100_000
+    """real Breakout frames in the store"""
+    steps: int = 150
+    """timed learner steps per figure"""
+    prefetch: int = 2
+    """batches `store.batches` keeps ready"""
+    threads: int = 1
+    """torch intra-op threads"""
+    seed: int = 0
+    """seed of the recording and the store"""
 
 
 def build_store(path: Path, frames: int, seed: int) -> ReplayStore:
@@ -50,7 +55,7 @@ def build_store(path: Path, frames: int, seed: int) -> ReplayStore:
 
 
 def learner_step(net: nn.Module, opt: torch.optim.Optimizer, batch) -> None:
-    q = net(batch.obs.float() / 255.0).gather(1, batch.action[:, None].clamp(max=3)).squeeze(1)
+    q = net(batch.obs).gather(1, batch.action[:, None].clamp(max=3)).squeeze(1)
     loss = nn.functional.smooth_l1_loss(q, batch.reward)
     opt.zero_grad()
     loss.backward()
@@ -58,18 +63,12 @@ def learner_step(net: nn.Module, opt: torch.optim.Optimizer, batch) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--frames", type=int, default=100_000)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_args(Args, description=__doc__)
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="mmreplay-prefetch-"))
     try:
         store = build_store(root / "store", args.frames, args.seed)
-        net = nature_cnn(4)
+        net = QNetwork((4, 84, 84), 4)
         opt = torch.optim.Adam(net.parameters(), lr=1e-4)
         plain, work = [], []
         for _ in range(args.steps):
@@ -102,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,13 +13,13 @@ amortized re-sorts) and the ratio of medians against cpprb. Figures only, nothin
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from common import parse_args, run_main
 
 from mmreplay.index.samplers import PrioritizedSampler, RankSampler
 
@@ -48,18 +48,6 @@ class Args:
     """if > 0: also time the pair with this many real Breakout frames (4-stacks + next stacks)
     in a prioritized `ReplayStore` and in cpprb's `PrioritizedReplayBuffer` (next_of,
     stack_compress), filled with the same stream"""
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in fields(Args):
-        if isinstance(f.default, bool):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", default=f.default,
-                                action=argparse.BooleanOptionalAction)
-        else:
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default),
-                                default=f.default)
-    return Args(**vars(parser.parse_args()))
 
 
 def time_steps(step: Step, args: Args, rng: np.random.Generator) -> np.ndarray:
@@ -135,7 +123,8 @@ def frame_steps(args: Args, rng: np.random.Generator) -> dict[str, Step]:
     import tempfile
 
     from ale_frames import record_frames
-    from bench import feed, stacked_steps
+    from benchlib.baselines import stacked_steps
+    from benchlib.harness import feed
 
     from mmreplay import ReplayStore
 
@@ -179,7 +168,7 @@ def report(name: str, times: np.ndarray) -> float:
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(Args, description=__doc__)
     rng = np.random.default_rng(args.seed)
     print(f"{args.slots:,} slots, batch {args.batch_size}, {args.reps} reps, "
           f"alpha {args.alpha}, beta {args.beta}")
@@ -209,4 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -14,15 +14,12 @@ All on one local Ray cluster (`num_cpus` CPUs) started once.
 
 from __future__ import annotations
 
-import argparse
-import ast
-import inspect
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +28,7 @@ import ray
 import torch
 import torch.nn as nn
 from ale_frames import record_frames
+from common import parse_args, run_main
 
 from mmreplay import ReplayStore
 from mmreplay.integrations.ray import BlockWriter, RemoteBatches, start_store_actor
@@ -66,17 +64,6 @@ class Args:
     """seed of the recording and the stores"""
     out: str = "data/bench/ray.json"
     """where the figures go (JSON)"""
-
-
-def parse_args() -> Args:
-    body = ast.parse(inspect.getsource(Args)).body[0].body  # type: ignore[attr-defined]
-    docs = {n.target.id: d.value.value for n, d in zip(body, body[1:], strict=False)
-            if isinstance(n, ast.AnnAssign) and isinstance(d, ast.Expr)}
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in fields(Args):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default, help=f"{docs.get(f.name)} (default: {f.default})")
-    return Args(**vars(parser.parse_args()))
 
 
 def env_rows(rec: Any, num_envs: int, rows: int) -> dict[str, np.ndarray]:
@@ -264,7 +251,7 @@ def learner_rows(path: Path, batch: int, train: bool, args: Args) -> dict[str, A
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(Args, description=__doc__)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     rec = record_frames(args.game, args.distinct_frames, args.seed)
     rows = env_rows(rec, args.num_envs, args.steps // args.num_envs + 1)
@@ -297,4 +284,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

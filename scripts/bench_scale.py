@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ale_frames import CACHE_DIR, AleFrames, record_frames
-from bench import (
-    bench_disk,
-    build_parser,
+from benchlib.core import bench_disk
+from benchlib.harness import (
     evict,
     feed_timed,
     latency_ms,
@@ -37,6 +36,7 @@ from bench import (
     steady_malloc,
     write_json,
 )
+from common import parse_args, run_main
 
 from mmreplay import ReplayStore
 
@@ -68,7 +68,7 @@ class Args:
     cache_dir: str = str(CACHE_DIR)
     """where recorded frames are cached as .npz"""
     steady_malloc: bool = True
-    """pin glibc's mmap/trim thresholds, as bench.py does (see bench.steady_malloc)"""
+    """pin glibc's mmap/trim thresholds, as bench.py does (see benchlib.harness.steady_malloc)"""
 
 
 def fill(store: ReplayStore, rec: AleFrames, args: Args) -> dict[str, Any]:
@@ -159,7 +159,7 @@ def print_report(result: dict[str, Any], args: Args) -> None:
 
 
 def main() -> None:
-    args = Args(**vars(build_parser(Args, __doc__.splitlines()[0]).parse_args()))
+    args = parse_args(Args, description=__doc__)
     malloc = steady_malloc() if args.steady_malloc else "unchanged (--no-steady-malloc)"
     start = time.perf_counter()
     rec = record_frames(args.game, args.distinct_frames, args.seed, cache_dir=args.cache_dir,
@@ -180,4 +180,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

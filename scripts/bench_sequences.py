@@ -28,8 +28,7 @@ from typing import Any
 
 import numpy as np
 from ale_frames import CACHE_DIR, AleFrames, record_frames
-from bench import (
-    build_parser,
+from benchlib.harness import (
     feed_timed,
     latency_ms,
     machine_info,
@@ -38,6 +37,7 @@ from bench import (
     new_store,
     write_json,
 )
+from common import parse_args, run_main
 
 from mmreplay import ReplayStore
 
@@ -72,11 +72,6 @@ class Args:
     """where to build the stores (removed at the end); empty: a temp dir"""
     reuse_buffers: bool = True
     """let batches reuse freed frame buffers (--no-reuse-buffers: a fresh array each batch)"""
-
-
-def parse_args() -> Args:
-    ns = build_parser(Args, __doc__ or "").parse_args()
-    return Args(**vars(ns))
 
 
 class CountingReads:
@@ -172,7 +167,7 @@ def bench_torchrl(rec: AleFrames, args: Args, root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(Args, description=__doc__)
     rec = record_frames(args.game, args.distinct_frames, seed=args.seed,
                         cache_dir=args.cache_dir, progress=True)
     root = Path(tempfile.mkdtemp(prefix="bench_seq_", dir=args.work_dir or None))
@@ -190,4 +185,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -9,11 +9,6 @@ stacking: the store keeps every frame once and stacks 4 of them when it samples.
 
 from __future__ import annotations
 
-import argparse
-import ast
-import inspect
-import shutil
-import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -21,7 +16,17 @@ from pathlib import Path
 import ale_py
 import gymnasium as gym
 import numpy as np
-from gymnasium.wrappers import AtariPreprocessing
+from common import (
+    UsageError,
+    dir_blocks,
+    dir_bytes,
+    holds_run,
+    make_env,
+    on_interrupt,
+    parse_args,
+    prepare_run_dir,
+    run_main,
+)
 from tqdm import tqdm
 
 from mmreplay import ReplayStore
@@ -46,62 +51,28 @@ class Args:
     """replace `out` if it already holds a store"""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, for `--help`."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-    return {
-        node.target.id: doc.value.value
-        for node, doc in zip(body, body[1:], strict=False)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-        and isinstance(doc.value.value, str)
-    }
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    docs = field_docs(Args)
-    for f in fields(Args):
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=docs.get(f.name))
-        else:
-            parser.add_argument(flag, type=type(default), default=default,
-                                help=f"{docs.get(f.name)} (default: {default})")
-    return Args(**vars(parser.parse_args()))
-
-
-def make_env(game: str) -> gym.Env:
-    env = gym.make(game, frameskip=1)
-    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)
-
-
-def dir_bytes(path: Path) -> tuple[int, int]:
-    """Bytes under `path`: the files' sizes, and the filesystem blocks of files and folders."""
-    paths = list(path.rglob("*"))
-    files = sum(p.stat().st_size for p in paths if p.is_file())
-    return files, sum(p.stat().st_blocks * 512 for p in paths)
-
-
-if __name__ == "__main__":
-    args = parse_args()
+def prepare_out(args: Args) -> Path:
+    """`out` free for a new store: refused if it holds something, unless --overwrite and
+    it is a store (a directory that is not one is never deleted)."""
     out = Path(args.out)
-    if out.exists():
-        if not args.overwrite:
-            sys.exit(f"{out} already exists; pass --overwrite to replace it")
-        if not (out / "zarr.json").exists():
-            sys.exit(f"{out} does not look like a store (no zarr.json); not deleting it")
-        shutil.rmtree(out)
+    if holds_run(out) and args.overwrite and not (out / "zarr.json").exists():
+        raise UsageError(f"{out} does not look like a store (no zarr.json); not deleting it")
+    prepare_run_dir(out, overwrite=args.overwrite, resumable=False)
+    out.rmdir()  # ReplayStore.create makes it
+    return out
 
+
+def record(args: Args, out: Path) -> None:
+    """`steps` random-policy steps into a new store at `out`, flushed and closed."""
     env = make_env(args.game)
-    rng = np.random.default_rng(args.seed)
     if not isinstance(env.action_space, gym.spaces.Discrete):
-        sys.exit(f"{args.game} has action space {env.action_space}; expected a Discrete one")
+        raise UsageError(f"{args.game} has action space {env.action_space}; "
+                         f"expected a Discrete one")
+    rng = np.random.default_rng(args.seed)
     num_actions = int(env.action_space.n)
-    store = ReplayStore.create(out, capacity=args.capacity, obs_shape=(84, 84), obs_dtype=np.uint8,
-                               frame_stack=4, seed=args.seed)
-
+    store = ReplayStore.create(out, capacity=args.capacity, obs_shape=(84, 84),
+                               obs_dtype=np.uint8, frame_stack=4, seed=args.seed)
+    on_interrupt(store.close, message=f"{out} keeps the steps recorded so far")
     # Random policy; a single env has no autoreset, so a finished episode is reset by hand and
     # its first observation handed to the store with `reset`.
     start = time.perf_counter()
@@ -126,11 +97,14 @@ if __name__ == "__main__":
     print(f"recorded {args.steps} steps in {elapsed:.1f} s ({args.steps / elapsed:.0f} steps/s), "
           f"{len(returns)} finished episodes, mean return {mean_return}")
 
-    # Reopen read-only, as a learner would, and report what is on disk.
+
+def describe(out: Path) -> None:
+    """Reopen read-only, as a learner would, and report what is on disk."""
     with ReplayStore.open(out, mode="r") as store:
         counts = store.counts
         raw_bytes = counts.frames_kept * store.spec.frame_bytes
-        (total_bytes, total_blocks), chunk_bytes = dir_bytes(out), dir_bytes(out / "frames")[0]
+        total_bytes, total_blocks = dir_bytes(out), dir_blocks(out)
+        chunk_bytes = dir_bytes(out / "frames")
         print(f"store        {out}")
         print(f"frames       {counts.frames_kept} kept, {counts.frames_written} written "
               f"(capacity {store.spec.capacity})")
@@ -148,3 +122,14 @@ if __name__ == "__main__":
             if f.name == "extras":
                 continue  # this store declares none
             print(f"  {f.name:<11} {str(tuple(value.shape)):<20} {value.dtype}")
+
+
+def main() -> None:
+    args = parse_args(Args, description=__doc__)
+    out = prepare_out(args)
+    record(args, out)
+    describe(out)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -2,7 +2,7 @@
 
     python scripts/sb3_dqn.py --env-id CartPole-v1 --buffer mmreplay --seed 1
     python scripts/sb3_dqn.py --env-id CartPole-v1 --buffer sb3 --algo qrdqn --seed 1
-    python scripts/sb3_dqn.py --env-id BreakoutNoFrameskip-v4 --buffer-size 1000000 \
+    python scripts/sb3_dqn.py --env-id BreakoutNoFrameskip-v4 --buffer-size 1000000 \\
         --total-timesteps 50000 --checkpoint-every 10000
     python scripts/sb3_dqn.py ... --resume          # continue from the newest checkpoint
 
@@ -15,16 +15,15 @@ buffer size) to ``<run-dir>/result.json`` and stdout.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import UsageError, on_interrupt, parse_args, prepare_run_dir, resume_command, run_main
 
 
 @dataclass
@@ -53,6 +52,8 @@ class Args:
     """CheckpointCallback(save_replay_buffer=True) every this many steps; 0: none"""
     resume: bool = False
     """continue from the newest checkpoint in run_dir/checkpoints"""
+    overwrite: bool = False
+    """delete `run_dir` first if it already holds a run (without `--resume`)"""
     eval_episodes: int = 10
     """deterministic evaluation episodes at the end (0: skip)"""
     device: str = "cpu"
@@ -74,75 +75,69 @@ ZOO: dict[str, dict[str, Any]] = {
 QRDQN_EXTRA = {"CartPole-v1": dict(n_quantiles=10), "atari": {}}
 
 
-def parse_args(argv: list[str]) -> Args:
-    args, fields = Args(), {f.name: f for f in dataclasses.fields(Args)}
-    it = iter(argv)
-    for flag in it:
-        name = flag.removeprefix("--").replace("-", "_")
-        if name not in fields:
-            raise SystemExit(f"unknown flag {flag}; flags: {sorted(fields)}")
-        if fields[name].type == "bool":
-            setattr(args, name, True)
-            continue
-        kind = int if "int" in str(fields[name].type) else str
-        setattr(args, name, kind(next(it)))
-    return args
-
-
-def main(argv: list[str]) -> dict[str, Any]:
-    args = parse_args(argv)
+def hyperparameters(args: Args, atari: bool) -> tuple[Any, dict[str, Any], int]:
+    """(algorithm class, its keyword arguments, total timesteps): zoo's, overridden by flags."""
     from stable_baselines3 import DQN
-    from stable_baselines3.common.callbacks import CheckpointCallback
-    from stable_baselines3.common.env_util import make_atari_env, make_vec_env
-    from stable_baselines3.common.evaluation import evaluate_policy
-    from stable_baselines3.common.vec_env import VecFrameStack
 
-    from mmreplay.sb3 import FrameOnceReplayBuffer
-
-    atari = "NoFrameskip" in args.env_id
     hp = dict(ZOO["atari" if atari else args.env_id])
     total = args.total_timesteps or hp.pop("n_timesteps")
     hp.pop("n_timesteps", None)
     for name in ("buffer_size", "learning_starts"):
         if getattr(args, name) is not None:
             hp[name] = getattr(args, name)
-    algo_cls: Any = DQN
-    if args.algo == "qrdqn":
-        from sb3_contrib import QRDQN
-        algo_cls = QRDQN
-        hp["policy_kwargs"] = {**hp.get("policy_kwargs", {}),
-                               **QRDQN_EXTRA["atari" if atari else args.env_id]}
-    if atari:
-        import ale_py
-        import gymnasium as gym
+    hp["n_steps"] = args.n_steps
+    if args.algo == "dqn":
+        return DQN, hp, total
+    from sb3_contrib import QRDQN
 
-        gym.register_envs(ale_py)
-        env = VecFrameStack(make_atari_env(args.env_id, n_envs=args.n_envs, seed=args.seed),
-                            n_stack=4)
-    else:
-        env = make_vec_env(args.env_id, n_envs=args.n_envs, seed=args.seed)
-    run = Path(args.run_dir)
-    run.mkdir(parents=True, exist_ok=True)
+    hp["policy_kwargs"] = {**hp.get("policy_kwargs", {}),
+                           **QRDQN_EXTRA["atari" if atari else args.env_id]}
+    return QRDQN, hp, total
+
+
+def make_vec_envs(args: Args, atari: bool) -> Any:
+    """`n_envs` envs: Atari through `make_atari_env` + 4 stacked frames, others as they are."""
+    from stable_baselines3.common.env_util import make_atari_env, make_vec_env
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    if not atari:
+        return make_vec_env(args.env_id, n_envs=args.n_envs, seed=args.seed)
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    return VecFrameStack(make_atari_env(args.env_id, n_envs=args.n_envs, seed=args.seed),
+                         n_stack=4)
+
+
+def build_model(args: Args, run: Path, atari: bool) -> tuple[Any, int, int]:
+    """(the model, new or resumed, the steps it has done, the steps to reach)."""
+    from mmreplay.sb3 import FrameOnceReplayBuffer
+
+    algo_cls, hp, total = hyperparameters(args, atari)
     if args.buffer == "mmreplay":
         hp["replay_buffer_class"] = FrameOnceReplayBuffer
         hp["replay_buffer_kwargs"] = dict(path=str(run / "store"), frame_stack=4 if atari else 1)
-    hp["n_steps"] = args.n_steps
-
-    callbacks = []
-    if args.checkpoint_every:
-        callbacks.append(CheckpointCallback(max(args.checkpoint_every // args.n_envs, 1),
-                                            str(run / "checkpoints"), save_replay_buffer=True))
+    env = make_vec_envs(args, atari)
     if args.resume:
         model, done_steps = resume(algo_cls, run / "checkpoints", env, args.device)
     else:
         model = algo_cls(hp.pop("policy"), env, seed=args.seed, device=args.device, **hp)
         done_steps = 0
-    start = time.perf_counter()
-    model.learn(total - done_steps, callback=callbacks, reset_num_timesteps=not args.resume)
-    wall = time.perf_counter() - start
+    if isinstance(model.replay_buffer, FrameOnceReplayBuffer):
+        hint = (f"to continue from the last checkpoint: {resume_command(run)}"
+                if args.checkpoint_every else "no checkpoint was asked for (--checkpoint-every)")
+        on_interrupt(model.replay_buffer.close, message=hint)
+    return model, done_steps, total
+
+
+def report(args: Args, model: Any, done_steps: int, wall: float) -> dict[str, Any]:
+    """The run's figures, evaluated with `eval_episodes` deterministic episodes."""
+    from stable_baselines3.common.evaluation import evaluate_policy
+
     result = dict(
         env_id=args.env_id, algo=args.algo, buffer=args.buffer, seed=args.seed,
-        n_envs=args.n_envs, n_steps=args.n_steps, buffer_size=hp.get("buffer_size"),
+        n_envs=args.n_envs, n_steps=args.n_steps, buffer_size=int(model.buffer_size),
         timesteps=int(model.num_timesteps), resumed_from=done_steps,
         steps_per_second=round((model.num_timesteps - done_steps) / wall, 1),
         peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
@@ -151,6 +146,27 @@ def main(argv: list[str]) -> dict[str, Any]:
     if args.eval_episodes:
         mean, std = evaluate_policy(model, model.get_env(), n_eval_episodes=args.eval_episodes)
         result.update(eval_return=round(float(mean), 2), eval_return_std=round(float(std), 2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(Args, argv, description=__doc__)
+    if args.algo not in ("dqn", "qrdqn") or args.buffer not in ("mmreplay", "sb3"):
+        raise UsageError(f"--algo must be dqn or qrdqn and --buffer mmreplay or sb3, "
+                         f"not {args.algo!r} and {args.buffer!r}")
+    from stable_baselines3.common.callbacks import CheckpointCallback
+
+    from mmreplay.sb3 import FrameOnceReplayBuffer
+
+    run = prepare_run_dir(Path(args.run_dir), resume=args.resume, overwrite=args.overwrite)
+    model, done_steps, total = build_model(args, run, "NoFrameskip" in args.env_id)
+    callbacks = []
+    if args.checkpoint_every:
+        callbacks.append(CheckpointCallback(max(args.checkpoint_every // args.n_envs, 1),
+                                            str(run / "checkpoints"), save_replay_buffer=True))
+    start = time.perf_counter()
+    model.learn(total - done_steps, callback=callbacks, reset_num_timesteps=not args.resume)
+    result = report(args, model, done_steps, time.perf_counter() - start)
     if isinstance(model.replay_buffer, FrameOnceReplayBuffer):
         model.replay_buffer.close()
     (run / "result.json").write_text(json.dumps(result) + "\n")
@@ -167,7 +183,7 @@ def resume(algo_cls: Any, checkpoints: Path, env: Any, device: str) -> tuple[Any
     steps = sorted(int(p.stem.split("_")[2]) for p in checkpoints.glob("rl_model_*_steps.zip"))
     steps = [s for s in steps if (checkpoints / f"rl_model_replay_buffer_{s}_steps.pkl").exists()]
     if not steps:
-        raise SystemExit(f"no checkpoint with a replay buffer in {checkpoints}")
+        raise UsageError(f"no checkpoint with a replay buffer in {checkpoints}")
     model = algo_cls.load(checkpoints / f"rl_model_{steps[-1]}_steps.zip", env=env, device=device)
     model.load_replay_buffer(checkpoints / f"rl_model_replay_buffer_{steps[-1]}_steps.pkl")
     steps = steps[-1:]
@@ -181,4 +197,4 @@ def _mean(values: list[float]) -> float | None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import parse_args, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 BUFFERS = ("mmreplay", "sb3")
@@ -44,25 +45,14 @@ class Args:
     """the JSON written at the end"""
 
 
-def parse_args(argv: list[str]) -> Args:
-    args = Args()
-    it = iter(argv)
-    for flag in it:
-        name = flag.removeprefix("--").replace("-", "_")
-        if not hasattr(args, name):
-            raise SystemExit(f"unknown flag {flag}")
-        kind = type(getattr(args, name))
-        setattr(args, name, kind(next(it)))
-    return args
-
-
 def run_one(args: Args, algo: str, buffer: str, seed: int) -> dict[str, Any]:
     run_dir = Path(args.run_root) / f"{algo}-{buffer}-{seed}"
     result = run_dir / "result.json"
     if not result.exists():
         cmd = [sys.executable, str(ROOT / "scripts" / "sb3_dqn.py"), "--algo", algo,
                "--buffer", buffer, "--seed", str(seed), "--env-id", args.env_id,
-               "--run-dir", str(run_dir), "--eval-episodes", "10"]
+               "--run-dir", str(run_dir), "--eval-episodes", "10",
+               "--overwrite"]  # no result.json: whatever is there is an unfinished run
         if args.total_timesteps:
             cmd += ["--total-timesteps", str(args.total_timesteps)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -88,8 +78,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str]) -> dict[str, Any]:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(Args, argv, description=__doc__)
     algos = args.algos.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     todo = [(a, b, s) for a in algos for s in seeds for b in BUFFERS]
@@ -109,4 +100,4 @@ def main(argv: list[str]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

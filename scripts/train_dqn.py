@@ -2,8 +2,8 @@
 
     python scripts/train_dqn.py             # 20k-step Breakout demo: ~5 min on 2 busy CPU cores
     python scripts/train_dqn.py --resume    # continue runs/ALE-Breakout-v5-0 from its checkpoint
-    python scripts/train_dqn.py --env CartPole-v1 --learning-rate 1e-3 --buffer-size 10000 \
-        --target-network-frequency 500 --batch-size 64 --n-step 3 --exploration-fraction 0.1 \
+    python scripts/train_dqn.py --env CartPole-v1 --learning-rate 1e-3 --buffer-size 10000 \\
+        --target-network-frequency 500 --batch-size 64 --n-step 3 --exploration-fraction 0.1 \\
         --end-e 0.05 --learning-starts 1000 --total-timesteps 100000 --stop-at-return 195
 
 (the CartPole line solves it, a mean return >= 195 over 20 episodes, in 9k-26k steps for seeds
@@ -33,17 +33,12 @@ file, which is then promoted.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import csv
-import inspect
 import json
 import os
 import pickle
-import shutil
-import signal
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +47,27 @@ import gymnasium as gym
 import matplotlib
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from gymnasium.wrappers import AtariPreprocessing
+from common import (
+    Learner,
+    QNetwork,
+    StopFlag,
+    UsageError,
+    crossed,
+    dir_bytes,
+    is_atari,
+    linear_schedule,
+    make_env,
+    on_interrupt,
+    parse_args,
+    prepare_run_dir,
+    push_frames,
+    resume_command,
+    run_main,
+)
 from tqdm import tqdm
 
 from mmreplay import ReplayStore
+from mmreplay.lifecycle import untrack
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the Agg backend)
@@ -122,101 +132,10 @@ class Args:
     """seconds between updates of the progress bar's episodes, return and rate"""
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field, for `--help`."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-    return {
-        node.target.id: str(doc.value.value)
-        for node, doc in zip(body, body[1:], strict=False)
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-    }
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    docs = field_docs(Args)
-    for f in fields(Args):
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=docs.get(f.name))
-        else:
-            parser.add_argument(flag, type=type(default), default=default,
-                                help=f"{docs.get(f.name)} (default: {default})")
-    return Args(**vars(parser.parse_args()))
-
-
-def is_atari(env_id: str) -> bool:
-    return "ale_py" in str(gym.spec(env_id).entry_point)
-
-
-def make_env(env_id: str) -> gym.Env:
-    if not is_atari(env_id):
-        return gym.make(env_id)
-    env = gym.make(env_id, frameskip=1)
-    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
-                              terminal_on_life_loss=False, grayscale_obs=True)
-
-
-class QNetwork(nn.Module):
-    """Nature CNN for (stack, 84, 84) uint8 frames; a small MLP for flat vector observations."""
-
-    def __init__(self, obs_shape: tuple[int, ...], num_actions: int) -> None:
-        super().__init__()
-        self.pixels = len(obs_shape) == 3
-        if self.pixels:
-            self.network = nn.Sequential(
-                nn.Conv2d(obs_shape[0], 32, 8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
-                nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(),
-                nn.Linear(512, num_actions),
-            )
-        else:
-            self.network = nn.Sequential(
-                nn.Flatten(), nn.Linear(int(np.prod(obs_shape)), 120), nn.ReLU(),
-                nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_actions),
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float() / 255.0 if self.pixels else x.float()
-        return self.network(x)
-
-
-def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
-    slope = (end - start) / max(duration, 1.0)
-    return max(slope * t + start, end) if end < start else min(slope * t + start, end)
-
-
-def crossed(before: int, now: int, every: int) -> int:
-    """How many multiples of `every` lie in (before, now]."""
-    return now // every - before // every
-
-
-def push_frames(stack: np.ndarray, frames: np.ndarray, fresh: np.ndarray) -> None:
-    """Shift each env's last-k frames left and append its new frame; `fresh` envs restart
-    from zeros, the way the store pads stacks at an episode's start (stack_padding="zero")."""
-    stack[fresh] = 0
-    stack[:, :-1] = stack[:, 1:]
-    stack[:, -1] = frames
-
-
 def for_store(obs: np.ndarray) -> np.ndarray:
     """Vector-env observations as `store.reset`/`add` take them: a store with one env takes
     one unbatched observation (its actions, rewards and flags may keep the env dimension)."""
     return obs[0] if obs.shape[0] == 1 else obs
-
-
-def dir_bytes(path: Path) -> int:
-    """Sum of the sizes of the files under `path`."""
-    total = 0
-    for entry in os.scandir(path):
-        if entry.is_dir(follow_symlinks=False):
-            total += dir_bytes(Path(entry.path))
-        elif entry.is_file(follow_symlinks=False):
-            total += entry.stat(follow_symlinks=False).st_size
-    return total
 
 
 def save_checkpoint(run_dir: Path, store: ReplayStore, state: dict[str, Any]) -> None:
@@ -274,180 +193,219 @@ def mean_recent(episodes: dict[str, list[Any]], window: int) -> float:
     return float(np.mean(recent)) if recent else float("nan")
 
 
-def main() -> None:
-    args = parse_args()
-    run_dir = Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-{args.seed}")
-    store_dir = run_dir / "store"
-    atari = is_atari(args.env)
-    frame_stack = 4 if atari else 1
+@dataclass
+class Run:
+    """What a run carries between steps and into its checkpoints."""
 
-    # SIGINT/SIGTERM only raise a flag, read between steps: an interrupt landing inside
-    # `store.add` would leave a half-recorded step for the final checkpoint to commit.
-    stop_signal: list[int] = []
+    args: Args
+    run_dir: Path
+    store: ReplayStore
+    learner: Learner
+    episodes: dict[str, list[Any]] = field(
+        default_factory=lambda: {"step": [], "return": [], "length": []})
+    global_step: int = 0
+    saved_at: int = -1
 
-    def request_stop(signum: int, _frame: object) -> None:
-        stop_signal.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C is hard
+    def __post_init__(self) -> None:
+        # The store commits only together with a checkpoint (two-phase, `save_checkpoint`):
+        # an exit flush of steps past the last checkpoint would leave a store no checkpoint
+        # matches, so this run, not the library's exit hook, decides when the store commits.
+        untrack(self.store)
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    def checkpoint(self) -> None:
+        self.saved_at = self.global_step
+        save_checkpoint(self.run_dir, self.store, {
+            **self.learner.state(), "global_step": self.global_step,
+            "episodes": self.episodes, "args": asdict(self.args)})
+        write_logs(self.run_dir, self.episodes, self.args.return_window)
 
+    def recent_return(self) -> float:
+        return mean_recent(self.episodes, self.args.return_window)
+
+
+def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
     envs = gym.vector.SyncVectorEnv([lambda: make_env(args.env) for _ in range(args.num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
     if not isinstance(envs.single_action_space, gym.spaces.Discrete):
-        raise SystemExit(f"DQN needs discrete actions; {args.env} has {envs.single_action_space}")
+        envs.close()
+        raise UsageError(f"DQN needs discrete actions; {args.env} has "
+                         f"{envs.single_action_space}")
+    return envs
+
+
+def open_run(args: Args, run_dir: Path, envs: gym.vector.SyncVectorEnv, frame_stack: int) -> Run:
+    """A new run (store created, checkpoint at step 0) or the one in `run_dir` resumed."""
     obs_space = envs.single_observation_space
     obs_shape: tuple[int, ...] = obs_space.shape or ()
-    num_actions = int(envs.single_action_space.n)
+    learner = Learner.create((frame_stack, *obs_shape), int(envs.single_action_space.n),
+                             args.learning_rate)
+    sampler = "prioritized" if args.prioritized else "uniform"
+    if not args.resume:
+        store = ReplayStore.create(
+            run_dir / "store", capacity=args.buffer_size, obs_shape=obs_shape,
+            obs_dtype=obs_space.dtype, num_envs=args.num_envs, frame_stack=frame_stack,
+            n_step=args.n_step, gamma=args.gamma, seed=args.seed, sampler=sampler,
+            alpha=args.alpha)
+        run = Run(args, run_dir, store, learner)
+        run.checkpoint()  # step 0: a run directory is always resumable
+        return run
+    store = ReplayStore.open(run_dir / "store")
+    spec, want = store.spec, (args.num_envs, frame_stack, args.n_step, args.gamma, sampler)
+    have = (spec.num_envs, spec.frame_stack, spec.n_step, spec.gamma, spec.sampler)
+    if have != want:
+        store.close()
+        raise UsageError(f"store (num_envs, frame_stack, n_step, gamma, sampler) = {have} "
+                         f"but the arguments ask for {want}")
+    ckpt = load_checkpoint(run_dir, store.counts.transitions)
+    learner.load(ckpt)
+    tqdm.write(f"resumed at step {ckpt['global_step']} with {ckpt['transitions']} transitions "
+               f"in the store")
+    return Run(args, run_dir, store, learner, ckpt["episodes"], int(ckpt["global_step"]),
+               int(ckpt["global_step"]))
 
+
+class Actors:
+    """The vector env and, per env, the agent's own stack of its last frames and the running
+    episode's return and length. Envs restart fresh (on resume too: `store.reset` ends the
+    episodes the last checkpoint left running as truncated); seeds move with the step."""
+
+    def __init__(self, envs: gym.vector.SyncVectorEnv, run: Run, frame_stack: int) -> None:
+        n, space = run.args.num_envs, envs.single_observation_space
+        self.envs, self.atari = envs, is_atari(run.args.env)
+        self.num_actions = int(envs.single_action_space.n)
+        self.rng = np.random.default_rng([run.args.seed, run.global_step])
+        obs, _ = envs.reset(seed=run.args.seed + run.global_step)
+        run.store.reset(for_store(obs))
+        self.stack = np.zeros((n, frame_stack, *(space.shape or ())), dtype=space.dtype)
+        push_frames(self.stack, obs, np.ones(n, dtype=bool))
+        self.autoreset = np.zeros(n, dtype=bool)
+        self.ep_return, self.ep_length = np.zeros(n), np.zeros(n, dtype=np.int64)
+
+    def step(self, q: QNetwork, store: ReplayStore, epsilon: float) -> list[tuple[float, int]]:
+        """One epsilon-greedy step of every env, recorded; (return, length) of each episode
+        that ended. Envs flagged `autoreset` ignore the action and return a new o_0."""
+        n = len(self.autoreset)
+        with torch.no_grad():
+            greedy = q(torch.from_numpy(self.stack)).argmax(1).numpy()
+        explore = self.rng.random(n) < epsilon
+        actions = np.where(explore, self.rng.integers(self.num_actions, size=n), greedy)
+        next_obs, rewards, terminated, truncated, _ = self.envs.step(actions)
+        stored_rewards = np.sign(rewards) if self.atari else rewards  # returns stay unclipped
+        store.add(actions, stored_rewards, for_store(next_obs), terminated, truncated,
+                  autoreset=self.autoreset)
+        push_frames(self.stack, next_obs, self.autoreset)
+        self.ep_return += np.where(self.autoreset, 0.0, rewards)
+        self.ep_length += ~self.autoreset
+        done = terminated | truncated
+        ended = [(float(self.ep_return[i]), int(self.ep_length[i])) for i in np.flatnonzero(done)]
+        self.ep_return[done], self.ep_length[done] = 0.0, 0
+        self.autoreset = done
+        return ended
+
+
+class Progress:
+    """The tqdm bar; its postfix (episodes, return, epsilon, rate, disk) is shown every
+    `every` seconds from step 0, the disk figure rescanned at most every 10 s."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.every = run, run.args.progress_every
+        self.bar = tqdm(total=run.args.total_timesteps, initial=run.global_step, unit="step",
+                        dynamic_ncols=True)
+        self.shown = (time.time(), run.global_step)
+        self.disk_at, self.disk_mib = 0.0, 0.0
+
+    def update(self, steps: int, epsilon: float) -> None:
+        self.bar.update(steps)
+        now, step = time.time(), self.run.global_step
+        if now - self.shown[0] < self.every:
+            return
+        if now - self.disk_at >= 10.0:  # scanning a big store's files takes a while
+            self.disk_at, self.disk_mib = now, dir_bytes(self.run.run_dir / "store") / 2**20
+        self.bar.set_postfix(
+            episodes=len(self.run.episodes["return"]), ret=f"{self.run.recent_return():.1f}",
+            eps=f"{epsilon:.2f}", sps=int((step - self.shown[1]) / max(now - self.shown[0], 1e-9)),
+            disk=f"{self.disk_mib:.1f}MiB", refresh=False)
+        self.shown = (now, step)
+
+
+def train(run: Run, actors: Actors, stop: StopFlag) -> int | None:
+    """Act, record and learn until `total_timesteps`, a stop signal or `stop_at_return`;
+    returns the step at which `stop_at_return` was reached, if it was."""
+    args, learner = run.args, run.learner
+    progress = Progress(run)
+    while run.global_step < args.total_timesteps and not stop:
+        epsilon = linear_schedule(args.start_e, args.end_e,
+                                  args.exploration_fraction * args.total_timesteps,
+                                  run.global_step)
+        ended = actors.step(learner.q, run.store, epsilon)
+        before = run.global_step
+        run.global_step += args.num_envs
+        for ret, length in ended:
+            run.episodes["step"].append(run.global_step)
+            run.episodes["return"].append(ret)
+            run.episodes["length"].append(length)
+        if run.global_step > args.learning_starts:
+            beta = linear_schedule(args.beta, 1.0, args.total_timesteps, run.global_step)
+            for _ in range(crossed(before, run.global_step, args.train_frequency)):
+                batch = run.store.sample(args.batch_size, beta=beta)
+                td_error = learner.update(batch)
+                if args.prioritized:
+                    run.store.update_priorities(batch.ids, td_error.numpy())
+            if crossed(before, run.global_step, args.target_network_frequency):
+                learner.sync_target()
+        if crossed(before, run.global_step, args.checkpoint_every):
+            run.checkpoint()
+        progress.update(run.global_step - before, epsilon)
+        if len(run.episodes["return"]) >= args.return_window \
+                and run.recent_return() >= args.stop_at_return:
+            progress.bar.close()
+            return run.global_step
+    progress.bar.close()
+    return None
+
+
+def finish(run: Run, solved_at: int | None, interrupted: bool, started: tuple[float, int]
+           ) -> dict[str, Any]:
+    """The last checkpoint, the store closed, summary.json written; returns the summary."""
+    if run.saved_at != run.global_step:
+        run.checkpoint()
+    wall = time.time() - started[0]
+    store_dir = run.run_dir / "store"
+    summary = {
+        "env": run.args.env, "seed": run.args.seed, "global_step": run.global_step,
+        "episodes": len(run.episodes["return"]), "mean_return": run.recent_return(),
+        "solved_at_step": solved_at, "interrupted": interrupted, "wall_seconds": wall,
+        "steps_per_second": (run.global_step - started[1]) / max(wall, 1e-9),
+        "store_bytes": dir_bytes(store_dir), "store_transitions": run.store.counts.transitions,
+    }
+    run.store.close()
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tqdm.write(f"stopped at step {run.global_step}: " + json.dumps(summary))
+    return summary
+
+
+def main() -> int:
+    args = parse_args(Args, description=__doc__)
+    frame_stack = 4 if is_atari(args.env) else 1
+    run_dir = prepare_run_dir(Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-"
+                                   f"{args.seed}"), resume=args.resume, overwrite=args.overwrite)
+    stop = StopFlag()
     torch.manual_seed(args.seed)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    q_network = QNetwork((frame_stack, *obs_shape), num_actions)
-    target_network = QNetwork((frame_stack, *obs_shape), num_actions)
-    optimizer = torch.optim.Adam(q_network.parameters(), lr=args.learning_rate)
-    target_network.load_state_dict(q_network.state_dict())
-    episodes: dict[str, list[Any]] = {"step": [], "return": [], "length": []}
-    global_step, saved_at = 0, -1
-
-    if args.resume:
-        store = ReplayStore.open(store_dir)
-        spec = store.spec
-        want = (args.num_envs, frame_stack, args.n_step, args.gamma,
-                "prioritized" if args.prioritized else "uniform")
-        have = (spec.num_envs, spec.frame_stack, spec.n_step, spec.gamma, spec.sampler)
-        if have != want:
-            raise SystemExit(f"store (num_envs, frame_stack, n_step, gamma, sampler) = {have} "
-                             f"but the arguments ask for {want}")
-        ckpt = load_checkpoint(run_dir, store.counts.transitions)
-        q_network.load_state_dict(ckpt["q_network"])
-        target_network.load_state_dict(ckpt["target_network"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        episodes = ckpt["episodes"]
-        global_step = int(ckpt["global_step"])
-        tqdm.write(f"resumed at step {global_step} with {ckpt['transitions']} transitions "
-                   f"in the store")
-    else:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            if not args.overwrite:
-                raise SystemExit(f"{run_dir} already holds a run: pass --resume or --overwrite")
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        store = ReplayStore.create(
-            store_dir, capacity=args.buffer_size, obs_shape=obs_shape,
-            obs_dtype=obs_space.dtype, num_envs=args.num_envs, frame_stack=frame_stack,
-            n_step=args.n_step, gamma=args.gamma, seed=args.seed,
-            sampler="prioritized" if args.prioritized else "uniform", alpha=args.alpha)
-
-    def checkpoint() -> None:
-        nonlocal saved_at
-        saved_at = global_step
-        save_checkpoint(run_dir, store, {
-            "q_network": q_network.state_dict(), "target_network": target_network.state_dict(),
-            "optimizer": optimizer.state_dict(), "global_step": global_step,
-            "episodes": episodes, "args": asdict(args)})
-        write_logs(run_dir, episodes, args.return_window)
-
-    if not args.resume:
-        checkpoint()  # step 0: a run directory is always resumable
-
-    # Envs restart fresh on resume: `store.reset` ends the episodes the last checkpoint left
-    # running as truncated. Seeds move with the step so a resumed run sees new episodes.
-    rng = np.random.default_rng([args.seed, global_step])
-    obs, _ = envs.reset(seed=args.seed + global_step)
-    store.reset(for_store(obs))
-    stack = np.zeros((args.num_envs, frame_stack, *obs_shape), dtype=obs_space.dtype)
-    push_frames(stack, obs, np.ones(args.num_envs, dtype=bool))
-    autoreset = np.zeros(args.num_envs, dtype=bool)
-    ep_return = np.zeros(args.num_envs)
-    ep_length = np.zeros(args.num_envs, dtype=np.int64)
-    solved_at = None
-    start_step, start_time = global_step, time.time()
-    shown = (start_time, global_step)  # (time, step) the postfix was last shown at
-    disk_at, disk_mib = 0.0, 0.0
-    progress = tqdm(total=args.total_timesteps, initial=global_step, unit="step",
-                    dynamic_ncols=True)
-
-    while global_step < args.total_timesteps and not stop_signal:
-        # Act: epsilon-greedy on the agent's own stack of the last `frame_stack` frames.
-        epsilon = linear_schedule(args.start_e, args.end_e,
-                                  args.exploration_fraction * args.total_timesteps, global_step)
-        with torch.no_grad():
-            greedy = q_network(torch.from_numpy(stack)).argmax(1).numpy()
-        explore = rng.random(args.num_envs) < epsilon
-        actions = np.where(explore, rng.integers(num_actions, size=args.num_envs), greedy)
-        next_obs, rewards, terminated, truncated, _ = envs.step(actions)
-
-        # Record: envs flagged `autoreset` ignored the action and returned o_0 of a new episode.
-        stored_rewards = np.sign(rewards) if atari else rewards
-        store.add(actions, stored_rewards, for_store(next_obs), terminated, truncated,
-                  autoreset=autoreset)
-        push_frames(stack, next_obs, autoreset)
-        ep_return += np.where(autoreset, 0.0, rewards)
-        ep_length += ~autoreset
-        before, global_step = global_step, global_step + args.num_envs
-        for i in np.flatnonzero(terminated | truncated):
-            episodes["step"].append(global_step)
-            episodes["return"].append(float(ep_return[i]))
-            episodes["length"].append(int(ep_length[i]))
-        ep_return[terminated | truncated], ep_length[terminated | truncated] = 0.0, 0
-        autoreset = terminated | truncated
-
-        # Learn: one gradient step per `train_frequency` env steps.
-        if global_step > args.learning_starts:
-            beta = linear_schedule(args.beta, 1.0, args.total_timesteps, global_step)
-            for _ in range(crossed(before, global_step, args.train_frequency)):
-                batch = store.sample(args.batch_size, beta=beta)
-                with torch.no_grad():
-                    next_value = target_network(batch.next_obs).max(1).values
-                    td_target = batch.reward + batch.discount * next_value
-                q_value = q_network(batch.obs).gather(1, batch.action.view(-1, 1)).squeeze(1)
-                huber = F.smooth_l1_loss(q_value, td_target, reduction="none")
-                loss = (batch.weights * huber).mean()  # weights are ones without --prioritized
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                if args.prioritized:
-                    store.update_priorities(batch.ids, (td_target - q_value).abs().detach().numpy())
-            if crossed(before, global_step, args.target_network_frequency):
-                target_network.load_state_dict(q_network.state_dict())
-
-        recent = mean_recent(episodes, args.return_window)
-        if solved_at is None and len(episodes["return"]) >= args.return_window \
-                and recent >= args.stop_at_return:
-            solved_at = global_step
-        if crossed(before, global_step, args.checkpoint_every):
-            checkpoint()
-        progress.update(global_step - before)
-        now = time.time()
-        if now - shown[0] >= args.progress_every:  # truthful from step 0
-            if now - disk_at >= 10.0:  # scanning a big store's files takes a while
-                disk_at, disk_mib = now, dir_bytes(store_dir) / 2**20
-            progress.set_postfix(
-                episodes=len(episodes["return"]), ret=f"{recent:.1f}", eps=f"{epsilon:.2f}",
-                sps=int((global_step - shown[1]) / max(now - shown[0], 1e-9)),
-                disk=f"{disk_mib:.1f}MiB", refresh=False)
-            shown = (now, global_step)
-        if solved_at is not None:
-            break
-
-    progress.close()
+    envs = make_envs(args)
+    run = open_run(args, run_dir, envs, frame_stack)
+    # A second Ctrl-C stops at once. The store is left unflushed: its committed transitions
+    # stay those of the last checkpoint, which is where the run resumes.
+    on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "
+                                       f"{resume_command(run_dir)}")
+    actors = Actors(envs, run, frame_stack)
+    started = (time.time(), run.global_step)
+    solved_at = train(run, actors, stop)
     envs.close()
-    if saved_at != global_step:
-        checkpoint()
-    wall = time.time() - start_time
-    summary = {
-        "env": args.env, "seed": args.seed, "global_step": global_step,
-        "episodes": len(episodes["return"]),
-        "mean_return": mean_recent(episodes, args.return_window),
-        "solved_at_step": solved_at, "interrupted": bool(stop_signal),
-        "wall_seconds": wall, "steps_per_second": (global_step - start_step) / max(wall, 1e-9),
-        "store_bytes": dir_bytes(store_dir), "store_transitions": store.counts.transitions,
-    }
-    store.close()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    tqdm.write(f"stopped at step {global_step}: " + json.dumps(summary))
+    finish(run, solved_at, bool(stop), started)
+    return stop.exit_status(resume_command(run_dir))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

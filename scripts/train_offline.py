@@ -19,20 +19,27 @@ preprocessing (84x84 grayscale, frame skip 4), the one ``import-dopamine`` data 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from gymnasium.wrappers import AtariPreprocessing
+from common import (
+    QNetwork,
+    UsageError,
+    make_env,
+    on_interrupt,
+    parse_args,
+    prepare_run_dir,
+    run_main,
+)
 
 from mmreplay import ReplayStore
 
@@ -74,49 +81,11 @@ class Args:
     """torch device for the networks: `auto` (cuda when available), `cpu`, `cuda`"""
     run_dir: str = "runs/offline"
     """where evals.csv and summary.json go"""
+    overwrite: bool = False
+    """delete `run_dir` first if it already holds a run"""
 
 
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in fields(Args):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default)
-    args = Args(**vars(parser.parse_args()))
-    if not args.store or args.algo not in ("dqn", "cql"):
-        parser.error("--store is required and --algo must be dqn or cql")
-    return args
-
-
-def make_env(env_id: str) -> gym.Env:
-    if "ale_py" not in str(gym.spec(env_id).entry_point):
-        return gym.make(env_id)
-    env = gym.make(env_id, frameskip=1)
-    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
-                              terminal_on_life_loss=False, grayscale_obs=True)
-
-
-class QNetwork(nn.Module):
-    """Nature CNN for (stack, 84, 84) uint8 frames; a small MLP for anything else."""
-
-    def __init__(self, state_shape: tuple[int, ...], num_actions: int) -> None:
-        super().__init__()
-        self.pixels = state_shape[1:] == (84, 84)
-        if self.pixels:
-            self.network = nn.Sequential(
-                nn.Conv2d(state_shape[0], 32, 8, stride=4), nn.ReLU(),
-                nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-                nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
-                nn.Flatten(), nn.Linear(3136, 512), nn.ReLU(), nn.Linear(512, num_actions))
-        else:
-            self.network = nn.Sequential(
-                nn.Flatten(), nn.Linear(int(np.prod(state_shape)), 256), nn.ReLU(),
-                nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, num_actions))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.network(x.float() / 255.0 if self.pixels else x.float())
-
-
-def evaluate(q: QNetwork, args: Args, frame_stack: int, pad_with_first: bool,
+def evaluate(q: torch.nn.Module, args: Args, frame_stack: int, pad_with_first: bool,
              rng: np.random.Generator, seed: int, device: torch.device) -> list[float]:
     """Returns of `eval_episodes` episodes of the epsilon-greedy policy."""
     env = make_env(args.env)
@@ -145,66 +114,105 @@ def evaluate(q: QNetwork, args: Args, frame_stack: int, pad_with_first: bool,
     return returns
 
 
-if __name__ == "__main__":
-    args = parse_args()
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+def check(args: Args) -> None:
+    if not args.store or args.algo not in ("dqn", "cql"):
+        raise UsageError(f"--store is required and --algo must be dqn or cql "
+                         f"(got --store {args.store!r} --algo {args.algo!r})")
 
-    store = ReplayStore.open(args.store, mode="r")
-    spec = store.spec
-    num_actions = int(make_env(args.env).action_space.n)
-    state_shape = (spec.frame_stack, *spec.obs_shape)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if args.device == "auto" else args.device)
-    q = QNetwork(state_shape, num_actions).to(device)
-    target = QNetwork(state_shape, num_actions).to(device)
-    target.load_state_dict(q.state_dict())
-    optimizer = torch.optim.Adam(q.parameters(), lr=args.learning_rate, eps=0.01 / 32)
-    print(f"{len(store)} sampleable transitions, states {state_shape}, {num_actions} actions, "
-          f"{args.algo} on {device}")
 
-    evals: list[dict[str, float]] = []
-    batches = store.batches(args.batch_size, prefetch=2)
-    start = time.perf_counter()
-    for step in range(1, args.total_steps + 1):
-        batch = next(batches)
-        obs, next_obs = batch.obs.to(device), batch.next_obs.to(device)
-        action = batch.action.long().to(device)
-        q_all = q(obs)
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Learner:
+    """Online and target networks, their optimizer, and the offline DQN / CQL(H) loss."""
+
+    q: QNetwork
+    target: QNetwork
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    num_actions: int
+
+    def update(self, batch: Any, args: Args, step: int) -> tuple[float, float]:
+        """One gradient step; (loss, conservative gap) of this batch."""
+        obs, next_obs = batch.obs.to(self.device), batch.next_obs.to(self.device)
+        action = batch.action.long().to(self.device)
+        q_all = self.q(obs)
         q_taken = q_all.gather(1, action[:, None]).squeeze(1)
         with torch.no_grad():
-            bootstrap = target(next_obs).max(1).values
-            td_target = batch.reward.to(device) + batch.discount.to(device) * bootstrap
+            bootstrap = self.target(next_obs).max(1).values
+            td_target = (batch.reward.to(self.device)
+                         + batch.discount.to(self.device) * bootstrap)
         loss = F.smooth_l1_loss(q_taken, td_target)
         conservative = (torch.logsumexp(q_all, 1) - q_taken).mean()
         if args.algo == "cql":
             loss = loss + args.cql_alpha * conservative
-        optimizer.zero_grad()
+        self.optimizer.zero_grad()
         loss.backward()
-        optimizer.step()
+        self.optimizer.step()
         if step % args.target_network_frequency == 0:
-            target.load_state_dict(q.state_dict())
-        if step % args.eval_every == 0 or step == args.total_steps:
-            returns = evaluate(q, args, spec.frame_stack, spec.stack_padding == "first", rng,
-                               seed=args.seed + 1000 * step, device=device)
-            row = {"step": step, "mean_return": float(np.mean(returns)),
-                   "min_return": float(np.min(returns)), "max_return": float(np.max(returns)),
-                   "loss": float(loss.item()), "conservative_gap": float(conservative.item()),
-                   "seconds": round(time.perf_counter() - start, 1)}
-            evals.append(row)
-            print(json.dumps(row))
-    batches.close()
-    store.close()
+            self.target.load_state_dict(self.q.state_dict())
+        return float(loss.item()), float(conservative.item())
 
+
+def make_learner(args: Args, state_shape: tuple[int, ...]) -> Learner:
+    num_actions = int(make_env(args.env).action_space.n)
+    device = pick_device(args.device)
+    q = QNetwork(state_shape, num_actions, hidden=(256, 256)).to(device)
+    target = QNetwork(state_shape, num_actions, hidden=(256, 256)).to(device)
+    target.load_state_dict(q.state_dict())
+    optimizer = torch.optim.Adam(q.parameters(), lr=args.learning_rate, eps=0.01 / 32)
+    return Learner(q, target, optimizer, device, num_actions)
+
+
+def write_results(run_dir: Path, args: Args, evals: list[dict[str, float]],
+                  seconds: float) -> None:
     with open(run_dir / "evals.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(evals[0]))
         writer.writeheader()
         writer.writerows(evals)
     summary = {"args": asdict(args), "evals": evals,
-               "steps_per_second": round(args.total_steps / (time.perf_counter() - start), 1)}
+               "steps_per_second": round(args.total_steps / seconds, 1)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def main() -> None:
+    args = parse_args(Args, description=__doc__)
+    check(args)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    store = ReplayStore.open(args.store, mode="r")
+    run_dir = prepare_run_dir(Path(args.run_dir), overwrite=args.overwrite, resumable=False)
+    spec = store.spec
+    state_shape = (spec.frame_stack, *spec.obs_shape)
+    learner = make_learner(args, state_shape)
+    print(f"{len(store)} sampleable transitions, states {state_shape}, "
+          f"{learner.num_actions} actions, {args.algo} on {learner.device}")
+    evals: list[dict[str, float]] = []
+    batches = store.batches(args.batch_size, prefetch=2)
+    on_interrupt(batches.close)
+    start = time.perf_counter()
+    for step in range(1, args.total_steps + 1):
+        loss, gap = learner.update(next(batches), args, step)
+        if step % args.eval_every == 0 or step == args.total_steps:
+            returns = evaluate(learner.q, args, spec.frame_stack, spec.stack_padding == "first",
+                               rng, seed=args.seed + 1000 * step, device=learner.device)
+            row = {"step": step, "mean_return": float(np.mean(returns)),
+                   "min_return": float(np.min(returns)), "max_return": float(np.max(returns)),
+                   "loss": loss, "conservative_gap": gap,
+                   "seconds": round(time.perf_counter() - start, 1)}
+            evals.append(row)
+            print(json.dumps(row))
+    batches.close()
+    store.close()
+    write_results(run_dir, args, evals, time.perf_counter() - start)
     print(f"done: {args.total_steps} steps, last mean return {evals[-1]['mean_return']:.2f}")
+
+
+if __name__ == "__main__":
+    run_main(main)

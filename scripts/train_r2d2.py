@@ -25,12 +25,11 @@ sequence priority is R2D2's 0.9 max + 0.1 mean of |TD| over those steps. Writes
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ale_py
@@ -39,7 +38,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from gymnasium.wrappers import AtariPreprocessing
+from common import (
+    is_atari,
+    make_env,
+    nature_cnn,
+    on_interrupt,
+    parse_args,
+    prepare_run_dir,
+    run_main,
+)
 
 from mmreplay import ReplayStore
 
@@ -100,17 +107,8 @@ class Args:
     """ablation: an MLP in place of the LSTM (no memory), everything else the same"""
     run_dir: str = ""
     """where summary.json and curve.csv go (and the store); empty: a temp dir"""
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__)
-    for f in fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default)
-    return Args(**vars(parser.parse_args()))
+    overwrite: bool = False
+    """delete `run_dir` first if it already holds a run"""
 
 
 class PixelTorso(nn.Module):
@@ -118,9 +116,7 @@ class PixelTorso(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 64))
+        self.conv = nn.Sequential(*nature_cnn(1), nn.Linear(3136, 64))
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         lead = frames.shape[:-2]
@@ -148,17 +144,11 @@ class RecurrentQ(nn.Module):
         return self.head(out), (h[0], c[0])
 
 
-def is_atari(env_id: str) -> bool:
-    return "ale_py" in str(gym.spec(env_id).entry_point)
-
-
 def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
     keep = [int(i) for i in args.keep_dims.split(",")]
 
     def pixels() -> gym.Env:
-        env = gym.make(args.env, frameskip=1)
-        return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
-                                  terminal_on_life_loss=False, grayscale_obs=True)
+        return make_env(args.env)
 
     def one() -> gym.Env:
         env = gym.make(args.env)
@@ -226,12 +216,49 @@ def learn_step(store: ReplayStore, net: RecurrentQ, target: RecurrentQ,
     return float(loss.detach())
 
 
-def main() -> None:
-    args = parse_args()
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="r2d2_"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Acting:
+    """The envs and what the agent carries between steps: the last observation, its
+    recurrent state, which envs autoreset next, and the running episode returns."""
+
+    envs: gym.vector.SyncVectorEnv
+    obs: np.ndarray
+    state: tuple[torch.Tensor, torch.Tensor]
+    autoreset: np.ndarray
+    running: np.ndarray
+    rng: np.random.Generator
+    returns: list[float] = field(default_factory=list)
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def step(self, net: RecurrentQ, store: ReplayStore, eps: float, step: int) -> None:
+        """One epsilon-greedy step of every env, recorded with the state it acted from."""
+        n, actions = len(self.running), int(self.envs.single_action_space.n)
+        with torch.no_grad():
+            q, new_state = net(torch.from_numpy(self.obs)[:, None], self.state)
+        action = np.where(self.rng.random(n) < eps, self.rng.integers(0, actions, n),
+                          q[:, 0].argmax(-1).numpy())
+        next_obs, reward, term, trunc, _ = self.envs.step(action)
+        store.add(action, reward.astype(np.float32), next_obs, term, trunc,
+                  autoreset=self.autoreset,
+                  extras={"h": self.state[0].numpy(), "c": self.state[1].numpy()})
+        self.running += np.where(self.autoreset, 0.0, reward)
+        for i in np.flatnonzero(~self.autoreset & (term | trunc)):
+            self.returns.append(float(self.running[i]))
+            self.curve.append((step, self.running[i]))
+            self.running[i] = 0.0
+        keep = torch.from_numpy(~self.autoreset).float()[:, None]  # next_obs is o_0: zero state
+        self.state = (new_state[0] * keep, new_state[1] * keep)
+        self.autoreset = term | trunc  # the next step of these envs starts a new episode
+        self.obs = next_obs
+
+    def mean_return(self) -> float:
+        return float(np.mean(self.returns[-20:]))
+
+
+def setup(args: Args, run_dir: Path) -> tuple[ReplayStore, RecurrentQ, RecurrentQ,
+                                               torch.optim.Optimizer, Acting]:
+    """The store (hidden state as per-step extras), the networks, the envs reset."""
     torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
     envs = make_envs(args)
     space, actions = envs.single_observation_space, int(envs.single_action_space.n)
     obs_shape = tuple(space.shape)
@@ -240,59 +267,55 @@ def main() -> None:
         run_dir / "store", capacity=args.buffer_size, obs_shape=obs_shape,
         obs_dtype=space.dtype, num_envs=args.num_envs, seed=args.seed, sampler="prioritized",
         alpha=args.alpha, extras={"h": hidden, "c": hidden})
+    on_interrupt(store.close, message=f"the store in {run_dir / 'store'} keeps the steps "
+                                      f"recorded so far (this script does not resume)")
     net = RecurrentQ(obs_shape, actions, args.hidden, args.feed_forward)
     target = RecurrentQ(obs_shape, actions, args.hidden, args.feed_forward)
     target.load_state_dict(net.state_dict())
     optimizer = torch.optim.Adam(net.parameters(), lr=args.learning_rate)
     obs, _ = envs.reset(seed=args.seed)
     store.reset(obs)
-    state = (torch.zeros(args.num_envs, args.hidden), torch.zeros(args.num_envs, args.hidden))
-    autoreset = np.zeros(args.num_envs, bool)
-    returns, curve, running = [], [], np.zeros(args.num_envs)
+    zeros = torch.zeros(args.num_envs, args.hidden)
+    acting = Acting(envs, obs, (zeros, zeros.clone()), np.zeros(args.num_envs, bool),
+                    np.zeros(args.num_envs), np.random.default_rng(args.seed))
+    return store, net, target, optimizer, acting
+
+
+def main() -> None:
+    args = parse_args(Args, description=__doc__)
+    run_dir = prepare_run_dir(Path(args.run_dir or tempfile.mkdtemp(prefix="r2d2_")),
+                              overwrite=args.overwrite, resumable=False)
+    store, net, target, optimizer, acting = setup(args, run_dir)
     began, step, losses = time.time(), 0, []
     while step < args.total_steps:
         eps = max(args.end_e, args.start_e - (args.start_e - args.end_e) * step
                   / args.exploration_steps)
-        with torch.no_grad():
-            q, new_state = net(torch.from_numpy(obs)[:, None], state)
-        action = np.where(rng.random(args.num_envs) < eps, rng.integers(0, actions,
-                          args.num_envs), q[:, 0].argmax(-1).numpy())
-        next_obs, reward, term, trunc, _ = envs.step(action)
-        store.add(action, reward.astype(np.float32), next_obs, term, trunc, autoreset=autoreset,
-                  extras={"h": state[0].numpy(), "c": state[1].numpy()})
-        running += np.where(autoreset, 0.0, reward)
-        for i in np.flatnonzero(~autoreset & (term | trunc)):
-            returns.append(float(running[i]))
-            curve.append((step, running[i]))
-            running[i] = 0.0
-        keep = torch.from_numpy(~autoreset).float()[:, None]  # next_obs is o_0: zero state
-        state = (new_state[0] * keep, new_state[1] * keep)
-        autoreset = term | trunc  # the next step of these envs starts a new episode
-        obs = next_obs
+        acting.step(net, store, eps, step)
         step += args.num_envs
         if step >= args.learning_starts and step % args.train_every < args.num_envs:
             losses.append(learn_step(store, net, target, optimizer, args))
         if step % args.target_every < args.num_envs:
             target.load_state_dict(net.state_dict())
-        if args.stop_at_return and len(returns) >= 20 \
-                and np.mean(returns[-20:]) >= args.stop_at_return:
-            print(f"step {step}: mean return (last 20) {np.mean(returns[-20:]):.1f} reached "
+        if args.stop_at_return and len(acting.returns) >= 20 \
+                and acting.mean_return() >= args.stop_at_return:
+            print(f"step {step}: mean return (last 20) {acting.mean_return():.1f} reached "
                   f"--stop-at-return", flush=True)
             break
-        if step % 10_000 < args.num_envs and returns:
-            print(f"step {step}: episodes {len(returns)}, mean return (last 20) "
-                  f"{np.mean(returns[-20:]):.1f}, eps {eps:.2f}, "
+        if step % 10_000 < args.num_envs and acting.returns:
+            print(f"step {step}: episodes {len(acting.returns)}, mean return (last 20) "
+                  f"{acting.mean_return():.1f}, eps {eps:.2f}, "
                   f"{step / (time.time() - began):.0f} steps/s", flush=True)
-    summary = {"args": asdict(args), "steps": step, "episodes": len(returns),
-               "mean_return_last_20": float(np.mean(returns[-20:])) if returns else None,
+    summary = {"args": asdict(args), "steps": step, "episodes": len(acting.returns),
+               "mean_return_last_20": acting.mean_return() if acting.returns else None,
                "updates": len(losses), "seconds": time.time() - began,
                "sampleable": len(store)}
     store.close()
+    acting.envs.close()
     with open(run_dir / "curve.csv", "w", newline="") as fh:
-        csv.writer(fh).writerows([("step", "return"), *curve])
+        csv.writer(fh).writerows([("step", "return"), *acting.curve])
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "args"}))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

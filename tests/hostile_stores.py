@@ -1,7 +1,8 @@
 """Small valid stores and malformed directories made from them, for the hostile-input tests.
 
-`build_store` records a small store of one of two kinds (``uniform``: 2 envs, uint8 frames,
-wrapped rings; ``prio``: 1 env, uint16 frames, prioritized). `cases` lists several hundred
+`build_store` records a small store of one of three kinds (``uniform``: 2 envs, uint8 frames,
+wrapped rings; ``prio``: 1 env, uint16 frames, prioritized; ``zstd_dict``: like ``uniform``
+with codec "zstd-dict", format 4, a dictionary in ``zstd.dict``). `cases` lists several hundred
 `Case`s, each a named damage applied to a fresh copy of a valid store: malformed manifests
 (bytes, JSON types of every field, spec fields, version skew, names), zarr metadata, ``.npy``
 headers (pickles with a canary, huge shapes), symlinks, FIFOs and huge files. Every case must be
@@ -44,10 +45,12 @@ def build_store(path: Path, kind: str) -> None:
     """A small valid store: ``uniform`` (2 envs, wrapped, shard files) or ``prio``
     (prioritized, uint16, a file per chunk)."""
     rng = np.random.default_rng(11)
-    if kind == "uniform":
+    if kind in ("uniform", "zstd_dict"):
+        codec = {"codec": "zstd-dict", "dict_bytes": 1024,
+                 "dict_train_chunks": 4} if kind == "zstd_dict" else {}
         store = ReplayStore.create(path, capacity=24, obs_shape=(4, 3), num_envs=2,
                                    frame_stack=2, n_step=2, gamma=0.9, chunk_frames=4,
-                                   block_slots=5, seed=7)
+                                   block_slots=5, seed=7, **codec)
         shape, dtype, envs, steps = (2, 4, 3), np.uint8, 2, 30
     else:
         store = ReplayStore.create(path, capacity=20, obs_shape=(3,), obs_dtype=np.uint16,
@@ -203,7 +206,7 @@ def sparse(rel: str, size: int = 8 * GiB,
 def cases() -> list[Case]:
     out = [*manifest_byte_cases(), *field_cases(), *spec_cases(), *cursor_cases(),
            *name_cases(), *rng_cases(), *version_cases(), *zarr_cases(), *npy_cases(),
-           *link_cases(), *fifo_cases(), *huge_cases()]
+           *link_cases(), *fifo_cases(), *huge_cases(), *dict_cases()]
     names = [c.name for c in out]
     assert len(names) == len(set(names)), "case names must be unique"
     return out
@@ -795,3 +798,86 @@ def main(paths: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+# -- format 4: the zstd dictionary ----------------------------------------------------------
+DICT = "zstd.dict"
+
+
+def dict_cases() -> Iterator[Case]:
+    """A "zstd-dict" store's dictionary file, its manifest record, its copy in zarr.json and
+    its spec fields."""
+    def on_dict(name: str, damage: Callable[[Env], None], **kw: Any) -> Case:
+        return Case(f"dict-{name}", damage, base="zstd_dict", **kw)
+
+    yield on_dict("file-flip", _dict_bytes(lambda d: d[:40] + bytes([d[40] ^ 1]) + d[41:]))
+    yield on_dict("file-truncated", _dict_bytes(lambda d: d[:-1]))
+    yield on_dict("file-half", _dict_bytes(lambda d: d[: len(d) // 2]))
+    yield on_dict("file-empty", write_bytes(DICT, b""))
+    yield on_dict("file-appended", _dict_bytes(lambda d: d + b"\0"))
+    yield on_dict("file-missing", lambda env: (env.root / DICT).unlink())
+    yield on_dict("file-dir", _replace_with_dir(DICT))
+    yield on_dict("file-fifo", _fifo(DICT))
+    for target in ("copy", "/dev/zero", "fifo", "dangling"):
+        yield on_dict(f"file-link-{target.replace('/dev/', '')}", _link_file(DICT, target))
+    yield on_dict("file-huge", sparse(DICT), huge=True)
+    for i, value in enumerate([*BAD_JSON, {"size": 1, "crc32c": 0}, {"size": 2**21, "crc32c": 0},
+                               {"size": 100, "crc32c": 2**32}, {"crc32c": 0}]):
+        yield on_dict(f"record-{i}", set_path(("dictionary",), value))
+    yield on_dict("record-size", _edit_record("size", 1))
+    yield on_dict("record-crc", _edit_record("crc32c", 1))
+    yield on_dict("record-extra-key", edit(lambda m: m["dictionary"].update(name="x.dict")))
+    yield on_dict("record-missing", set_path(("dictionary",), DELETE))
+    yield on_dict("record-unsealed", _edit_record("size", 1, seal=False))
+    yield Case("dict-record-on-lz4", set_path(("dictionary",), {"size": 600, "crc32c": 1}))
+    for i, config in enumerate([{"level": 3}, {"level": 4, "dictionary": None},
+                                {"level": 3, "dictionary": "AAAA"},
+                                {"level": 3, "dictionary": "not base64!"},
+                                {"level": 3, "dictionary": 12}, {"level": "3"}]):
+        yield on_dict(f"zarr-config-{i}", _dict_zarr_config(config))
+    yield on_dict("zarr-codec-zstd", _dict_zarr_name("zstd"))
+    yield on_dict("zarr-codec-other", _dict_zarr_name("numcodecs.zstd"))
+    yield on_dict("version-3", set_path(("format_version",), 3))
+    yield on_dict("version-5", set_path(("format_version",), 5))
+    for key, value in [("codec", "lz4"), ("codec", "zstd"), ("dict_bytes", 10),
+                       ("dict_bytes", 2**20), ("dict_bytes", DELETE), ("dict_bytes", "1024"),
+                       ("dict_train_chunks", 0), ("dict_train_chunks", DELETE),
+                       ("codec_level", 0), ("codec_level", 20)]:
+        tag = "del" if value is DELETE else str(value)
+        yield on_dict(f"spec-{key}-{tag}", set_path(("spec", key), value))
+    yield Case("dict-spec-on-lz4", set_path(("spec", "dict_bytes"), 1024))
+
+
+def _dict_bytes(fn: Callable[[bytes], bytes]) -> Callable[[Env], None]:
+    def damage(env: Env) -> None:
+        path = env.root / DICT
+        path.write_bytes(fn(path.read_bytes()))
+    return damage
+
+
+def _edit_record(key: str, delta: int, *, seal: bool = True) -> Callable[[Env], None]:
+    return edit(lambda m: m["dictionary"].update({key: m["dictionary"][key] + delta}),
+                seal=seal)
+
+
+def _dict_codec(meta: dict[str, Any]) -> dict[str, Any]:
+    """The ``mmreplay.zstd_dict`` entry of frames/zarr.json (inside sharding_indexed)."""
+    return meta["codecs"][0]["configuration"]["codecs"][1]
+
+
+def _dict_zarr_config(config: dict[str, Any]) -> Callable[[Env], None]:
+    def damage(env: Env) -> None:
+        path = env.root / "frames/zarr.json"
+        meta = json.loads(path.read_text())
+        _dict_codec(meta)["configuration"] = config
+        path.write_text(json.dumps(meta))
+    return damage
+
+
+def _dict_zarr_name(name: str) -> Callable[[Env], None]:
+    def damage(env: Env) -> None:
+        path = env.root / "frames/zarr.json"
+        meta = json.loads(path.read_text())
+        _dict_codec(meta)["name"] = name
+        path.write_text(json.dumps(meta))
+    return damage

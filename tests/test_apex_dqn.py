@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ pytest.importorskip("ale_py")
 pytest.importorskip("tqdm")
 
 from mmreplay import ReplayStore  # noqa: E402
+from mmreplay.rate_limit import summary  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--env", "CartPole-v1", "--num-actors", "2", "--learning-starts", "300",
@@ -39,7 +41,12 @@ def test_apex_dqn_runs_checkpoints_and_resumes(tmp_path: Path) -> None:
     first = run("--total-timesteps", "1500", "--run-dir", str(run_dir))
     assert first.returncode == 0, first.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["global_step"] >= 1500 and summary["updates"] > 0
+    # actors are asked for no more than what is left: the run ends where it was asked to,
+    # and every step the store holds was counted
+    assert summary["global_step"] == 1500 and summary["updates"] > 0
+    assert 0 < summary["store_transitions"] <= summary["global_step"]
+    shown = re.findall(r"(\d+)/1500 [^\r\n]*?episodes=(\d+)", first.stderr)
+    assert shown and shown[-1] == ("1500", str(summary["episodes"])), first.stderr[-1500:]
     assert summary["episodes"] > 0 and summary["bytes_per_step"] > 0
     assert summary["epsilons"][0] == pytest.approx(0.4)
     assert summary["epsilons"][1] == pytest.approx(0.4 ** 8)
@@ -52,7 +59,19 @@ def test_apex_dqn_runs_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert f"resumed at step {summary['global_step']} ({summary['updates']} updates" \
         in again.stderr + again.stdout
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["global_step"] >= 2500 and resumed["updates"] > summary["updates"]
+    assert resumed["global_step"] == 2500 and resumed["updates"] > summary["updates"]
     with ReplayStore.open(run_dir / "store", mode="r") as store:
         assert store.counts.transitions > first_transitions
         assert store.get(store.valid_ids()).truncated.any()  # episodes cut by the restart
+
+
+def test_apex_dqn_holds_samples_per_insert(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run("--total-timesteps", "1500", "--run-dir", str(run_dir), "--samples-per-insert", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    limited = json.loads((run_dir / "summary.json").read_text())["rate_limiter"]
+    assert limited["inserts"] > 1000 and limited["samples_per_insert"] == 2.0
+    assert limited["achieved_samples_per_insert"] == pytest.approx(2.0, rel=0.05), limited
+    with ReplayStore.open(run_dir / "store", mode="r") as store:  # committed, with the
+        state = summary(store.rate_limiter_state())  # actors' last steps drained unlimited
+    assert state["samples"] >= limited["samples"] and state["inserts"] >= limited["inserts"]

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import frame
 from PIL import Image
 
 from mmreplay import ReplayStore
 from mmreplay.storage.manifest import write_manifest
+from mmreplay.tools import inspection as ins
+from mmreplay.tools import render, show_labels
 from mmreplay.tools import verify as verify_mod
 from mmreplay.tools.cli import main
+from mmreplay.tools.plots import plot_store
 from mmreplay.tools.verify import disk_chunks
 
 OBS = (8, 8)
@@ -38,10 +42,6 @@ class Recorded:
     first_id: tuple[int, ...]
 
 
-def frame(n: int) -> np.ndarray:
-    return np.full(OBS, n % 256, np.uint8)
-
-
 def record(path: Path, **kw: object) -> Recorded:
     """Five episodes, 45 frames into 40 slots: episode 0 is partly evicted.
 
@@ -54,11 +54,11 @@ def record(path: Path, **kw: object) -> Recorded:
     for e, (steps, end) in enumerate(EPISODES):
         firsts.append(n)
         ids.append(tid)
-        store.reset(frame(n))
+        store.reset(frame(n, OBS))
         for t in range(steps):
             n, tid = n + 1, tid + 1
             last = t == steps - 1
-            store.add(t % 3, e + 1.0, frame(n), last and end == "terminated",
+            store.add(t % 3, e + 1.0, frame(n, OBS), last and end == "terminated",
                       last and end == "truncated")
         n += 1
     store.close()
@@ -167,7 +167,8 @@ def test_show_transition_png(rec: Recorded, tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     out_file, scale, gap = tmp_path / "t.png", 3, 2
     tid = rec.first_id[3] + 1  # episode 3, step 1: stack = [0, 0, o_0, o_1]
-    code, out, _ = run(capsys, "show", rec.path, tid, "--out", out_file, "--scale", scale)
+    code, out, _ = run(capsys, "show", rec.path, tid, "--out", out_file, "--scale", scale,
+                       "--no-labels")
     assert code == 0 and str(out_file) in out
     image = np.asarray(Image.open(out_file))
     cell = OBS[0] * scale
@@ -190,8 +191,63 @@ def test_show_default_name_and_episode_gif(rec: Recorded, tmp_path: Path,
     gif = Image.open(tmp_path / "episode_3.gif")
     assert code == 0 and gif.format == "GIF" and gif.size == (16, 16)
     assert gif.n_frames == EPISODES[3][0] + 1
-    assert run(capsys, "show", rec.path, "--episode", 1)[0] == 0
+    assert run(capsys, "show", rec.path, "--episode", 1, "--no-labels")[0] == 0
     assert Image.open(tmp_path / "episode_1.png").size == (10 * 8 + 9 * 2, 8)
+
+
+def test_show_labels_each_frame_at_a_readable_size(rec: Recorded, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "t.png"
+    tid = rec.first_id[3] + 1  # episode 3, step 1: stack = [0, 0, o_0, o_1]
+    code, out, _ = run(capsys, "show", rec.path, tid, "--out", out_file)
+    image = np.asarray(Image.open(out_file).convert("RGB"))
+    side = render.default_scale(*OBS) * OBS[0]
+    assert code == 0 and side >= 160 and image.shape[1] > K * side
+    f0 = rec.first_frame[3]
+    want = [0, 0, f0, f0 + 1, f0 + 1, f0 + 2, f0 + 3, f0 + 4]  # obs; next_obs (n=3)
+    top = render.PAD + render.LINE_PX + render.PAD  # below the title
+    cell = (side + 2 * render.LINE_PX, side)
+    for i, value in enumerate(want):
+        x, y = render.cell_origin(i, cols=K, cell=cell, top=top)
+        assert (image[y:y + side, x:x + side] == value).all(), i
+        label = image[y + side:y + side + render.LINE_PX, x:x + side]
+        assert (label != render.BACKGROUND).any(), f"frame {i} has no label"
+    assert (image[:top - render.PAD, :200] != render.BACKGROUND).any(), "no title"
+    with ReplayStore.open(rec.path, mode="r") as store:
+        labels = show_labels.transition_labels(ins.transition(store, tid), store.spec)
+    n_step_return = 4 * (1 + 0.99 + 0.99 ** 2)  # episode 3's rewards are 4, n_step 3
+    assert labels[3] == ["obs[3]  t", f"id {tid}  a 1  R3 {n_step_return:.4g}"]
+    assert labels[7] == ["next[3]  t+3", ""]
+
+
+def test_show_episode_labels_steps(rec: Recorded, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "e.png"
+    code, _, _ = run(capsys, "show", rec.path, "--episode", 2, "--out", out_file)
+    image = Image.open(out_file)
+    side = render.default_scale(*OBS) * OBS[0]
+    assert code == 0 and image.width >= 6 * side and image.height >= side
+    with ReplayStore.open(rec.path, mode="r") as store:
+        labels = show_labels.episode_labels(ins.episode_steps(store, 2))
+    assert labels[0] == ["t=0  id " + str(rec.first_id[2]), "a 0  r 3"]
+    assert labels[EPISODES[2][0] - 1][1].endswith("terminated")
+    assert labels[-1] == [f"t={EPISODES[2][0]}", "no step (last)"]
+
+
+def test_show_refuses_a_vector_store(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "vec"
+    with ReplayStore.create(path, capacity=16, obs_shape=(4,), obs_dtype=np.float32) as store:
+        store.reset(np.zeros(4, np.float32))
+        for t in range(3):
+            store.add(0, 1.0, np.full(4, t, np.float32), t == 2, False)
+    monkeypatch.chdir(tmp_path)
+    for argv in (("show", path, 0), ("show", path, "--episode", 0),
+                 ("show", path, "--episode", 0, "--gif")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert "shape (4,), which are not images" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vec"]  # nothing written
 
 
 # -- plot, sample --------------------------------------------------------------------------
@@ -201,6 +257,35 @@ def test_plot_writes_png(rec: Recorded, tmp_path: Path,
     code, out, _ = run(capsys, "plot", rec.path, "--out", target)
     assert code == 0 and "reward" in out and "priority" not in out
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and Image.open(target).width > 100
+
+
+def test_plot_has_no_empty_panel_and_the_sampler_view(rec: Recorded) -> None:
+    with ReplayStore.open(rec.path, mode="r") as store:
+        result = plot_store(store)
+    axes = result.figure.axes
+    assert len(axes) == len(result.drawn) == 5 and result.skipped == ()
+    assert result.drawn[0].startswith("P(draw) over the ring") and "age" in result.drawn[1]
+    for ax, title in zip(axes, result.drawn, strict=True):
+        assert ax.get_title() == title and (ax.patches or ax.lines), title
+    widths = [ax.get_position().width for ax in axes]
+    assert widths[-1] > 1.8 * widths[0]  # the odd last panel spans the row
+
+
+def test_plot_leaves_out_panels_without_data(tmp_path: Path) -> None:
+    path = tmp_path / "p"
+    with ReplayStore.create(path, capacity=16, obs_shape=OBS, sampler="prioritized") as store:
+        store.reset(frame(0, OBS))
+        for t in range(4):
+            store.add(0, 1.0, frame(t + 1, OBS), False, False)  # one running episode
+    with ReplayStore.open(path, mode="r") as store:
+        result = plot_store(store)
+    assert result.skipped == ("episode length (complete episodes)",
+                              "episode return (complete episodes)")
+    assert [t.split(" (")[0].split(",")[0] for t in result.drawn] == \
+        ["P(draw) over the ring by id", "age of a drawn transition", "priority",
+         "per-step reward"]
+    assert len(result.figure.axes) == 4 and all(ax.patches or ax.lines
+                                                for ax in result.figure.axes)
 
 
 def test_sample_prints_shapes(rec: Recorded, capsys: pytest.CaptureFixture[str]) -> None:
@@ -342,16 +427,16 @@ def test_commands_safe_while_a_writer_holds_the_store(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = record(tmp_path / "live").path
     with ReplayStore.open(path) as writer:  # holds the writer lock throughout
-        writer.reset(frame(1))
+        writer.reset(frame(1, OBS))
         for i in range(30):  # writes chunks past the committed generation
-            writer.add(0, 1.0, frame(i), False, False)
+            writer.add(0, 1.0, frame(i, OBS), False, False)
         assert run(capsys, "verify", path)[0] == 0
         writer.flush()
         code, out, _ = run(capsys, "info", path, "--json")
         assert code == 0 and json.loads(out)["counts"]["frames_written"] == 45 + 31
         assert run(capsys, "verify", path)[0] == 0
         assert run(capsys, "sample", path, "--seed", 0)[0] == 0
-        writer.add(0, 1.0, frame(0), False, False)  # still writable: no lock was taken
+        writer.add(0, 1.0, frame(0, OBS), False, False)  # still writable: no lock was taken
 
 
 # -- errors --------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Corruption is always detected: seeded byte-level damage to every file of small valid stores.
 
 Each mutation (a byte flip, a truncation, a deletion, an emptied file or appended garbage, on
-any file: frame chunks, step and priority blocks, the tail, the manifest, both zarr.json) is
+any file: frame chunks, step and priority blocks, the tail, the manifest, both zarr.json, a
+"zstd-dict" store's dictionary) is
 applied to a pristine store, which is then opened read-only. The outcome is one of:
 
 * ``open``: the open raises `InvalidStoreError`;
@@ -102,14 +103,15 @@ def pristine(root: Path, kind: str) -> Pristine:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> list[Pristine]:
     base = tmp_path_factory.mktemp("corruption")
-    return [pristine(base / kind, kind) for kind in ("uniform", "prio", "gave-up")]
+    return [pristine(base / kind, kind) for kind in ("uniform", "prio", "gave-up", "zstd_dict")]
 
 
 def target_kind(rel: str) -> str:
     if rel.startswith("frames/c."):
         return "chunk"
     return {"manifest.json": "manifest", "zarr.json": "group zarr.json",
-            "frames/zarr.json": "frames zarr.json"}.get(rel, rel.split("/")[0])
+            "frames/zarr.json": "frames zarr.json", "zstd.dict": "dictionary"}.get(
+                rel, rel.split("/")[0])
 
 
 def mutate(path: Path, kind: str, rng: np.random.Generator) -> None:
@@ -168,8 +170,8 @@ def outcome(orig: Pristine, rel: str, what: str) -> str:
 def check_metadata_unread(orig: Pristine, rel: str, what: str) -> None:
     """Damage to checksummed or fully checked files is unread only if their content is."""
     kind = target_kind(rel)
-    if kind in ("steps", "tail", "prio"):
-        raise AssertionError(f"{what}: a damaged .npy file was not refused")
+    if kind in ("steps", "tail", "prio", "dictionary"):
+        raise AssertionError(f"{what}: a damaged checksummed file was not refused")
     if kind in ("manifest", "group zarr.json", "frames zarr.json"):
         now = json.loads((orig.root / rel).read_bytes())
         assert now == json.loads(orig.files[rel]), f"{what}: changed metadata was accepted"
@@ -204,7 +206,7 @@ def test_mutations_reach_every_file_and_kind(stores: list[Pristine],
         pytest.skip("run with test_every_mutation_is_detected_or_unread")
     targets = {t for t, _, _ in FIGURES}
     assert targets == {"chunk", "steps", "tail", "prio", "manifest", "group zarr.json",
-                       "frames zarr.json"}
+                       "frames zarr.json", "dictionary"}
     assert {k for _, k, _ in FIGURES} == set(KINDS)
     assert {o for _, _, o in FIGURES} == {"open", "verify", "unread"}
     rows = sorted({(t, k) for t, k, _ in FIGURES})

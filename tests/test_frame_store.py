@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import struct
+from functools import partial
 
 import google_crc32c
 import numpy as np
 import pytest
 import zarr
+from conftest import new_frame_store
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import make_spec
 from mmreplay.storage.frame_store import ChunkCache, FrameStore, create_frames_array
 
-
-def make(tmp_path, *, slots=7, chunk=4, envs=2, hook=None, codec="lz4", shard=1):
-    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3, 2), chunk_frames=chunk,
-                     codec=codec, shard_chunks=shard)
-    create_frames_array(tmp_path, spec)
-    (tmp_path / "tmp").mkdir()
-    return spec, FrameStore(tmp_path, spec, writable=True, before_chunk_write=hook)
+make = partial(new_frame_store, slots=7, chunk=4, envs=2, shard=1, obs_shape=(3, 2))
+"""(spec, FrameStore): 7 slots per env, 2 envs, 4-frame chunks, one chunk per shard."""
 
 
 def fill(store, env, values):
@@ -29,7 +26,7 @@ def fill(store, env, values):
     store.drain()  # chunk writes happen on a background thread
 
 
-@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+@pytest.mark.parametrize("codec", ["lz4", "zstd", "zstd-dict"])
 @pytest.mark.parametrize(("slots", "chunk"), [(7, 4), (8, 4), (5, 1), (6, 6)])
 def test_written_chunks_read_back_with_plain_zarr(tmp_path, slots, chunk, codec):
     spec, store = make(tmp_path, slots=slots, chunk=chunk, codec=codec)

@@ -66,7 +66,7 @@ STATS: dict[str, Any] = {"opens": 0, "refused": 0, "slowest": 0.0, "slowest_case
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bases")
     out = {}
-    for kind in ("uniform", "prio"):
+    for kind in ("uniform", "prio", "zstd_dict"):
         build_store(root / kind, kind)
         out[kind] = root / kind
     return out
@@ -118,7 +118,7 @@ def test_corpus_is_large_and_varied() -> None:
     assert len(CASES) >= 300
     kinds = {c.name.split("-")[0] for c in CASES}
     assert {"manifest", "field", "spec", "zarr", "npy", "link", "fifo", "huge", "name",
-            "version", "rng", "cursor"} <= kinds
+            "version", "rng", "cursor", "dict"} <= kinds
 
 
 @pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import numbered_frame
 
 import mmreplay.storage.frame_store
 import mmreplay.storage.safe_io
@@ -76,19 +77,12 @@ SCENARIOS = {
 }
 
 
-def frame(t: int) -> np.ndarray:
-    """Frame number `t`: distinct for every t, so a frame from the wrong slot never matches."""
-    out = ((np.arange(64, dtype=np.int64) * 13 + t * 29) % 251).astype(np.uint8).reshape(OBS)
-    out[0, :4] = np.frombuffer(int(t).to_bytes(4, "little"), np.uint8)
-    return out
-
-
 def step(store: ReplayStore, t: int) -> None:
     """Record step `t` of a fixed stream (episodes of 5-11 steps); prioritized stores also get
     new priorities for the newest ids every 3 steps."""
     ends = t % 11 == 10 or t % 7 == 6
-    store.add(t % 4, (t % 5) * 0.5, frame(t), ends and t % 2 == 0, ends and t % 2 == 1,
-              autoreset=t == 0 or (t - 1) % 11 == 10 or (t - 1) % 7 == 6)
+    store.add(t % 4, (t % 5) * 0.5, numbered_frame(t, OBS), ends and t % 2 == 0,
+              ends and t % 2 == 1, autoreset=t == 0 or (t - 1) % 11 == 10 or (t - 1) % 7 == 6)
     if store.spec.sampler == "prioritized" and t % 3 == 2:
         ids = store.valid_ids()[-3:]
         store.update_priorities(ids, 0.5 + (ids % 5))

@@ -23,14 +23,15 @@ def chunk_bytes(frames: np.ndarray, codec: str = "lz4") -> bytes:
     return payload + struct.pack("<I", google_crc32c.value(payload))
 
 
-def decode(chunks: list[bytes], zstd: bool = False,
-           dest: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode(chunks: list[bytes], zstd: bool = False, dest: list[int] | None = None, *,
+           ddict: int = 0) -> tuple[np.ndarray, np.ndarray]:
     bufs = [np.frombuffer(c, np.uint8) for c in chunks]  # alive for the call
     src = np.array([b.ctypes.data for b in bufs], np.int64)
     size = np.array([b.size for b in bufs], np.int64)
     rows = np.zeros((len(chunks) + 1, N), np.uint8)
     where = np.arange(len(chunks), dtype=np.int64) if dest is None else np.array(dest)
-    return kernels.decode_chunks(src, size, rows, where, zstd), rows
+    codec = kernels.ZSTD_DICT if ddict else kernels.ZSTD if zstd else kernels.LZ4
+    return kernels.decode_chunks(src, size, rows, where, codec, ddict), rows
 
 
 @pytest.mark.parametrize("codec", ["lz4", "zstd"])
@@ -102,3 +103,43 @@ def test_import_and_info_never_load_the_compiled_kernels(tmp_path) -> None:
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_dictionary_chunks_decode_with_their_dictionary_only() -> None:
+    """ZSTD_DICT: chunks made with a dictionary decode with it; with another, or as plain
+    zstd, they fail (status 4) and nothing is written."""
+    import zstandard
+
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 4, N, dtype=np.uint8) * 60
+    samples = [np.roll(base, k).tobytes()[:2000] for k in range(200)]
+    trained = zstandard.train_dictionary(1024, samples).as_bytes()
+    other = zstandard.train_dictionary(1024, [s[::-1] for s in samples]).as_bytes()
+    frames = [np.roll(base, 7 * k) for k in range(3)]
+    zc = zstandard.ZstdCompressor(level=3, dict_data=zstandard.ZstdCompressionDict(trained))
+    chunks = [(p := zc.compress(f.tobytes())) + struct.pack("<I", google_crc32c.value(p))
+              for f in frames]
+    ddict, wrong = kernels.create_ddict(trained), kernels.create_ddict(other)
+    try:
+        assert ddict and wrong
+        status, rows = decode(chunks, dest=[1, 2, 0], ddict=ddict)
+        assert status.tolist() == [0, 0, 0]
+        for row, f in zip([1, 2, 0], frames, strict=True):
+            np.testing.assert_array_equal(rows[row], f)
+        status, rows = decode(chunks, ddict=wrong)
+        assert status.tolist() == [kernels.NO_DECODE] * 3 and not rows.any()
+        status, _ = decode(chunks, zstd=True)  # no dictionary at all
+        assert status.tolist() == [kernels.NO_DECODE] * 3
+    finally:
+        kernels.free_ddict(ddict)
+        kernels.free_ddict(wrong)
+
+
+def test_create_ddict_refuses_a_damaged_trained_dictionary() -> None:
+    import zstandard
+
+    rng = np.random.default_rng(4)
+    samples = [(rng.integers(0, 3, 3000, dtype=np.uint8) * 80).tobytes() for _ in range(100)]
+    trained = bytearray(zstandard.train_dictionary(1024, samples).as_bytes())
+    trained[8:40] = b"\xff" * 32  # its entropy tables
+    assert kernels.create_ddict(bytes(trained)) == 0

@@ -7,14 +7,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from conftest import frame
 
 from mmreplay import EmptyStoreError, InvalidInputError, ReplayStore
 
 OBS = (6, 5)
-
-
-def frame(v: int) -> np.ndarray:
-    return np.full(OBS, v % 256, np.uint8)
 
 
 def make(tmp_path, **kw):
@@ -25,14 +22,14 @@ def make(tmp_path, **kw):
 
 def record(store, start: int, steps: int) -> None:
     for i in range(start, start + steps):
-        store.add(i % 3, 1.0, frame(i + 1), i % 50 == 49, False)
+        store.add(i % 3, 1.0, frame(i + 1, OBS), i % 50 == 49, False)
         if i % 50 == 49:
-            store.reset(frame(i + 1))
+            store.reset(frame(i + 1, OBS))
 
 
 def test_prefetched_batches_match_get_while_a_writer_adds(tmp_path):
     store = make(tmp_path)
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     record(store, 0, 200)
     seen = 0
     with store.batches(16, prefetch=3) as it:
@@ -62,7 +59,7 @@ def test_errors_reach_the_consumer(tmp_path):
 
 def test_beta_can_be_annealed(tmp_path):
     store = make(tmp_path, sampler="prioritized")
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     record(store, 0, 100)
     ids = store.valid_ids()
     store.update_priorities(ids, np.linspace(0.1, 5, ids.size))
@@ -75,7 +72,7 @@ def test_beta_can_be_annealed(tmp_path):
 
 def test_close_stops_the_threads(tmp_path):
     store = make(tmp_path)
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     record(store, 0, 50)
     before = threading.active_count()
     iterators = [store.batches(8, prefetch=2) for _ in range(3)]

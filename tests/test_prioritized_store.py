@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import frame
 from scipy import stats
 
 from mmreplay import InvalidInputError, ReplayStore
 
 OBS = (2, 2)
-
-
-def frame(v: int) -> np.ndarray:
-    return np.full(OBS, v % 256, np.uint8)
 
 
 def make(tmp_path, name="s", **kw):
@@ -22,12 +19,12 @@ def make(tmp_path, name="s", **kw):
 
 
 def record(store, steps: int, start: int = 0, done_every: int = 0) -> None:
-    store.reset(frame(start))
+    store.reset(frame(start, OBS))
     for i in range(1, steps + 1):
         done = bool(done_every) and i % done_every == 0
-        store.add(i % 4, 1.0, frame(start + i), done, False)
+        store.add(i % 4, 1.0, frame(start + i, OBS), done, False)
         if done:
-            store.reset(frame(start + i))
+            store.reset(frame(start + i, OBS))
 
 
 def exact_probabilities(p: np.ndarray, alpha: float, eps: float) -> np.ndarray:
@@ -71,7 +68,7 @@ def test_new_transitions_enter_with_max_priority(tmp_path):
     store.update_priorities(ids, np.full(ids.size, 0.01))
     store.update_priorities(ids[:1], [5.0])
     for i in range(11, 14):  # windows that open later: new transitions become sampleable
-        store.add(0, 0.0, frame(i), False, False)
+        store.add(0, 0.0, frame(i, OBS), False, False)
     newer = np.setdiff1d(store.valid_ids(), ids)
     assert newer.tolist() == [8, 9, 10]
     priorities = store._sampler.priorities()
@@ -131,9 +128,9 @@ def test_wraparound_keeps_tree_consistent(tmp_path):
     rng = np.random.default_rng(0)
     record(store, 5)
     for i in range(6, 200):
-        store.add(0, 1.0, frame(i), bool(rng.random() < 0.1), False)
+        store.add(0, 1.0, frame(i, OBS), bool(rng.random() < 0.1), False)
         if not store._ring.running[0]:
-            store.reset(frame(i))
+            store.reset(frame(i, OBS))
         if len(store):
             batch = store.sample(4)
             store.update_priorities(batch.ids, rng.random(4))

@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,14 @@ import torch
 ray = pytest.importorskip("ray", reason="needs the ray extra: pip install 'mmreplay[ray]'")
 
 from mmreplay import InvalidInputError, ReplayStore  # noqa: E402
+from mmreplay.errors import RateLimitTimeoutError  # noqa: E402
 from mmreplay.integrations.blocks import make_block  # noqa: E402
 from mmreplay.integrations.ray import (  # noqa: E402
     BlockWriter,
     RemoteBatches,
     start_store_actor,
 )
+from mmreplay.rate_limit import RateLimiter  # noqa: E402
 
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 OBS = (6, 5)
@@ -275,3 +279,102 @@ def test_import_mmreplay_does_not_import_ray_and_a_missing_extra_is_named() -> N
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == 'mmreplay.integrations.ray needs Ray: pip install "mmreplay[ray]"'
+
+
+def test_idle_writers_steps_are_committed_on_time(tmp_path: Path) -> None:
+    """Writers go idle after `drain`; the actor's timer flushes within `flush_every_s`, so a
+    kill `flush_every_s` + 1 s later loses no acknowledged step (the data path alone, which
+    flushed only when a block arrived, left all 2,000 uncommitted)."""
+    args = create_args(frame_stack=1, n_step=1, capacity=20_000)
+    actor = start_store_actor(tmp_path / "s", args, flush_every_steps=10**9, flush_every_s=1.0)
+    stream = Stream([0, 1], seed=4, p_end=0.0)
+    writer = BlockWriter(actor, [0, 1], block_steps=64)
+    writer.reset(stream.first())
+    tags: list[int] = []
+    for _ in range(1000):
+        row = stream.step()
+        tags.extend(row["action"].tolist())
+        writer.add(**row)
+    writer.drain()
+    assert writer.stats.steps_acked == 2000 and writer.stats.steps_committed < 2000
+    time.sleep(1.0 + 1.0)
+    assert writer.committed_steps() == 2000
+    os.kill(ray.get(actor.info.remote()).pid, signal.SIGKILL)
+    ray.kill(actor)
+    with ReplayStore.open(tmp_path / "s", mode="r") as store:
+        assert store.counts.transitions == 2000
+        assert sorted(store.get(store.valid_ids()).action.tolist()) == sorted(tags)
+
+
+def test_rate_limited_writers_and_learner_through_the_actor(tmp_path: Path) -> None:
+    lim = RateLimiter.sample_to_insert_ratio(2.0, 64, 64.0, timeout_s=2.0)
+    args = create_args(frame_stack=1, n_step=1, capacity=20_000)
+    actor = start_store_actor(tmp_path / "s", args, rate_limiter=lim)
+    stream = Stream([0, 1, 2, 3], seed=6, p_end=0.0)
+    writer = BlockWriter(actor, [0, 1, 2, 3], block_steps=8, insert_timeout_s=0.3)
+    writer.reset(stream.first())
+    with pytest.raises(RateLimitTimeoutError, match="dropped"):
+        for _ in range(200):  # no learner: the band lets ~96 steps in
+            writer.add(**stream.step())
+    assert writer.stats.blocks_timed_out == 1
+    batches = RemoteBatches(actor, 16, prefetch=2, background=False)
+    with pytest.raises(RateLimitTimeoutError, match="writers are not inserting"):
+        for _ in range(100):
+            next(batches)
+    writer.insert_timeout_s = 30.0
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=_send_rows, args=(writer, stream, 150, errors))
+    thread.start()
+    while thread.is_alive():
+        try:
+            next(batches)
+        except RateLimitTimeoutError:
+            pass  # the writer finished while a sample waited
+    assert not errors, errors
+    stats = ray.get(actor.rate_limiter_stats.remote())
+    assert -64 - 16 * 3 <= stats["error"] <= 64 + 8 * 4 * 2, stats
+    assert stats["insert_wait_s"] > 0 and stats["sample_wait_s"] > 0
+    batches.close()
+    ray.get(actor.flush.remote())
+    with ReplayStore.open(tmp_path / "s", mode="r") as store:
+        assert store.rate_limiter_state()["samples"] > 0
+    ray.kill(actor)
+
+
+def _send_rows(writer: BlockWriter, stream: Stream, rows: int,
+               errors: list[BaseException]) -> None:
+    try:
+        for _ in range(rows):
+            writer.add(**stream.step())
+        writer.drain()
+    except BaseException as exc:  # noqa: BLE001 - checked by the caller
+        errors.append(exc)
+
+
+def test_killing_a_rate_limited_actor_leaves_no_one_waiting(tmp_path: Path) -> None:
+    """A writer waits in the actor for samples; the actor is killed: the writer's call
+    fails, Ray restarts the actor with the committed counters, and a learner then lets
+    the writer finish."""
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 32, 16.0)  # no timeout: waits for good
+    args = create_args(frame_stack=1, n_step=1, capacity=20_000)
+    actor = start_store_actor(tmp_path / "s", args, rate_limiter=lim, flush_every_steps=16)
+    stream = Stream([0, 1], seed=8, p_end=0.0)
+    writer = BlockWriter(actor, [0, 1], block_steps=4, max_in_flight=1)
+    writer.reset(stream.first())
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=_send_rows, args=(writer, stream, 120, errors))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while ray.get(actor.rate_limiter_stats.remote())["inserts_blocked"] == 0:
+        assert time.monotonic() < deadline, "the writer never waited"
+        time.sleep(0.05)
+    os.kill(ray.get(actor.info.remote()).pid, signal.SIGKILL)
+    batches = RemoteBatches(actor, 4, prefetch=1, background=False)
+    while thread.is_alive():
+        next(batches)
+    thread.join()
+    assert not errors and writer.stats.blocks_failed >= 1, errors
+    stats = ray.get(actor.rate_limiter_stats.remote())
+    assert stats["inserts"] == ray.get(actor.counts.remote()).transitions
+    batches.close()
+    ray.kill(actor)

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import numbered_frame
 
 from mmreplay import ReplayStore, StoreLockedError
 from mmreplay.storage.commit import readers_shared
@@ -109,19 +110,16 @@ READER = textwrap.dedent("""
 """)
 
 
-def frame(n: int) -> np.ndarray:
-    return np.array([n], "<u4").view(np.uint8)
-
-
 def make_store(path, **kw) -> None:
-    """A small store whose frame n is `frame(n)` and whose transition t has action t."""
+    """A small store whose frame n is `numbered_frame(n, OBS)` (n as four little-endian
+    bytes) and whose transition t has action t."""
     kw.setdefault("capacity", 64)
     kw.setdefault("chunk_frames", 4)
     kw.setdefault("block_slots", 16)
     store = ReplayStore.create(path, obs_shape=OBS, seed=0, **kw)
-    store.reset(frame(0))
+    store.reset(numbered_frame(0, OBS))
     for n in range(40):
-        store.add(n, float(n), frame(n + 1), False, False)
+        store.add(n, float(n), numbered_frame(n + 1, OBS), False, False)
     store.close()
 
 
@@ -213,11 +211,11 @@ def test_a_loading_reader_keeps_the_files_of_its_generation(tmp_path):
     before = step_files(path)
     with readers_shared(path):
         for n in range(40, 60):
-            writer.add(n, float(n), frame(n + 1), False, False)
+            writer.add(n, float(n), numbered_frame(n + 1, OBS), False, False)
             writer.flush()
         assert before <= step_files(path)  # nothing the loading reader may read is gone
         assert writer._commits.retired
-    writer.add(60, 60.0, frame(61), False, False)
+    writer.add(60, 60.0, numbered_frame(61, OBS), False, False)
     writer.flush()
     assert not writer._commits.retired
     assert step_files(path) == {n for n in writer._commits.committed["files"]
@@ -230,7 +228,7 @@ def test_files_a_reader_kept_past_close_go_at_the_next_writable_open(tmp_path):
     make_store(path)
     with readers_shared(path):
         writer = ReplayStore.open(path)
-        writer.add(40, 40.0, frame(41), False, False)
+        writer.add(40, 40.0, numbered_frame(41, OBS), False, False)
         writer.close()
         leftover = step_files(path)
     store = ReplayStore.open(path)

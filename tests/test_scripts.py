@@ -234,3 +234,23 @@ def test_bench_sequences_smoke(tmp_path: Path) -> None:
         assert figures["frames_in_batch"] == 32 * 20 * 4 + 32 * 4
         assert 0 < figures["distinct_frames"] <= figures["frames_decoded"]
         assert figures["median_ms"] > 0
+
+
+def test_bench_codec_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "codec.json"
+    proc = run_script("bench_codec.py", "--games", "Pong", "--frames", "600",
+                      "--dict-train-chunks", "8", "--sizes", "1200", "--reps", "10",
+                      "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    pong = result["games"]["Pong"]
+    assert pong["gzip9_ratio"] > 1 and len(pong["codecs"]) == 9
+    for row in pong["codecs"].values():
+        assert row["bytes"] > row["chunk_bytes"] > 0 and row["decode_us_per_chunk"] > 0
+    lz4, zd = pong["codecs"]["lz4 c8"], pong["codecs"]["zstd-dict c8 64K l1"]
+    assert lz4["codec"] == "lz4" and zd["dict_bytes"] == 64 << 10 and zd["codec_level"] == 1
+    row = result["sampling"]["1200"]
+    assert set(row) == {"lz4 c8", "zstd-dict c8", "zstd-dict c4"}
+    assert row["lz4 c8"]["sample_vs_lz4"] == 1.0
+    assert all(r["sample_median_ms"] > 0 and r["add_steps_per_s"] > 0 for r in row.values())
+    assert "zstd-dict c8 64K l1" in result["targets"]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 import struct
+from functools import partial
 from pathlib import Path
 
 import google_crc32c
 import numpy as np
 import pytest
 import zarr
+from conftest import new_frame_store
 
 from mmreplay import ReplayStore
 from mmreplay.errors import InvalidStoreError
-from mmreplay.spec import make_spec
-from mmreplay.storage.frame_store import FrameStore, create_frames_array
+from mmreplay.storage.frame_store import FrameStore
 from mmreplay.storage.shards import (
     ABSENT,
     ShardFiles,
@@ -71,12 +72,8 @@ def test_a_damaged_or_short_index_is_refused():
         parse_index(b"", 10, 4, MAX_CHUNK, "shard")
 
 
-def make(tmp_path, *, slots=24, chunk=2, shard=4, envs=1, hook=None):
-    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=(3,), chunk_frames=chunk,
-                     shard_chunks=shard)
-    create_frames_array(tmp_path, spec)
-    (tmp_path / "tmp").mkdir()
-    return spec, FrameStore(tmp_path, spec, writable=True, before_chunk_write=hook)
+make = partial(new_frame_store, slots=24, chunk=2, shard=4, envs=1, obs_shape=(3,))
+"""(spec, FrameStore): 24 slots, 2-frame chunks, 4 chunks per shard file."""
 
 
 def put(store, env, values):

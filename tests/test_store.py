@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from conftest import frame
 
 from mmreplay import (
     EmptyStoreError,
@@ -25,10 +26,6 @@ from mmreplay import (
 OBS = (4, 3)
 
 
-def frame(value: int) -> np.ndarray:
-    return np.full(OBS, value % 256, np.uint8)
-
-
 def make(tmp_path, **kw):
     kw.setdefault("capacity", 64)
     kw.setdefault("obs_shape", OBS)
@@ -38,10 +35,10 @@ def make(tmp_path, **kw):
 
 def run_episode(store, start: int, length: int, *, terminated=True, reward=1.0) -> int:
     """Record o_start..o_{start+length}; returns the next free frame value."""
-    store.reset(frame(start))
+    store.reset(frame(start, OBS))
     for i in range(1, length + 1):
         last = i == length
-        store.add(i % 3, reward, frame(start + i), terminated and last, False)
+        store.add(i % 3, reward, frame(start + i, OBS), terminated and last, False)
     return start + length + 1
 
 
@@ -98,9 +95,9 @@ def test_stack_never_reads_previous_episode(tmp_path):
 
 def test_n_step_return_and_discount(tmp_path):
     store = make(tmp_path, n_step=3, gamma=0.5)
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     for i, r in enumerate([1.0, 2.0, 4.0, 8.0]):
-        store.add(0, r, frame(i + 1), i == 3, False)
+        store.add(0, r, frame(i + 1, OBS), i == 3, False)
     batch = store.get(store.valid_ids())
     assert batch.ids.tolist() == [0, 1, 2, 3]
     np.testing.assert_allclose(batch.reward, [1 + 1 + 1, 2 + 2 + 2, 4 + 4, 8])
@@ -110,20 +107,20 @@ def test_n_step_return_and_discount(tmp_path):
 
 def test_open_window_is_not_sampleable(tmp_path):
     store = make(tmp_path, n_step=3)
-    store.reset(frame(0))
-    store.add(0, 1.0, frame(1), False, False)
-    store.add(0, 1.0, frame(2), False, False)
+    store.reset(frame(0, OBS))
+    store.add(0, 1.0, frame(1, OBS), False, False)
+    store.add(0, 1.0, frame(2, OBS), False, False)
     assert len(store) == 0
     with pytest.raises(UnknownIdError):
         store.get([0])
-    store.add(0, 1.0, frame(3), False, False)
+    store.add(0, 1.0, frame(3, OBS), False, False)
     assert store.valid_ids().tolist() == [0]
 
 
 def test_truncated_bootstraps_from_final_observation(tmp_path):
     store = make(tmp_path, gamma=0.9)
-    store.reset(frame(0))
-    store.add(1, 1.0, frame(1), False, True)
+    store.reset(frame(0, OBS))
+    store.add(1, 1.0, frame(1, OBS), False, True)
     batch = store.get([0])
     assert batch.truncated.tolist() == [True] and batch.terminated.tolist() == [False]
     assert batch.discount.item() == pytest.approx(0.9)
@@ -132,11 +129,11 @@ def test_truncated_bootstraps_from_final_observation(tmp_path):
 
 def test_reset_of_running_episode_truncates_it(tmp_path):
     store = make(tmp_path, n_step=3)
-    store.reset(frame(0))
-    store.add(0, 1.0, frame(1), False, False)
-    store.add(0, 1.0, frame(2), False, False)
+    store.reset(frame(0, OBS))
+    store.add(0, 1.0, frame(1, OBS), False, False)
+    store.add(0, 1.0, frame(2, OBS), False, False)
     assert len(store) == 0
-    store.reset(frame(3))
+    store.reset(frame(3, OBS))
     batch = store.get([0, 1])
     assert batch.truncated.tolist() == [True, True]  # both n-step windows end at the cut
     assert batch.discount.tolist() == pytest.approx([0.99**2, 0.99])
@@ -145,9 +142,9 @@ def test_reset_of_running_episode_truncates_it(tmp_path):
 
 def test_fifo_capacity_and_eviction(tmp_path):
     store = make(tmp_path, capacity=10, frame_stack=2, chunk_frames=4)
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     for i in range(1, 30):
-        store.add(0, 0.0, frame(i), False, False)
+        store.add(0, 0.0, frame(i, OBS), False, False)
     # frames 20..29 are kept; transition t needs frames t-1..t+1
     assert store.counts.frames_kept == 10
     assert store.valid_ids().tolist() == list(range(21, 29))
@@ -157,7 +154,7 @@ def test_fifo_capacity_and_eviction(tmp_path):
 
 def test_multi_env_ids_in_env_order_and_autoreset(tmp_path):
     store = make(tmp_path, num_envs=3, capacity=60)
-    obs = np.stack([frame(v) for v in (0, 100, 200)])
+    obs = np.stack([frame(v, OBS) for v in (0, 100, 200)])
     store.reset(obs)
     store.add(np.array([0, 1, 2]), np.zeros(3), obs + 1, np.array([False, True, False]),
               np.zeros(3, bool))
@@ -175,10 +172,10 @@ def test_multi_env_ids_in_env_order_and_autoreset(tmp_path):
 
 def test_reset_subset_of_envs(tmp_path):
     store = make(tmp_path, num_envs=2, capacity=40)
-    store.reset(np.stack([frame(0), frame(50)]))
-    store.add(np.array([0, 0]), np.zeros(2), np.stack([frame(1), frame(51)]),
+    store.reset(np.stack([frame(0, OBS), frame(50, OBS)]))
+    store.add(np.array([0, 0]), np.zeros(2), np.stack([frame(1, OBS), frame(51, OBS)]),
               np.zeros(2, bool), np.zeros(2, bool))
-    store.reset(frame(60)[None], env_ids=[1])
+    store.reset(frame(60, OBS)[None], env_ids=[1])
     assert store.get([1]).truncated.item() is True
     assert store.get([0]).truncated.item() is False  # env 0 keeps running
 
@@ -191,7 +188,7 @@ def _steps(n: int, value: int) -> tuple:
 
 def test_add_with_env_ids_advances_only_those_envs(tmp_path):
     store = make(tmp_path, num_envs=3, capacity=60, frame_stack=2, n_step=2, gamma=0.5)
-    store.reset(np.stack([frame(0), frame(100), frame(200)]))
+    store.reset(np.stack([frame(0, OBS), frame(100, OBS), frame(200, OBS)]))
     store.add(*_steps(2, 1), env_ids=[2, 0])         # rows in env_ids order: ids 0 (env 2), 1
     store.add(*_steps(1, 2), env_ids=[0])
     store.add(*_steps(1, 3), env_ids=[0])
@@ -209,7 +206,7 @@ def test_add_with_env_ids_advances_only_those_envs(tmp_path):
 
 def test_add_with_env_ids_autoreset_and_eviction_per_env(tmp_path):
     store = make(tmp_path, num_envs=2, capacity=8)   # 4 frames per env
-    store.reset(np.stack([frame(0), frame(100)]))
+    store.reset(np.stack([frame(0, OBS), frame(100, OBS)]))
     for v in range(1, 7):
         store.add(*_steps(1, v), env_ids=[0])
     assert store.counts.frames_kept == 4 + 1  # env 0 evicted its oldest, env 1 kept its o_0
@@ -226,7 +223,7 @@ def test_old_ids_of_a_lagging_env_stay_reachable(tmp_path):
     """Env 0 keeps its one transition while env 1 writes many times the store's capacity:
     get and update_priorities still find it, also after a reopen."""
     store = make(tmp_path, num_envs=2, capacity=16, sampler="prioritized")
-    store.reset(np.stack([frame(0), frame(100)]))
+    store.reset(np.stack([frame(0, OBS), frame(100, OBS)]))
     action, reward, obs, term, trunc = _steps(1, 1)
     store.add(action, reward, obs, term | True, trunc, env_ids=[0])  # id 0, env 0 ends
     for v in range(200):
@@ -255,7 +252,7 @@ BAD_ENV_ID_ADDS = [
 @pytest.mark.parametrize(("override", "message"), BAD_ENV_ID_ADDS)
 def test_bad_add_with_env_ids_is_rejected_and_changes_nothing(tmp_path, override, message):
     store = make(tmp_path, num_envs=3, capacity=30, frame_stack=2)
-    store.reset(np.stack([frame(0), frame(100), frame(200)]))
+    store.reset(np.stack([frame(0, OBS), frame(100, OBS), frame(200, OBS)]))
     action, reward, obs, term, trunc = _steps(3, 1)
     store.add(action, reward, obs, term | [False, True, False], trunc)  # env 1 ends
     before_ids, before = snapshot(store)
@@ -275,8 +272,8 @@ def test_bad_add_with_env_ids_is_rejected_and_changes_nothing(tmp_path, override
 
 def test_single_env_add_with_env_ids(tmp_path):
     store = make(tmp_path)
-    store.reset(frame(0))
-    store.add(1, 1.0, frame(1), False, False, env_ids=[0])          # unbatched rows
+    store.reset(frame(0, OBS))
+    store.add(1, 1.0, frame(1, OBS), False, False, env_ids=[0])          # unbatched rows
     store.add(*_steps(1, 2), env_ids=np.array([0]))                 # batched rows
     store.add(*_steps(0, 0), env_ids=np.zeros(0, np.int64))         # no env: nothing
     assert store.counts.transitions == 2 and store.counts.frames_written == 3
@@ -295,8 +292,8 @@ def test_non_image_float_observations(tmp_path):
 
 def test_vector_actions(tmp_path):
     store = make(tmp_path, action_shape=(2,), action_dtype=np.float32)
-    store.reset(frame(0))
-    store.add(np.array([0.5, -1.0], np.float32), 0.0, frame(1), True, False)
+    store.reset(frame(0, OBS))
+    store.add(np.array([0.5, -1.0], np.float32), 0.0, frame(1, OBS), True, False)
     assert store.get([0]).action.tolist() == [[0.5, -1.0]]
 
 
@@ -323,14 +320,14 @@ def test_bad_add_is_rejected_and_changes_nothing(tmp_path, override, message):
     store = make(tmp_path, frame_stack=2)
     run_episode(store, 0, 3, terminated=False)
     before_ids, before = snapshot(store)
-    args = dict(action=0, reward=1.0, next_obs=frame(9), terminated=False, truncated=False)
+    args = dict(action=0, reward=1.0, next_obs=frame(9, OBS), terminated=False, truncated=False)
     args.update(override)
     with pytest.raises(InvalidInputError, match=message):
         store.add(**args)
     after_ids, after = snapshot(store)
     assert np.array_equal(before_ids, after_ids)
     assert_same_batches(before, after)
-    store.add(0, 1.0, frame(4), True, False)  # and the store still works
+    store.add(0, 1.0, frame(4, OBS), True, False)  # and the store still works
     assert store.counts.transitions == 4
 
 
@@ -342,17 +339,17 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
     stores = [make(tmp_path / name, capacity=40, frame_stack=2, n_step=2,
                    action_dtype=action_dtype) for name in ("plain", "arrays")]
     for store in stores:
-        store.reset(frame(0))
+        store.reset(frame(0, OBS))
     for t in range(1, 100):
         action, reward = int(rng.integers(0, 200)), float(rng.normal() * 1e3)
         term, trunc = bool(rng.random() < 0.08), bool(rng.random() < 0.04)
-        obs = frame(int(rng.integers(0, 255)))
+        obs = frame(int(rng.integers(0, 255)), OBS)
         stores[0].add(action, reward, obs, term, np.bool_(trunc) if t % 2 else trunc)
         stores[1].add(np.array(action, action_dtype), np.float64(reward), obs[None],
                       np.array([term]), np.bool_(trunc))
         if term or trunc:
             for store in stores:
-                store.reset(frame(t))
+                store.reset(frame(t, OBS))
     a, b = (snapshot(store) for store in stores)
     assert np.array_equal(a[0], b[0]) and a[0].size > 20
     assert_same_batches(a[1], b[1])
@@ -361,11 +358,11 @@ def test_plain_scalar_steps_store_what_arrays_store(tmp_path, action_dtype):
 
 def test_actions_that_do_not_fit_the_action_dtype_are_refused(tmp_path):
     store = make(tmp_path, action_dtype="int8")
-    store.reset(frame(0))
+    store.reset(frame(0, OBS))
     for bad in (300, -129, np.int64(128), np.array(1000)):
         with pytest.raises(InvalidInputError, match="does not fit"):
-            store.add(bad, 0.0, frame(1), False, False)
-    store.add(np.int64(-128), 0.0, frame(1), True, False)
+            store.add(bad, 0.0, frame(1, OBS), False, False)
+    store.add(np.int64(-128), 0.0, frame(1, OBS), True, False)
     assert store.get([0]).action.tolist() == [-128] and store.counts.transitions == 1
 
 
@@ -386,20 +383,20 @@ def test_cache_budget_default_and_bad_values(tmp_path):
 def test_add_before_reset(tmp_path):
     store = make(tmp_path)
     with pytest.raises(InvalidInputError, match="reset"):
-        store.add(0, 0.0, frame(1), False, False)
+        store.add(0, 0.0, frame(1, OBS), False, False)
     run_episode(store, 0, 2)
     with pytest.raises(InvalidInputError, match="reset"):
-        store.add(0, 0.0, frame(9), False, False)
+        store.add(0, 0.0, frame(9, OBS), False, False)
 
 
 def test_wrong_leading_dimension_and_unknown_env(tmp_path):
     store = make(tmp_path, num_envs=2, capacity=20)
     with pytest.raises(InvalidInputError, match="leading dimension"):
-        store.reset(np.stack([frame(0)] * 3))
+        store.reset(np.stack([frame(0, OBS)] * 3))
     with pytest.raises(InvalidInputError, match="unknown env id 5"):
-        store.reset(frame(0)[None], env_ids=[5])
+        store.reset(frame(0, OBS)[None], env_ids=[5])
     with pytest.raises(InvalidInputError, match="duplicates"):
-        store.reset(np.stack([frame(0)] * 2), env_ids=[1, 1])
+        store.reset(np.stack([frame(0, OBS)] * 2), env_ids=[1, 1])
     assert store.counts.frames_written == 0
 
 
@@ -456,12 +453,12 @@ def test_open_rejects_non_store_and_newer_format(tmp_path):
 def test_reopen_is_bit_identical(tmp_path):
     store = make(tmp_path, capacity=30, num_envs=2, frame_stack=4, n_step=3, chunk_frames=4)
     rng = np.random.default_rng(0)
-    store.reset(np.stack([frame(0), frame(100)]))
+    store.reset(np.stack([frame(0, OBS), frame(100, OBS)]))
     prev_done = np.zeros(2, bool)
     for i in range(1, 50):
         done = rng.random(2) < 0.1
         store.add(rng.integers(0, 4, 2), rng.normal(size=2),
-                  np.stack([frame(i), frame(100 + i)]), done, np.zeros(2, bool),
+                  np.stack([frame(i, OBS), frame(100 + i, OBS)]), done, np.zeros(2, bool),
                   autoreset=prev_done)
         prev_done = done
     ids, before = snapshot(store)
@@ -495,7 +492,7 @@ def test_flush_is_incremental(tmp_path):
     store.flush()
     before = set((tmp_path / "store" / "steps").iterdir())
     for i in range(1001, 1011):
-        store.add(0, 0.0, frame(i), False, False)
+        store.add(0, 0.0, frame(i, OBS), False, False)
     store.flush()
     after = set((tmp_path / "store" / "steps").iterdir())
     assert len(after - before) == 1  # only the block holding the 10 new steps
@@ -527,7 +524,7 @@ def test_wrap_without_flush_gives_up_old_frames_in_the_manifest(tmp_path, shard_
     store.flush()
     committed = json.loads((tmp_path / "store" / "manifest.json").read_text())
     for i in range(11, 34):  # wraps: files holding committed frames get overwritten
-        store.add(0, 0.0, frame(i), False, False)
+        store.add(0, 0.0, frame(i, OBS), False, False)
     manifest = json.loads((tmp_path / "store" / "manifest.json").read_text())
     assert manifest["written"] == committed["written"]  # nothing new committed...
     assert manifest["kept_from"][0] > committed["kept_from"][0]  # ...but old frames given up
@@ -542,7 +539,7 @@ def test_read_only_mode(tmp_path):
     make(tmp_path).close()
     store = ReplayStore.open(tmp_path / "store", mode="r")
     with pytest.raises(ReadOnlyError):
-        store.reset(frame(0))
+        store.reset(frame(0, OBS))
     with pytest.raises(ReadOnlyError):
         store.flush()
     with pytest.raises(InvalidInputError, match="mode"):
@@ -564,8 +561,8 @@ def test_reader_in_other_process_sees_last_flush(tmp_path):
     store = make(tmp_path)
     run_episode(store, 0, 5)
     store.flush()
-    store.reset(frame(50))
-    store.add(0, 0.0, frame(51), True, False)  # not flushed
+    store.reset(frame(50, OBS))
+    store.add(0, 0.0, frame(51, OBS), True, False)  # not flushed
     code = textwrap.dedent(f"""
         from mmreplay import ReplayStore
         s = ReplayStore.open({str(tmp_path / 'store')!r}, mode="r")
@@ -593,25 +590,25 @@ def test_durable_mode_round_trips(tmp_path, monkeypatch):
 
 def test_single_env_accepts_a_leading_env_dimension(tmp_path):
     store = make(tmp_path)
-    store.reset(frame(0)[None])
-    store.add(np.array([1]), np.array([0.5]), frame(1)[None], np.array([True]),
+    store.reset(frame(0, OBS)[None])
+    store.add(np.array([1]), np.array([0.5]), frame(1, OBS)[None], np.array([True]),
               np.array([False]))
     assert store.get([0]).next_obs[0, 0, 0, 0] == 1
     with pytest.raises(InvalidInputError, match="obs_shape"):
-        store.add(1, 0.5, np.stack([frame(2)] * 2), False, False)
+        store.add(1, 0.5, np.stack([frame(2, OBS)] * 2), False, False)
 
 
 @pytest.mark.parametrize("shard_chunks", [1, 0])  # a file per chunk; one shard file
 def test_reader_never_returns_frames_a_writer_overwrote(tmp_path, shard_chunks):
     writer = make(tmp_path, capacity=32, chunk_frames=4, shard_chunks=shard_chunks)
-    writer.reset(frame(0))
+    writer.reset(frame(0, OBS))
     for i in range(1, 30):
-        writer.add(0, 0.0, frame(i), False, False)
+        writer.add(0, 0.0, frame(i, OBS), False, False)
     writer.flush()
     reader = ReplayStore.open(tmp_path / "store", mode="r", cache_bytes=0)
     assert len(reader) == 29
     for i in range(30, 70):  # wraps: committed frames are given up, then overwritten
-        writer.add(0, 0.0, frame(i), False, False)
+        writer.add(0, 0.0, frame(i, OBS), False, False)
         if len(reader):
             batch = reader.sample(8)
             # transition id t starts at frame t: a stale read would show a newer frame
@@ -638,12 +635,12 @@ def test_close_after_a_failed_chunk_write_raises_and_still_releases_the_lock(tmp
 
     monkeypatch.setattr(fs, "write_atomic", full)
     monkeypatch.setattr(shards, "write_atomic", full)
-    store.reset(frame(50))
+    store.reset(frame(50, OBS))
     if shard_chunks == 1:
         with pytest.raises(OSError, match="No space"):  # o_0 and the first step fill a chunk
-            store.add(0, 0.0, frame(51), False, False)
+            store.add(0, 0.0, frame(51, OBS), False, False)
     else:
-        store.add(0, 0.0, frame(51), False, False)  # the chunk waits in RAM for its shard
+        store.add(0, 0.0, frame(51, OBS), False, False)  # the chunk waits in RAM for its shard
     with pytest.raises(OSError, match="No space"):
         store.close()
     monkeypatch.undo()

@@ -76,9 +76,13 @@ def is_private(name: str) -> bool:
 
 def private_uses(source: str, where: str) -> list[str]:
     """Uses of other modules' private names in `source`: ``x._name`` where `x` is not
-    ``self``/``cls`` and no enclosing class of this module defines ``_name``, and imports
-    of ``_name`` (a private module or a module's private name)."""
+    ``self``/``cls`` and no class of this module defines ``_name`` (the module owns its
+    classes' private names: its helper functions may use them), and imports of ``_name``
+    (a private module or a module's private name)."""
     found: list[str] = []
+    tree = ast.parse(source, where)
+    module_owned = frozenset().union(*(class_privates(node) for node in ast.walk(tree)
+                                       if isinstance(node, ast.ClassDef)))
 
     def visit(node: ast.AST, owned: frozenset[str]) -> None:
         if isinstance(node, ast.ClassDef):
@@ -98,7 +102,7 @@ def private_uses(source: str, where: str) -> list[str]:
         for child in ast.iter_child_nodes(node):
             visit(child, owned)
 
-    visit(ast.parse(source, where), frozenset())
+    visit(tree, module_owned)
     return found
 
 
@@ -202,10 +206,12 @@ def test_private_scan_finds_reach_ins_and_spares_owners():
         "class A:\n    _slots = 1\n    def __init__(self):\n        self._x = 0\n"
         "    def same(self, other):\n        return other._x + other._slots + self._y\n"
         "    def _y(self):\n        return 0\n"
-        "class B:\n    def reach(self, a):\n        return a._x\n")
+        "def helper(a):\n    return a._x\n")
     assert private_uses(source, "t.py") == [
         "from mmreplay.storage.safe_io import _line", "import mmreplay._moved",
-        "store._ring", "a._x"]
+        "store._ring"]  # `helper` is A's module's own
+    other = "class B:\n    def reach(self, a):\n        return a._x\n"
+    assert private_uses(other, "u.py") == ["a._x"]
 
 
 # -- (b) the import graph: no cycle, nothing upward ----------------------------------------

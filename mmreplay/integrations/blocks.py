@@ -22,6 +22,7 @@ writer starts fresh episodes. This module imports no Ray.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,8 @@ import numpy as np
 from numcodecs import blosc
 
 from mmreplay import validate
-from mmreplay.errors import InvalidInputError
+from mmreplay.errors import InvalidInputError, RateLimitTimeoutError
+from mmreplay.index.sum_tree import SumTree
 from mmreplay.recorder import StepRows
 from mmreplay.store import ReplayStore
 
@@ -105,8 +107,9 @@ class BlockAck:
     """A store's answer to one block.
 
     `accepted` False: refused because an env's stream did not continue here (a store
-    restart in between); nothing was applied. `seq` numbers accepted blocks within one
-    store process (`incarnation`); every block with ``seq <= flushed_seq`` is committed.
+    restart in between), or `timed_out` waiting for the store's rate limiter; nothing
+    was applied. `seq` numbers accepted blocks within one store process (`incarnation`);
+    every block with ``seq <= flushed_seq`` is committed.
     """
 
     accepted: bool
@@ -114,6 +117,7 @@ class BlockAck:
     seq: int
     flushed_seq: int
     first_id: int = -1  # id of the block's first step (ids follow in row-major order)
+    timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,23 +133,39 @@ class FlushInfo:
 
 @dataclass
 class FlushSchedule:
-    """Flush after `every_steps` steps or `every_s` seconds, whichever comes first."""
+    """Flush after `every_steps` steps (checked as blocks arrive) or `every_s` seconds
+    after the first step not yet flushed (checked by a `FlushTimer`), whichever first."""
 
     every_steps: int = 10_000
     every_s: float = 30.0
     steps: int = 0
     last: float = field(default_factory=time.monotonic)
+    pending_since: float | None = None  # when the oldest unflushed step was taken
 
     def due(self, new_steps: int) -> bool:
+        """Count `new_steps` taken; True when as many as `every_steps` wait for a flush."""
         self.steps += new_steps
-        return self.steps >= self.every_steps or time.monotonic() - self.last >= self.every_s
+        if new_steps and self.pending_since is None:
+            self.pending_since = time.monotonic()
+        return self.steps >= self.every_steps
+
+    def seconds_left(self) -> float | None:
+        """Until the unflushed steps are `every_s` old (<= 0: due); None if there are none."""
+        if self.pending_since is None:
+            return None
+        return self.pending_since + self.every_s - time.monotonic()
 
     def done(self) -> None:
-        self.steps, self.last = 0, time.monotonic()
+        self.steps, self.last, self.pending_since = 0, time.monotonic(), None
 
 
 class BlockTaker:
-    """Applies blocks to one writable store and tracks each env's stream (RAM only)."""
+    """Applies blocks to one writable store and tracks each env's stream (RAM only).
+
+    Thread-safe: blocks are applied and flushes made under one lock, so a `FlushTimer`
+    can flush while blocks arrive. A block waits on the store's rate limiter (if any)
+    outside that lock, for its steps, before it is applied.
+    """
 
     def __init__(self, store: ReplayStore, *, incarnation: str,
                  schedule: FlushSchedule | None = None) -> None:
@@ -156,14 +176,39 @@ class BlockTaker:
         self.open = np.zeros(store.spec.num_envs, bool)  # the env's last row left it running
         self.seq = 0
         self.flushed_seq = 0
+        self._lock = threading.RLock()
 
-    def take(self, block: StepBlock) -> BlockAck:
-        """Check the whole block, then apply it row by row; flush when the schedule says."""
+    def take(self, block: StepBlock, *, timeout_s: float | None = None) -> BlockAck:
+        """Check the whole block, wait for the rate limiter (`timeout_s`, None: its own),
+        then apply the block row by row; flush when the schedule says."""
         rows = check_block(self.store, block)
         envs = rows.env_ids
         continues = ~block.autoreset[0]
         if ((self.stream[envs] != block.stream) | ~self.open[envs])[continues].any():
             return BlockAck(False, self.incarnation, -1, self.flushed_seq)
+        limiter = self.store.rate_limiter
+        if limiter is not None:
+            try:
+                if timeout_s is None:
+                    limiter.await_insert(block.steps)
+                else:
+                    limiter.await_insert(block.steps, timeout_s)
+            except RateLimitTimeoutError:
+                self.open[envs] = False  # the writer's next block must start afresh
+                return BlockAck(False, self.incarnation, -1, self.flushed_seq, timed_out=True)
+        try:
+            with self._lock:
+                ack = self._apply(block, rows)
+        except BaseException:
+            if limiter is not None:
+                limiter.cancel_insert(block.steps)
+            raise
+        if self.schedule.due(block.steps):
+            self.flush()
+        return ack
+
+    def _apply(self, block: StepBlock, rows: CheckedRows) -> BlockAck:
+        envs = rows.env_ids
         first_id = self.store.counts.transitions if block.priorities is not None else -1
         self.store.add_rows(StepRows(envs, rows.action, rows.reward, rows.frames,
                                      rows.terminated, rows.truncated, rows.autoreset))
@@ -175,17 +220,64 @@ class BlockTaker:
             ids = first_id + np.arange(int(steps.sum()))
             self.store.update_priorities(ids, block.priorities.reshape(-1)[steps])
         self.seq += 1
-        if self.schedule.due(block.steps):
-            self.flush()
         return BlockAck(True, self.incarnation, self.seq, self.flushed_seq, first_id)
 
     def flush(self) -> FlushInfo:
         """Commit now; says what was committed."""
-        self.store.flush()
-        self.flushed_seq = self.seq
-        self.schedule.done()
-        return FlushInfo(self.incarnation, self.seq, self.store.counts.transitions,
-                         self.store.generation)
+        with self._lock:
+            self.store.flush()
+            self.flushed_seq = self.seq
+            self.schedule.done()
+            return FlushInfo(self.incarnation, self.seq, self.store.counts.transitions,
+                             self.store.generation)
+
+    def flush_if_old(self) -> float | None:
+        """Flush if the oldest unflushed step is `every_s` old; the seconds until the next
+        check is needed (None: nothing waits for a flush)."""
+        with self._lock:
+            left = self.schedule.seconds_left()
+            if left is not None and left <= 0:
+                self.flush()
+                return None
+            return left
+
+
+def warm_up_kernels() -> None:
+    """Load the compiled kernels a flush uses (numba's cache takes seconds to load in a
+    fresh process), so that the first timed flush keeps its deadline."""
+    tree = SumTree(4)
+    tree.set(np.array([1]), np.array([1.0]))
+
+
+class FlushTimer:
+    """A thread that keeps the time promise of `FlushSchedule.every_s` when no block
+    arrives: it flushes `every_s` after the first step not yet flushed, so at most
+    `every_s` seconds of acknowledged steps are ever at risk. Not in the data path: it
+    only sleeps until the next deadline and takes the taker's lock to flush. A failed
+    flush is kept in `error` and tried again at the next deadline."""
+
+    def __init__(self, taker: BlockTaker) -> None:
+        self.taker = taker
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmreplay-flush-timer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        warm_up_kernels()  # a process's first flush would load them: seconds, not ms
+        every = self.taker.schedule.every_s
+        wait: float | None = self.taker.flush_if_old()
+        while not self._stop.wait(every if wait is None else max(wait, 0.001)):
+            try:
+                wait = self.taker.flush_if_old()
+            except Exception as exc:  # noqa: BLE001 - kept for the owner; retried later
+                self.error, wait = exc, every
+
+    def close(self) -> None:
+        """Stop the thread (a flush under way finishes first). Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 @dataclass(frozen=True)

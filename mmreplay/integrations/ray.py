@@ -27,18 +27,21 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.errors import StoreLockedError
+from mmreplay.errors import RateLimitTimeoutError, StoreLockedError
 from mmreplay.integrations.blocks import (
     BlockAck,
     BlockTaker,
     FlushInfo,
     FlushSchedule,
+    FlushTimer,
     StepBlock,
     compress_frames,
     make_block,
+    warm_up_kernels,
 )
 from mmreplay.integrations.ray_learner import RemoteBatches, to_batch
 from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
+from mmreplay.rate_limit import RateLimiter
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.manifest import MANIFEST
 from mmreplay.store import ReplayStore, StoreCounts
@@ -79,21 +82,33 @@ def open_or_create(path: str | os.PathLike[str], create: dict[str, Any] | None, 
 class StoreActor:
     """The store's one writer, as a plain Ray actor class (see `start_store_actor`).
 
-    Data calls (`add_block`, `sample`, `update_priorities`, `flush`) run one at a time
-    on the actor's thread; `info` and `counts` run in a separate "stats" group.
+    `add_block` calls run one at a time on one thread, learner calls (`sample`,
+    `update_priorities`) on another ("learner" group) and `flush` on a third, so a block
+    waiting on the rate limiter for samples never holds the samples or a checkpoint up;
+    `info`, `counts` and the limiter's switches run in a "stats" group. A `FlushTimer`
+    thread flushes `flush_every_s` after the first unflushed step even when no block
+    arrives.
+    `rate_limiter` is a `RateLimiter.config()` dict (the limiter takes the store's
+    committed counters, so a restarted actor keeps the ratio).
     """
 
     def __init__(self, path: str, create: dict[str, Any] | None = None, *,
                  flush_every_steps: int = 10_000, flush_every_s: float = 30.0,
-                 lock_wait_s: float = 10.0) -> None:
+                 lock_wait_s: float = 10.0, rate_limiter: dict[str, Any] | None = None) -> None:
         self.store = open_or_create(path, create, lock_wait_s=lock_wait_s)
+        if rate_limiter is not None:
+            self.store.set_rate_limiter(RateLimiter.from_config(rate_limiter))
         self.incarnation = uuid.uuid4().hex
         self.taker = BlockTaker(self.store, incarnation=self.incarnation,
                                 schedule=FlushSchedule(flush_every_steps, flush_every_s))
+        warm_up_kernels()  # before the first block: the timer's first flush keeps its time
+        self.timer = FlushTimer(self.taker)
 
-    def add_block(self, block: StepBlock) -> BlockAck:
-        return self.taker.take(block)
+    def add_block(self, block: StepBlock, timeout_s: float | None = None) -> BlockAck:
+        """Apply `block`; with a rate limiter wait at most `timeout_s` (None: its own)."""
+        return self.taker.take(block, timeout_s=timeout_s)
 
+    @ray.method(concurrency_group="learner")
     def sample(self, batch_size: int, beta: float = 0.4, compress: bool = True,
                count: int = 1) -> list[dict[str, Any]]:
         """`count` batches as numpy arrays (they cross Ray without pickling tensors); with
@@ -108,11 +123,14 @@ class StoreActor:
                 out[name] = (compress_frames(out[name]), out[name].shape, out[name].dtype.str)
         return out
 
+    @ray.method(concurrency_group="learner")
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
         return self.store.update_priorities(ids, priorities)
 
+    @ray.method(concurrency_group="flush")
     def flush(self) -> FlushInfo:
-        """Commit now; says what was committed (see `BlockAck` for `seq`)."""
+        """Commit now; says what was committed (see `BlockAck` for `seq`). Runs in its own
+        thread: a block waiting on the rate limiter must not hold a checkpoint up."""
         return self.taker.flush()
 
     def spec(self) -> StoreSpec:
@@ -123,6 +141,24 @@ class StoreActor:
         return self.store.counts
 
     @ray.method(concurrency_group="stats")
+    def flushed(self) -> tuple[str, int]:
+        """(incarnation, seq): every block of this process up to `seq` is committed."""
+        return self.incarnation, self.taker.flushed_seq
+
+    @ray.method(concurrency_group="stats")
+    def rate_limiter_stats(self) -> dict[str, Any] | None:
+        """The rate limiter's `stats()` (None without one)."""
+        limiter = self.store.rate_limiter
+        return None if limiter is None else limiter.stats()
+
+    @ray.method(concurrency_group="stats")
+    def set_rate_limiting(self, enabled: bool) -> None:
+        """Switch the rate limiter off (preloading) or back on (see `RateLimiter.enable`)."""
+        limiter = self.store.rate_limiter
+        if limiter is not None:
+            limiter.enable() if enabled else limiter.disable()
+
+    @ray.method(concurrency_group="stats")
     def info(self) -> ActorInfo:
         ctx = ray.get_runtime_context()
         return ActorInfo(pid=os.getpid(), node_id=ctx.get_node_id(),
@@ -131,24 +167,29 @@ class StoreActor:
                          generation=self.store.generation)
 
     def close(self) -> None:
+        self.timer.close()
         self.store.close()
 
 
 def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | None = None, *,
                       flush_every_steps: int = 10_000, flush_every_s: float = 30.0,
                       max_restarts: int = -1, node_id: str | None = None,
-                      name: str | None = None) -> Any:
+                      name: str | None = None,
+                      rate_limiter: RateLimiter | None = None) -> Any:
     """Start a `StoreActor` pinned to `node_id` (default: this process's node, whose disk
-    holds `path`); ``num_cpus=0`` so it takes no CPU slot from env actors."""
+    holds `path`); ``num_cpus=0`` so it takes no CPU slot from env actors. The actor
+    builds its own copy of `rate_limiter` (its parameters travel, not the object)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = node_id or ray.get_runtime_context().get_node_id()
-    cls = ray.remote(concurrency_groups={"stats": 1})(StoreActor)  # type: ignore[call-overload]
+    cls = ray.remote(concurrency_groups={"stats": 1, "learner": 1, "flush": 1})(  # type: ignore[call-overload]
+        StoreActor)
     return cls.options(
         num_cpus=0, max_restarts=max_restarts, max_task_retries=0, name=name,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(str(Path(path).resolve()), create, flush_every_steps=flush_every_steps,
-             flush_every_s=flush_every_s)
+             flush_every_s=flush_every_s,
+             rate_limiter=None if rate_limiter is None else rate_limiter.config())
 
 
 @dataclass
@@ -160,8 +201,10 @@ class WriterStats:
     steps_acked: int = 0
     bytes_sent: int = 0
     blocks_failed: int = 0  # refused after a store restart, or lost with the store process
+    blocks_timed_out: int = 0  # of those: refused after waiting on the rate limiter
     resyncs: int = 0  # times the writer started fresh episodes
-    wait_s: float = 0.0  # time spent blocked on max_in_flight (backpressure)
+    wait_s: float = 0.0  # time spent blocked on max_in_flight (backpressure, rate limiter)
+    steps_committed: int = 0  # acknowledged steps known to be committed by a flush
 
 
 class BlockWriter:
@@ -175,12 +218,18 @@ class BlockWriter:
     frames sent (the store ends the interrupted ones as truncated). Frames travel
     lz4-compressed by default: faster than raw blocks even on one machine
     (``scripts/bench_ray.py``), and ~40x fewer bytes between machines.
+
+    With a rate limiter in the store a block waits there for the learner, at most
+    `insert_timeout_s` (None: the limiter's own timeout); a block that timed out is
+    dropped like a refused one (fresh episodes follow) and the send that learns it
+    raises `RateLimitTimeoutError`. `committed_steps()` says how many acknowledged
+    steps a flush has committed.
     """
 
     def __init__(self, actor: Any, env_ids: Any, *, block_steps: int = 64,
                  max_in_flight: int = 2, compress: bool = True, spec: StoreSpec | None = None,
                  on_ack: Any = None, max_failures: int = 1000,
-                 restart_wait_s: float = 60.0) -> None:
+                 restart_wait_s: float = 60.0, insert_timeout_s: float | None = None) -> None:
         if block_steps < 1 or max_in_flight < 1:
             raise ValueError(f"block_steps and max_in_flight must be >= 1, got "
                              f"{block_steps}, {max_in_flight}")
@@ -190,8 +239,11 @@ class BlockWriter:
         self.block_steps, self.max_in_flight, self.compress = block_steps, max_in_flight, compress
         self.stats = WriterStats()
         self._on_ack, self._max_failures, self._failures_in_row = on_ack, max_failures, 0
-        self.restart_wait_s = restart_wait_s
+        self.restart_wait_s, self.insert_timeout_s = restart_wait_s, insert_timeout_s
+        self._acked: deque[tuple[str, int, int]] = deque()  # (incarnation, seq, steps)
+        self._flushed: tuple[str, int] = ("", 0)  # the newest (incarnation, flushed_seq)
         self._stream, self._resync = 0, False
+        self._timeout: RateLimitTimeoutError | None = None  # raised after the send
         self._prev_frames: np.ndarray | None = None
         self._in_flight: deque[tuple[Any, int, StepBlock]] = deque()
         self._new_buffer()
@@ -246,10 +298,18 @@ class BlockWriter:
         self._resync = False
         self._prev_frames = self._buf["frames"][self._fill].copy()
         self._new_buffer()
-        self._in_flight.append((self.actor.add_block.remote(block), block.stream, block))
+        self._in_flight.append((self.actor.add_block.remote(block, self.insert_timeout_s),
+                                block.stream, block))
         self.stats.blocks_sent += 1
         self.stats.steps_sent += block.steps
         self.stats.bytes_sent += block.nbytes
+        self._raise_timeout()
+
+    def _raise_timeout(self) -> None:
+        """Raise the rate limiter timeout an answer reported, once."""
+        error, self._timeout = self._timeout, None
+        if error is not None:
+            raise error
 
     def _wait_until(self, at_most: int) -> None:
         start = time.perf_counter()
@@ -266,6 +326,8 @@ class BlockWriter:
         if ack is not None and ack.accepted:
             self.stats.steps_acked += block.steps
             self._failures_in_row = 0
+            self._acked.append((ack.incarnation, ack.seq, block.steps))
+            self._learn_flushed(ack.incarnation, ack.flushed_seq)
         else:
             self.stats.blocks_failed += 1
             self._failures_in_row += 1
@@ -278,12 +340,38 @@ class BlockWriter:
                                    f"in a row; giving up")
         if self._on_ack is not None:
             self._on_ack(ack, block)
+        if ack is not None and ack.timed_out:
+            self.stats.blocks_timed_out += 1
+            self._timeout = RateLimitTimeoutError(
+                f"a block of {block.steps} steps waited longer than the store's rate limiter "
+                f"allows (insert_timeout_s={self.insert_timeout_s}); it was dropped and the "
+                f"next block starts fresh episodes")
+
+    def _learn_flushed(self, incarnation: str, flushed_seq: int) -> None:
+        """Count acknowledged blocks that a flush of their store process has committed."""
+        if incarnation == self._flushed[0]:
+            flushed_seq = max(flushed_seq, self._flushed[1])
+        self._flushed = (incarnation, flushed_seq)
+        while self._acked and self._acked[0][0] != incarnation:
+            self._acked.popleft()  # an earlier process: whether its last flush had them is unknown
+        while self._acked and self._acked[0][1] <= flushed_seq:
+            self.stats.steps_committed += self._acked.popleft()[2]
+
+    def committed_steps(self) -> int:
+        """Acknowledged steps of this writer known to be committed, after asking the store
+        actor what it has flushed (its timer flushes while the writer is idle)."""
+        try:
+            self._learn_flushed(*ray.get(self.actor.flushed.remote()))
+        except ACTOR_DIED:
+            pass  # a restarted process has flushed nothing of ours yet
+        return self.stats.steps_committed
 
     def drain(self) -> None:
         """Send the rows buffered so far and wait until every block is answered."""
         if self._fill:
             self._send()
         self._wait_until(0)
+        self._raise_timeout()
 
 
 __all__ = ["ActorInfo", "BlockWriter", "RemoteBatches", "StoreActor", "WriterStats",

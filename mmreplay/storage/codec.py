@@ -1,10 +1,11 @@
 """One chunk's bytes, exactly as zarr's codec chain of the spec makes them.
 
-``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``, the default) or ``bytes -> zstd ->
-crc32c``: what a chunk file holds (format 1) and what each chunk of a shard file holds
-(format 2). Decoding checks the crc32c and blosc's header sizes before trusting a byte:
-through the compiled kernel on the read path (`decode`), through numcodecs in `verify`
-(`check`, the same checks and messages without loading numba).
+``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``, the default), ``bytes -> zstd ->
+crc32c`` or ``bytes -> zstd with the store's dictionary -> crc32c`` (``"zstd-dict"``, format
+4; see `zstd_dict`): what a chunk file holds (format 1) and what each chunk of a shard file
+holds (format 2). Decoding checks the crc32c and the codec header's sizes before trusting a
+byte: through the compiled kernel on the read path (`decode`), through numcodecs and
+zstandard in `verify` (`check`, the same checks and messages without loading numba).
 
 This module knows codecs only: no files, slots or shards.
 """
@@ -13,27 +14,38 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
 from typing import TYPE_CHECKING
 
 import google_crc32c
 import numcodecs
 import numpy as np
+import zstandard
 
 from mmreplay import kernels
 from mmreplay.errors import InvalidStoreError
 from mmreplay.kernels import compiled
 from mmreplay.spec import StoreSpec
 
+_KINDS = {"lz4": 0, "zstd": 1, "zstd-dict": 2}  # the kernel's LZ4, ZSTD, ZSTD_DICT
+
 BLOSC_HEADER = 16  # bytes of a blosc chunk header
 
 if TYPE_CHECKING:
     from zarr.codecs import BloscCodec, ZstdCodec
 
+    from mmreplay.storage.zarr_codec import ZstdDictCodec
 
-def compressor(spec: StoreSpec) -> BloscCodec | ZstdCodec:
+
+def compressor(spec: StoreSpec,
+               dictionary: bytes | None = None) -> BloscCodec | ZstdCodec | ZstdDictCodec:
     """zarr's codec object for the spec (zarr imported here: only `create` needs it)."""
     from zarr.codecs import BloscCodec, ZstdCodec
 
+    from mmreplay.storage.zarr_codec import ZstdDictCodec
+
+    if spec.codec == "zstd-dict":
+        return ZstdDictCodec(level=spec.codec_level, dictionary=dictionary)
     if spec.codec == "zstd":
         return ZstdCodec(level=spec.codec_level)
     return BloscCodec(cname="lz4", clevel=spec.codec_level, shuffle="noshuffle", typesize=1,
@@ -50,31 +62,75 @@ def max_chunk_bytes(spec: StoreSpec) -> int:
 class ChunkCodec:
     """Encodes and decodes one chunk exactly as zarr's codec chain of the spec does.
 
-    ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``) or ``bytes -> zstd -> crc32c``.
+    ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``), ``bytes -> zstd -> crc32c``, or
+    zstd with a dictionary (``"zstd-dict"``: set once with `set_dictionary` before the first
+    chunk is encoded or decoded).
     """
 
-    def __init__(self, spec: StoreSpec) -> None:
+    def __init__(self, spec: StoreSpec, dictionary: bytes | None = None) -> None:
+        self.kind = _KINDS[spec.codec]
         self._lz4 = spec.codec == "lz4"
+        self._level = spec.codec_level
         self._inner = (numcodecs.Blosc(cname="lz4", clevel=spec.codec_level,
                                        shuffle=numcodecs.Blosc.NOSHUFFLE, blocksize=0)
                        if self._lz4 else numcodecs.Zstd(level=spec.codec_level))
         self._dtype = np.dtype(spec.obs_dtype).newbyteorder("<")
         self._shape = (spec.chunk_frames, *spec.obs_shape)
         self.nbytes = int(np.prod(self._shape)) * self._dtype.itemsize
+        self.dictionary: bytes | None = None
+        self._zstd: zstandard.ZstdCompressor | None = None
+        self._ddict = 0  # the kernel's prepared dictionary, made on the first decode
+        if dictionary is not None:
+            self.set_dictionary(dictionary)
+
+    @property
+    def needs_dictionary(self) -> bool:
+        """A ``"zstd-dict"`` codec with no dictionary yet: it can encode nothing."""
+        return self.kind == _KINDS["zstd-dict"] and self.dictionary is None
+
+    def set_dictionary(self, dictionary: bytes) -> None:
+        """The store's dictionary (fixed for its life)."""
+        assert self.kind == _KINDS["zstd-dict"] and self.dictionary is None
+        self.dictionary = dictionary
+        self._zstd = zstandard.ZstdCompressor(
+            level=self._level, dict_data=zstandard.ZstdCompressionDict(dictionary))
 
     def encode(self, frames: np.ndarray) -> bytes:
-        payload = bytes(self._inner.encode(
-            np.ascontiguousarray(frames, dtype=self._dtype).tobytes()))
+        raw = np.ascontiguousarray(frames, dtype=self._dtype).tobytes()
+        if self.kind == _KINDS["zstd-dict"]:
+            assert self._zstd is not None, "a zstd-dict chunk before the dictionary"
+            payload = self._zstd.compress(raw)
+        else:
+            payload = bytes(self._inner.encode(raw))
         return payload + struct.pack("<I", google_crc32c.value(payload))
+
+    def decode_many(self, src: np.ndarray, size: np.ndarray, rows: np.ndarray,
+                    dest: np.ndarray) -> np.ndarray:
+        """The compiled decode of chunks at addresses `src` into ``rows[dest]``: each
+        chunk's status (`damage` says what a nonzero one means)."""
+        return compiled().decode_chunks(src, size, rows, dest, self.kind, self._ddict_address())
+
+    def _ddict_address(self) -> int:
+        if self.kind != _KINDS["zstd-dict"] or self._ddict:
+            return self._ddict
+        if self.dictionary is None:
+            raise InvalidStoreError("a zstd-dict store holds frame chunks but no dictionary")
+        k = compiled()
+        self._ddict = k.create_ddict(self.dictionary)
+        if not self._ddict:
+            raise InvalidStoreError("the store's zstd dictionary is not one libzstd accepts "
+                                    "(damaged)")
+        weakref.finalize(self, k.free_ddict, self._ddict)
+        return self._ddict
 
     def decode(self, data: bytes, where: str) -> np.ndarray:
         """One chunk's frames from its bytes, through the compiled decode (`kernels`): the
         read path's one implementation of decoding; `InvalidStoreError` says what is wrong."""
         out = np.empty(self._shape, self._dtype)
         buf = np.frombuffer(data, np.uint8)  # alive for the call
-        status = compiled().decode_chunks(
+        status = self.decode_many(
             np.array([buf.ctypes.data], np.int64), np.array([buf.size], np.int64),
-            out.reshape(1, -1).view(np.uint8), np.zeros(1, np.int64), not self._lz4)
+            out.reshape(1, -1).view(np.uint8), np.zeros(1, np.int64))
         if status[0]:
             raise InvalidStoreError(self.damage(data, int(status[0]), where))
         return out
@@ -104,12 +160,21 @@ class ChunkCodec:
         if not self._lz4 and zstd_content_size(data[:payload]) != self.nbytes:
             return kernels.BAD_HEADER, empty
         try:
-            raw = bytes(self._inner.decode(data[:payload]))
-        except (RuntimeError, ValueError, TypeError):
+            raw = self._check_decode(data[:payload])
+        except (RuntimeError, ValueError, TypeError, zstandard.ZstdError):
             return kernels.NO_DECODE, empty
         if len(raw) != self.nbytes:
             return kernels.NO_DECODE, empty
         return kernels.OK, np.frombuffer(raw, self._dtype)
+
+    def _check_decode(self, payload: bytes) -> bytes:
+        if self.kind != _KINDS["zstd-dict"]:
+            return bytes(self._inner.decode(payload))
+        if self.dictionary is None:
+            raise InvalidStoreError("a zstd-dict store holds frame chunks but no dictionary")
+        dictionary = zstandard.ZstdCompressionDict(self.dictionary)
+        return zstandard.ZstdDecompressor(dict_data=dictionary).decompress(
+            payload, max_output_size=self.nbytes)
 
     def damage(self, data: bytes, status: int, where: str) -> str:
         """What is wrong with a chunk the decode refused with `status` (`kernels`)."""
@@ -125,6 +190,9 @@ class ChunkCodec:
                     f"expected {self.nbytes} from {len(data) - 4}")
         if status == k.BAD_HEADER:
             return f"frame chunk {where}: its zstd frame does not say {self.nbytes} bytes"
+        if self.kind == _KINDS["zstd-dict"]:
+            return (f"frame chunk {where}: its zstd frame does not decode to {self.nbytes} "
+                    f"bytes with the store's dictionary")
         return f"frame chunk {where}: its {codec} stream does not decode"
 
 

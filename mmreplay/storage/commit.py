@@ -74,8 +74,12 @@ class Committer:
     # -- writing --------------------------------------------------------------------
     def commit(self, ring: StepRing, tail: np.ndarray, rng_state: Mapping[str, Any], *,
                priorities: np.ndarray | None = None, max_priority: float = 1.0,
-               prio_dirty: set[int] | None = None) -> None:
-        """Write what changed since the last commit, then the manifest, then clean up."""
+               prio_dirty: set[int] | None = None,
+               rate_limiter: dict[str, Any] | None = None,
+               dictionary: dict[str, int] | None = None) -> None:
+        """Write what changed since the last commit, then the manifest (recording the
+        `dictionary` of a "zstd-dict" store once it has one), then clean up.
+        `rate_limiter`: a rate limiter's counters, committed with the steps they count."""
         gen = self.generation + 1
         files = dict(self.committed.get("files", {}))
         blocks = self._write_blocks("steps", ring.steps, ring.dirty_blocks, gen, files)
@@ -88,6 +92,10 @@ class Committer:
             grid = priorities.reshape(self.spec.num_envs, -1)
             manifest["prio_blocks"] = self._write_blocks("prio", grid, dirty, gen, files)
             manifest["max_priority"] = max_priority
+        if rate_limiter is not None:
+            manifest["rate_limiter"] = dict(rate_limiter)
+        if dictionary is not None:
+            manifest["dictionary"] = dictionary
         if self.durable:
             self._sync_dirs()
         old = self.committed

@@ -9,7 +9,9 @@ The array has shape ``(num_envs, slots_per_env, *obs_shape)`` and chunk shape
 ``(1, chunk_frames, *obs_shape)``; chunk keys use zarr's default encoding with
 the ``"."`` separator (one flat directory, no directory per chunk); codecs are
 ``bytes -> blosc(lz4) -> crc32c`` (``bytes -> zstd -> crc32c`` with ``codec="zstd"``), so
-``zarr.open_group(root)["frames"]`` reads it with no help from mmreplay.
+``zarr.open_group(root)["frames"]`` reads it with no help from mmreplay. With
+``codec="zstd-dict"`` the compressor is zstd with the store's dictionary (`zstd_dict`):
+zarr reads it through the codec mmreplay registers (`zarr_codec`).
 
 Frames arrive one slot at a time per env (the ring's cursor). The chunk being
 filled lives in RAM (the *tail*); it is encoded and written whole, atomically
@@ -18,6 +20,9 @@ read-modify-written. Encoding and writing happen in the caller's thread
 (`ChunkWriter`), in order; until a chunk is on disk, reads are served from RAM.
 Before it writes a chunk it calls ``before_chunk_write`` so
 the owner can give up (in a committed manifest) the old frames that chunk held.
+A ``"zstd-dict"`` store without a dictionary yet holds finished chunks in RAM until it
+has trained one (`DictionaryTrainer`); the dictionary file and ``zarr.json`` are written
+before the first chunk.
 
 This module knows slots, chunks, codecs and caches; it knows nothing of
 episodes, stacking, priorities or torch.
@@ -39,6 +44,7 @@ from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
 from mmreplay.storage.safe_io import TMP_DIR, fsync_dir, read_small, write_atomic
 from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_shard_bytes, write_each
+from mmreplay.storage.zstd_dict import DictionaryTrainer, dictionary_record, install, train
 
 FRAMES = "frames"
 # With more decoded chunks cached than this, every chunk of a read is looked up in the cache
@@ -165,15 +171,19 @@ class FrameStore:
 
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool = False,
                  cache_bytes: int = 0, before_chunk_write: ChunkHook | None = None,
-                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None):
+                 fetch: Callable[[np.ndarray, Callable[[int, int], None]], None] | None = None,
+                 dictionary: bytes | None = None):
         self.spec = spec
+        self._root = Path(root)
         self._dir = Path(root) / FRAMES
         self._dir_str = str(self._dir)
         self._key_suffix = ".0" * len(spec.obs_shape)
         self._tmp_dir = Path(root) / TMP_DIR
         self._writable = writable
         self._durable = durable
-        self._codec = ChunkCodec(spec)
+        self._codec = ChunkCodec(spec, dictionary)
+        self._trainer = (DictionaryTrainer(spec.dict_train_chunks)
+                         if writable and self._codec.needs_dictionary else None)
         self._max_bytes = max_chunk_bytes(spec)
         self._cache = ChunkCache(cache_bytes)
         self._hook = before_chunk_write
@@ -252,32 +262,55 @@ class FrameStore:
         frames[self.tail_fill[env]:] = 0
         self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
+        if self._trainer is not None:
+            self._hold_for_training(env, chunk, frames)
+            return
+        self._emit_chunk(env, chunk, frames)
+
+    def _emit_chunk(self, env: int, chunk: int, frames: np.ndarray) -> None:
         if self._shard_writer is not None:
             self._shard_writer.add(env, chunk, self._codec.encode(frames))
             return
         self._held[(env, chunk)] = frames
-        self._submit_held()
+        _submit_held(self)
 
-    def _submit_held(self) -> None:
-        """Hand finished chunks to the writer, in order, each after its hook.
+    # -- the dictionary of "zstd-dict" ------------------------------------------
+    def _hold_for_training(self, env: int, chunk: int, frames: np.ndarray) -> None:
+        """Hold a chunk until the dictionary exists (`DictionaryTrainer` says when)."""
+        assert self._trainer is not None
+        if self._trainer.add((env, chunk), frames):
+            self.train_dictionary()
 
-        A chunk whose hook (a give-up commit) raised stays held, readable from RAM,
-        and is retried by the next chunk or `drain`, so no finished chunk is ever lost.
-        """
-        assert self._writer is not None, "append on a read-only frame store"
-        while self._held:
-            key, frames = next(iter(self._held.items()))
-            if self._hook is not None:
-                self._hook(key[0], key[1], key[1])
-            del self._held[key]
-            self._writer.submit(key, self.chunk_path(*key), frames)
+    def train_dictionary(self) -> None:
+        """Train the dictionary on the held chunks' frames and write them (no-op unless a
+        "zstd-dict" store holds chunks waiting for one)."""
+        if self._trainer is not None and len(self._trainer):
+            self.set_dictionary(train(self._trainer.frames(), self.spec.dict_bytes,
+                                      self.spec.codec_level))
+
+    def set_dictionary(self, dictionary: bytes) -> None:
+        """Fix the store's dictionary: its file and ``zarr.json``, then the chunks held
+        for it."""
+        install(self._root, dictionary, self._tmp_dir, durable=self._durable)
+        self._codec.set_dictionary(dictionary)
+        held = self._trainer.take() if self._trainer is not None else []
+        self._trainer = None
+        for (env, chunk), frames in held:
+            self._emit_chunk(env, chunk, frames)
+
+    def dictionary_record(self) -> dict[str, int] | None:
+        """The manifest's record of the dictionary (None until there is one)."""
+        data = self._codec.dictionary
+        return None if data is None else dictionary_record(data)
 
     def drain(self) -> None:
-        """Wait until every finished chunk is on disk (raises a failed write's error)."""
+        """Wait until every finished chunk is on disk (raises a failed write's error); a
+        "zstd-dict" store trains its dictionary now if chunks are waiting for it."""
+        self.train_dictionary()
         if self._shard_writer is not None:
             self._shard_writer.drain()
         if self._writer is not None:
-            self._submit_held()
+            _submit_held(self)
             self._writer.drain()
 
     def sync(self) -> None:
@@ -358,27 +391,15 @@ class FrameStore:
             k = int(unique[i]) - tails
             table[i] = self.tail[k] if k < self.spec.num_envs else 0
         disk = np.flatnonzero(unique < tails)
-        held = self._held_keys()
+        held = _held_keys(self)
         maybe = disk if held is None else disk[np.isin(unique[disk], held)]
         found = []
         for i in maybe.tolist():
-            chunk = self._in_ram(*divmod(int(unique[i]), self.num_chunks))
+            chunk = _in_ram(self, *divmod(int(unique[i]), self.num_chunks))
             if chunk is not None:
                 table[i] = chunk
                 found.append(i)
         return np.setdiff1d(disk, found, assume_unique=True) if found else disk
-
-    def _held_keys(self) -> np.ndarray | None:
-        """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
-        whose write failed); None when the cache holds chunks (any key may be cached)."""
-        if len(self._cache) > MAX_HELD_LOOKUPS:
-            return None
-        keys: list[tuple[int, int]] = [*self._held, *self._cache]
-        if self._writer is not None:
-            keys += list(self._writer.failed)
-        if self._shard_writer is not None:
-            keys += self._shard_writer.pending_chunks()
-        return np.array([e * self.num_chunks + c for e, c in keys], np.int64)
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
         """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
@@ -390,7 +411,7 @@ class FrameStore:
             keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        status = compiled().decode_chunks(src, size, rows, dest, self.spec.codec == "zstd")
+        status = self._codec.decode_many(src, size, rows, dest)
         if status.any():
             bad = int(np.argmax(status != 0))
             env, chunk = divmod(int(keys[bad]), self.num_chunks)
@@ -417,20 +438,52 @@ class FrameStore:
             return f"{self._shards.path(env, shard)} (chunk {j})"
         return self._chunk_file(env, chunk)
 
-    def _in_ram(self, env: int, chunk: int) -> np.ndarray | None:
-        """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
-        found = self._cache.get((env, chunk))
-        if found is None and self._shard_writer is not None:
-            data = self._shard_writer.get(env, chunk)
-            found = None if data is None else self._codec.decode(data, "a finished chunk in RAM")
-        if found is None:
-            found = self._held.get((env, chunk))
-        if found is None and self._writer is not None:
-            failed = self._writer.failed.get((env, chunk))
-            found = None if failed is None else failed[1]
-        return found
-
-
 def _address(data: bytes) -> int:
     """The address of a bytes object's buffer (the caller keeps `data` alive)."""
     return int(np.frombuffer(data, np.uint8).ctypes.data)
+
+
+def _submit_held(fs: FrameStore) -> None:
+    """Hand finished chunks to the writer, in order, each after its hook.
+
+    A chunk whose hook (a give-up commit) raised stays held, readable from RAM,
+    and is retried by the next chunk or `drain`, so no finished chunk is ever lost.
+    """
+    assert fs._writer is not None, "append on a read-only frame store"
+    while fs._held:
+        key, frames = next(iter(fs._held.items()))
+        if fs._hook is not None:
+            fs._hook(key[0], key[1], key[1])
+        del fs._held[key]
+        fs._writer.submit(key, fs.chunk_path(*key), frames)
+
+
+def _held_keys(fs: FrameStore) -> np.ndarray | None:
+    """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
+    whose write failed); None when the cache holds chunks (any key may be cached)."""
+    if len(fs._cache) > MAX_HELD_LOOKUPS:
+        return None
+    keys: list[tuple[int, int]] = [*fs._held, *fs._cache]
+    if fs._trainer is not None:
+        keys += fs._trainer.keys()
+    if fs._writer is not None:
+        keys += list(fs._writer.failed)
+    if fs._shard_writer is not None:
+        keys += fs._shard_writer.pending_chunks()
+    return np.array([e * fs.num_chunks + c for e, c in keys], np.int64)
+
+
+def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
+    """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
+    found = fs._cache.get((env, chunk))
+    if found is None and fs._shard_writer is not None:
+        data = fs._shard_writer.get(env, chunk)
+        found = None if data is None else fs._codec.decode(data, "a finished chunk in RAM")
+    if found is None:
+        found = fs._held.get((env, chunk))
+    if found is None and fs._trainer is not None:
+        found = fs._trainer.get((env, chunk))
+    if found is None and fs._writer is not None:
+        failed = fs._writer.failed.get((env, chunk))
+        found = None if failed is None else failed[1]
+    return found

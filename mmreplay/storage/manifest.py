@@ -5,7 +5,9 @@ into place only after every file it names is complete, so a reader sees either
 the previous generation or the new one. It holds the spec, cursors, RNG state,
 for each small ``.npy`` file (step blocks, RAM tail) its crc32, and its own
 ``checksum`` (crc32 of its canonical JSON without that field; manifests written
-before it existed have none and are still read). It never touches frame bytes.
+before it existed have none and are still read). A ``"zstd-dict"`` store's manifest (format
+4) records its dictionary file's size and crc32c (``dictionary``; see `zstd_dict`) once the
+dictionary exists. It never touches frame bytes.
 
 Opening treats the directory as hostile input:
 
@@ -38,7 +40,7 @@ import numpy as np
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.index.ring import step_dtype
-from mmreplay.spec import ALLOWED_DTYPES, StoreSpec
+from mmreplay.spec import ALLOWED_DTYPES, DICT_FIELDS, StoreSpec
 from mmreplay.storage.safe_io import (
     error_line,
     fsync_dir,
@@ -50,10 +52,11 @@ from mmreplay.storage.safe_io import (
     strict_equal,
     write_atomic,
 )
+from mmreplay.storage.zstd_dict import check_record
 
 MANIFEST = "manifest.json"
 FORMAT = "mmreplay"
-FORMAT_VERSION = 3  # the newest this version reads (3: stores with per-step extras)
+FORMAT_VERSION = 4  # the newest this version reads (4: codec "zstd-dict")
 CHECKSUM = "checksum"
 MAX_MANIFEST_BYTES = 16 << 20  # ~200k step blocks; parsing it costs at most ~250 MB
 MAX_MANIFEST_CONTAINERS = 100  # a manifest has 13 JSON arrays and objects, +1 +2 per extra
@@ -67,8 +70,10 @@ REQUIRED: dict[str, type] = {
     "next_episode": int, "rng": dict, "blocks": list, "tail": str, "files": dict,
 }
 OPTIONAL: dict[str, type | tuple[type, ...]] = {
-    "prio_blocks": list, "max_priority": (int, float), CHECKSUM: int,
+    "prio_blocks": list, "max_priority": (int, float), CHECKSUM: int, "rate_limiter": dict,
+    "dictionary": dict,
 }
+MAX_RATE_LIMITER_FIELDS = 32  # a rate limiter's counters: a flat object of numbers
 BLOCK_NAME = re.compile(r"(steps|prio)/b([0-9]{6,12})\.g([0-9]{8,19})\.npy")
 TAIL_NAME = re.compile(r"tail/tail\.g([0-9]{8,19})\.npy")
 # What building a StoreSpec from type-checked JSON may still raise, besides its own errors.
@@ -235,13 +240,29 @@ def _check_optional(manifest: dict[str, Any], where: str | Path) -> None:
         raise InvalidStoreError(f"{where}: max_priority must be a finite number >= 1")
     if CHECKSUM in manifest:
         _check_range(where, CHECKSUM, manifest[CHECKSUM], high=0xFFFFFFFF)
+    if "rate_limiter" in manifest:
+        check_rate_limiter(manifest["rate_limiter"], where)
+    if "dictionary" in manifest:
+        check_record(manifest["dictionary"], where)
+
+
+def check_rate_limiter(state: dict[str, Any], where: str | Path = MANIFEST) -> None:
+    """A rate limiter's committed counters: a small flat object of finite numbers and
+    booleans (their meaning is checked by the limiter that takes them)."""
+    if len(state) > MAX_RATE_LIMITER_FIELDS or not all(
+            isinstance(v, bool) or (is_json(v, (int, float)) and math.isfinite(v))
+            for v in state.values()):
+        raise InvalidStoreError(f"{where}: rate_limiter must be at most "
+                                f"{MAX_RATE_LIMITER_FIELDS} finite numbers or booleans, got "
+                                f"{state!r:.80}")
 
 
 # -- the manifest against its spec --------------------------------------------------------
 def parse_spec(manifest: dict[str, Any]) -> StoreSpec:
     """The manifest's spec, which must be complete and in the form `to_dict` writes."""
     data = manifest["spec"]
-    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data) - {"shard_chunks", "extras"})
+    missing = sorted(set(StoreSpec.__dataclass_fields__) - set(data)
+                     - {"shard_chunks", "extras", *DICT_FIELDS})
     if missing:
         raise InvalidStoreError(f"invalid spec in manifest: fields {missing[:4]} are missing")
     for key in ("obs_dtype", "action_dtype"):
@@ -307,11 +328,22 @@ def check_manifest(manifest: dict[str, Any], spec: StoreSpec) -> None:
             raise InvalidStoreError(f"manifest cursors of env {env} are inconsistent: written "
                                     f"{written}, kept_from {kept}, running {running}")
     _check_block_lists(manifest, spec)
+    _check_dictionary(manifest, spec)
     named = set(named_layout(manifest, spec))
     if set(manifest["files"]) != named:
         odd = sorted(set(manifest["files"]) ^ named)[:3]
         raise InvalidStoreError(f"manifest files must give the crc32 of exactly the block and "
                                 f"tail files it names; differs at {odd}")
+
+
+def _check_dictionary(manifest: dict[str, Any], spec: StoreSpec) -> None:
+    """Only a "zstd-dict" store has a dictionary, and it has one once a chunk is on disk."""
+    has = "dictionary" in manifest
+    if has and spec.codec != "zstd-dict":
+        raise InvalidStoreError(f"manifest of a {spec.codec!r} store records a dictionary")
+    if not has and spec.codec == "zstd-dict" and max(manifest["written"]) >= spec.chunk_frames:
+        raise InvalidStoreError("manifest of a 'zstd-dict' store with frame chunks on disk "
+                                "records no dictionary")
 
 
 def _check_block_lists(manifest: dict[str, Any], spec: StoreSpec) -> None:

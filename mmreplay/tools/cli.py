@@ -4,9 +4,10 @@
     mmreplay episodes PATH [--sort K] [--limit N] [--json]
     mmreplay show PATH ID [--out F]          a transition's stacks as a PNG grid
     mmreplay show PATH --episode N [--gif]   an episode's frames (PNG sheet or GIF)
-    mmreplay plot PATH [--out F]             histograms (priorities, rewards, episodes)
+    mmreplay plot PATH [--out F]             the sampler's view and histograms (PNG)
     mmreplay verify PATH                     every checksum and invariant; exit 1 if damaged
     mmreplay sample PATH [--batch-size B] [--seed S]
+    mmreplay view PATH [--port N] [--host 127.0.0.1]   a local web viewer (read-only)
     mmreplay import-dopamine DIR STORE [--checkpoints 0-3]   Dopamine replay logs -> store
     mmreplay export-minari STORE DATASET_ID                  store -> Minari dataset
     mmreplay import-minari DATASET_ID STORE                  Minari dataset -> store
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
@@ -37,6 +37,7 @@ from mmreplay import __version__
 from mmreplay.errors import MmreplayError
 from mmreplay.storage.objects import is_url
 from mmreplay.tools import inspection as ins
+from mmreplay.tools import render, show_labels
 from mmreplay.tools.cli_datasets import add_dataset_commands
 from mmreplay.tools.cli_remote import add_remote_commands, verify_url
 from mmreplay.tools.verify import verify_store
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "written).")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample):
+    for add in (_add_info, _add_episodes, _add_show, _add_plot, _add_verify, _add_sample,
+                _add_view):
         add(sub)
     add_dataset_commands(sub, positive_int=_positive_int)
     add_remote_commands(sub)
@@ -129,7 +131,24 @@ def _info_sections(info: ins.StoreInfo) -> list[tuple[str, list[tuple[str, str]]
                              ("frame tail", _size(r.tail_bytes)), ("total", _size(r.total_bytes)),
                              ("chunk cache", cache)]),
     ]
-    return [*sections, ("sampler", _sampler_pairs(info))]
+    sections.append(("sampler", _sampler_pairs(info)))
+    if info.rate_limiter is not None:
+        sections.append(("rate limiter", _rate_limiter_pairs(info.rate_limiter)))
+    return sections
+
+
+def _rate_limiter_pairs(r: dict[str, Any]) -> list[tuple[str, str]]:
+    achieved, spi = r.get("achieved_samples_per_insert"), r.get("samples_per_insert", 0.0)
+    shown = "n/a (min size not reached)" if achieved is None else f"{achieved:.3f}"
+    at_min = spi * r.get("min_size_to_sample", 0)
+    band = f"[{r.get('min_diff', 0.0) - at_min:.6g}, {r.get('max_diff', 0.0) - at_min:.6g}]"
+    return [("samples per insert", f"{shown} achieved, target {spi:g}"),
+            ("inserts / samples", f"{r.get('inserts')} / {r.get('samples')}"),
+            ("error", f"{r.get('error', 0.0):.6g} (limits {band})"),
+            ("writers blocked", f"{r.get('insert_wait_s', 0.0):.3f} s in "
+                                f"{r.get('inserts_blocked', 0)} calls"),
+            ("learners blocked", f"{r.get('sample_wait_s', 0.0):.3f} s in "
+                                 f"{r.get('samples_blocked', 0)} calls")]
 
 
 def _sampler_pairs(info: ins.StoreInfo) -> list[tuple[str, str]]:
@@ -230,7 +249,10 @@ def _add_show(sub: Any) -> None:
     cmd.add_argument("--episode", type=int, metavar="N", help="draw episode N instead")
     cmd.add_argument("--gif", action="store_true", help="with --episode: an animated GIF")
     cmd.add_argument("--fps", type=_positive_int, default=15, help="GIF frames per second")
-    cmd.add_argument("--scale", type=_positive_int, default=1, help="enlarge frames N times")
+    cmd.add_argument("--scale", type=_positive_int, default=None,
+                     help="enlarge frames N times (default: about 168 px a side, 1 for a GIF)")
+    cmd.add_argument("--no-labels", action="store_true",
+                     help="frames only, 2 px apart on grey (no title, no labels)")
     cmd.add_argument("--out", metavar="FILE", help="output file (default: transition_<ID>.png, "
                      "episode_<N>.gif / .png)")
 
@@ -242,24 +264,39 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UsageError("--gif needs --episode N")
     image = _pillow()
     with ins.open_readonly(args.path) as store:
+        shape = tuple(store.spec.obs_shape)
+        if not ins.is_image_shape(shape):
+            raise UsageError(f"`show` draws image observations; {args.path} holds observations "
+                             f"of shape {shape}, which are not images (try `mmreplay sample`)")
         if args.episode is not None:
             return _show_episode(image, store, args)
         view = ins.transition(store, args.id)
     images = ins.as_images(np.concatenate([view.obs, view.next_obs]))
     out = args.out or f"transition_{view.id}.png"
-    _save(image.fromarray(ins.tile(images, cols=view.obs.shape[0], scale=args.scale)), out)
-    print(f"wrote {out}: top row obs, bottom row next_obs ({view.obs.shape[0]} frames each); "
+    k = view.obs.shape[0]
+    if args.no_labels:
+        picture = image.fromarray(ins.tile(images, cols=k, scale=args.scale or 1))
+    else:
+        picture = render.labelled_sheet(images, show_labels.transition_labels(view, store.spec),
+                                        cols=k, scale=_scale(args, images),
+                                        title=show_labels.transition_title(view))
+    _save(picture, out)
+    print(f"wrote {out}: top row obs, bottom row next_obs ({k} frames each); "
           f"id {view.id}, action {view.action.tolist()}, reward {view.reward:.6g}, "
           f"discount {view.discount:.6g}, terminated {view.terminated}, "
           f"truncated {view.truncated}")
     return 0
 
 
+def _scale(args: argparse.Namespace, images: np.ndarray) -> int:
+    return args.scale or render.default_scale(*images.shape[1:3])
+
+
 def _show_episode(image: Any, store: Any, args: argparse.Namespace) -> int:
     images = ins.as_images(ins.episode_frames(store, args.episode))
     if args.gif:
         out = args.out or f"episode_{args.episode}.gif"
-        big = images.repeat(args.scale, axis=1).repeat(args.scale, axis=2)
+        big = render.enlarge(images, args.scale or 1)
         frames = [image.fromarray(f) for f in big]
         _save(frames[0], out, save_all=True, append_images=frames[1:], loop=0,
               duration=max(1, round(1000 / args.fps)))
@@ -269,8 +306,15 @@ def _show_episode(image: Any, store: Any, args: argparse.Namespace) -> int:
             (" (identical consecutive frames merged)" if written < len(images) else "")
     else:
         out = args.out or f"episode_{args.episode}.png"
-        cols = min(len(images), 16)
-        _save(image.fromarray(ins.tile(images, cols=cols, scale=args.scale)), out)
+        cols = min(len(images), 16 if args.no_labels else 8)
+        if args.no_labels:
+            picture = image.fromarray(ins.tile(images, cols=cols, scale=args.scale or 1))
+        else:
+            steps = ins.episode_steps(store, args.episode)
+            picture = render.labelled_sheet(
+                images, show_labels.episode_labels(steps), cols=cols, scale=_scale(args, images),
+                title=f"episode {args.episode} (env {steps.env}): {len(images)} kept frames")
+        _save(picture, out)
         held = f"{len(images)} kept frames"
     print(f"wrote {out}: episode {args.episode}, {held}")
     return 0
@@ -288,53 +332,30 @@ def _pillow() -> Any:
     try:
         from PIL import Image
     except ImportError:
-        raise UsageError("`mmreplay show` needs pillow: pip install pillow") from None
+        raise UsageError('`mmreplay show` needs pillow: pip install "mmreplay[view]"') from None
     return Image
 
 
 # -- plot -------------------------------------------------------------------------------
 def _add_plot(sub: Any) -> None:
-    cmd = _command(sub, "plot", "histograms of priorities, rewards, episode lengths and returns",
-                   cmd_plot)
+    cmd = _command(sub, "plot", "what the sampler draws (P(draw) over the ring, ages) and "
+                   "histograms of priorities, rewards, episode lengths and returns", cmd_plot)
     cmd.add_argument("--out", default="replay_plot.png", metavar="FILE",
                      help="output PNG (default: replay_plot.png)")
     cmd.add_argument("--bins", type=_positive_int, default=30, help="histogram bins")
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    figure_cls = _matplotlib_figure()
+    from mmreplay.tools.plots import plot_store
+
     with ins.open_readonly(args.path) as store:
-        dist = ins.distributions(store)
-    panels = [("per-step reward (kept steps)", dist.rewards),
-              ("episode length (complete episodes)", dist.episode_lengths),
-              ("episode return (complete episodes)", dist.episode_returns)]
-    if dist.priorities is not None:
-        panels.insert(0, ("priority (sampleable transitions)", dist.priorities))
-    cols = 2
-    fig = figure_cls(figsize=(5 * cols, 3.2 * math.ceil(len(panels) / cols)), layout="tight")
-    for i, (title, data) in enumerate(panels):
-        ax = fig.add_subplot(math.ceil(len(panels) / cols), cols, i + 1)
-        _histogram(ax, title, data, args.bins)
-    _save(fig, args.out, dpi=100)
-    print(f"wrote {args.out}: {', '.join(t for t, _ in panels)}")
+        result = plot_store(store, bins=args.bins)
+    if not result.drawn:
+        raise UsageError(f"nothing to plot yet: {args.path} holds no kept step")
+    _save(result.figure, args.out, dpi=100)
+    skipped = f" (no data yet: {', '.join(result.skipped)})" if result.skipped else ""
+    print(f"wrote {args.out}: {'; '.join(t.split(' (')[0] for t in result.drawn)}{skipped}")
     return 0
-
-
-def _histogram(ax: Any, title: str, data: np.ndarray, bins: int) -> None:
-    ax.set_title(f"{title}, n={data.size}", fontsize=10)
-    if data.size == 0:
-        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        return
-    ax.hist(data, bins=bins, color="tab:blue")
-    ax.set_ylabel("count")
-
-
-def _matplotlib_figure() -> Any:
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
-    except ImportError:
-        raise UsageError("`mmreplay plot` needs matplotlib: pip install matplotlib") from None
-    return Figure
 
 
 # -- verify -----------------------------------------------------------------------------
@@ -390,6 +411,31 @@ def cmd_sample(args: argparse.Namespace) -> int:
         fields = ins.sample_summary(store, args.batch_size, seed=args.seed, beta=args.beta)
     rows = [[f.name, str(f.shape), f.dtype, f"{f.min:.6g}", f"{f.max:.6g}"] for f in fields]
     print(_table(("field", "shape", "dtype", "min", "max"), rows))
+    return 0
+
+
+# -- view ---------------------------------------------------------------------------------
+def _add_view(sub: Any) -> None:
+    cmd = _command(sub, "view", "a local web viewer of the store (read-only; follows a "
+                   "store being written)", cmd_view)
+    cmd.add_argument("--port", type=int, default=8765,
+                     help="port (default 8765; 0 picks a free one)")
+    cmd.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default 127.0.0.1: this machine only)")
+    cmd.add_argument("--log", action="store_true", help="log each request on stderr")
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from mmreplay.tools.view import make_server
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {args.port}")
+    server = make_server(args.path, host=args.host, port=args.port, log=args.log)
+    print(f"serving {args.path} at {server.url} (read-only; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
     return 0
 
 

@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepColumns
+from mmreplay.index.ring import EXTRA_PREFIX, StepColumns
+from mmreplay.rate_limit import summary
 from mmreplay.storage.frame_store import FRAMES
+from mmreplay.storage.manifest import committed_generation as _committed_generation
 from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore, StoreCounts
 
@@ -89,6 +91,7 @@ class StoreInfo:
     ram: RamEstimate
     sampler: str
     priorities: PriorityStats | None
+    rate_limiter: dict[str, Any] | None = None  # `rate_limit.summary` of its counters
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +110,17 @@ def store_info(store: ReplayStore) -> StoreInfo:
         ram=ram_estimate(store),
         sampler=store.spec.sampler,
         priorities=priority_stats(store),
+        rate_limiter=rate_limiter_summary(store),
     )
+
+
+def rate_limiter_summary(store: ReplayStore) -> dict[str, Any] | None:
+    """The rate limiter's counters (live, or as committed) with the achieved ratio."""
+    state = store.rate_limiter_state()
+    try:
+        return None if state is None else summary(state)
+    except (KeyError, TypeError):  # a commit that lacks fields: show what it has
+        return state
 
 
 def disk_usage(store: ReplayStore) -> DiskUsage:
@@ -269,13 +282,18 @@ def transition(store: ReplayStore, transition_id: int) -> TransitionView:
 
 def episode_frames(store: ReplayStore, episode: int) -> np.ndarray:
     """The kept frames of `episode` in order, ``(T, *obs_shape)``."""
+    return store.views.read_frames(_episode_slots(store, episode))
+
+
+def _episode_slots(store: ReplayStore, episode: int) -> np.ndarray:
+    """Flat slots of the kept frames of `episode`, in frame order."""
     ring = store.views.step_columns()
     flat = ring.flat(*ring.kept_frames())
     mine = flat[ring.steps["episode"].reshape(-1)[flat] == episode]
     if mine.size == 0:
         raise InvalidInputError(f"episode {episode} has no kept frame in this store "
                                 f"(see `mmreplay episodes` for the kept ones)")
-    return store.views.read_frames(mine)
+    return mine
 
 
 def as_images(frames: np.ndarray) -> np.ndarray:
@@ -368,9 +386,7 @@ def sample_summary(store: ReplayStore, batch_size: int, *, seed: int | None = No
     Without `seed` the draw uses the store's persisted RNG state: the batch the
     writer would draw next. Nothing is written back.
     """
-    if seed is not None:
-        store.reseed(seed)
-    batch = store.sample(batch_size, beta=beta)
+    batch = draw_batch(store, batch_size, seed=seed, beta=beta)
     out = []
     columns = {name: getattr(batch, name) for name in batch.__dataclass_fields__
                if name != "extras"}
@@ -380,3 +396,126 @@ def sample_summary(store: ReplayStore, batch_size: int, *, seed: int | None = No
         out.append(FieldSummary(name=name, shape=tuple(values.shape), dtype=str(values.dtype),
                                 min=float(values.min()), max=float(values.max())))
     return tuple(out)
+
+
+def draw_batch(store: ReplayStore, batch_size: int, *, seed: int | None = None,
+               beta: float = 0.4) -> Any:
+    """One `Batch` drawn as the store's sampler draws (in memory only, nothing written).
+
+    With `seed` the draw uses a fresh RNG seeded with it (repeatable); without, the store's
+    persisted RNG state (the batch the writer would draw next).
+    """
+    if seed is not None:
+        store.reseed(seed)
+    return store.sample(batch_size, beta=beta)
+
+
+# -- viewer data ----------------------------------------------------------------------------
+def committed_generation(path: str | os.PathLike[str]) -> int | None:
+    """Generation of the store's manifest on disk now (cheap: one small file); None if it
+    cannot be read (no store there, or a manifest being replaced)."""
+    return _committed_generation(Path(path))
+
+
+def is_image_shape(obs_shape: Sequence[int]) -> bool:
+    """True for observations `as_images` draws as pictures: (H, W), (H, W, C) or (C, H, W)
+    with C in 1, 3, 4. Vectors and other layouts are not images."""
+    shape = tuple(obs_shape)
+    if len(shape) == 2:
+        return True
+    return len(shape) == 3 and (shape[-1] in (1, 3, 4) or shape[0] in (1, 3, 4))
+
+
+@dataclass(frozen=True)
+class EpisodeSteps:
+    """The kept frames of one episode and the step taken from each; arrays are ``(T, ...)``.
+
+    Frame ``t`` is o at episode position ``pos[t]``; its step (o, ``action[t]``,
+    ``reward[t]``, next o) is transition ``ids[t]``, -1 where the frame has no step (the
+    last frame of an ended episode, or the newest of a running one). ``priority`` is NaN
+    for uniform stores and frames without a step.
+    """
+
+    episode: int
+    env: int
+    pos: np.ndarray
+    ids: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    sampleable: np.ndarray
+    priority: np.ndarray
+    extras: dict[str, np.ndarray]
+
+
+def episode_steps(store: ReplayStore, episode: int) -> EpisodeSteps:
+    """Step columns of the kept frames of `episode` (`InvalidInputError` if none is kept)."""
+    flat = _episode_slots(store, episode)
+    ring = store.views.step_columns()
+    cols = ring.steps.reshape(-1)[flat]
+    has = cols["has_step"]
+    prio = np.full(flat.size, np.nan)
+    state = store.views.priority_state()
+    if state is not None:  # priorities of sampleable transitions, in flat-slot order
+        valid = np.flatnonzero(ring.valid)
+        where = np.searchsorted(valid, flat)
+        hit = ring.valid[flat]
+        prio[hit] = state.sampleable[where[hit]]
+    extras = {name: cols[EXTRA_PREFIX + name] for name, _, _ in store.spec.extras}
+    return EpisodeSteps(
+        episode=int(episode), env=int(flat[0] // ring.slots_per_env), pos=cols["pos"].copy(),
+        ids=np.where(has, cols["id"], -1), action=cols["action"].copy(),
+        reward=cols["reward"].astype(np.float64), terminated=cols["terminated"] & has,
+        truncated=cols["truncated"] & has, sampleable=ring.valid[flat].copy(), priority=prio,
+        extras={k: np.where(_rows(has, v), v, 0) for k, v in extras.items()})
+
+
+def _rows(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """`mask` (N,) shaped to broadcast over an (N, ...) array."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+@dataclass(frozen=True)
+class SamplingView:
+    """What the sampler draws from: every sampleable id (increasing), the exact probability
+    of drawing it, and its raw priority (None for uniform stores). ``next_id`` is the id
+    the next transition will get, so ``next_id - 1 - ids`` are the ages in transitions."""
+
+    sampler: str
+    ids: np.ndarray
+    probabilities: np.ndarray
+    priorities: np.ndarray | None
+    next_id: int
+
+    @property
+    def effective_sample_size(self) -> float:
+        """``1 / sum(p^2)``: as many ids as a uniform draw over that many would cover
+        (equal to the count for a uniform sampler); 0 when nothing is sampleable."""
+        total = float(np.square(self.probabilities).sum())
+        return 1.0 / total if total > 0 else 0.0
+
+
+def sampling_view(store: ReplayStore) -> SamplingView:
+    """From the raw priorities: ``(p + eps)^alpha`` (prioritized) or ``rank^-alpha`` with
+    exact ranks (rank; the sampler's lazily re-sorted ranks may differ slightly)."""
+    ring = store.views.step_columns()
+    flat = np.flatnonzero(ring.valid)
+    ids = ring.steps["id"].reshape(-1)[flat]
+    order = np.argsort(ids, kind="stable")
+    state = store.views.priority_state()
+    spec = store.spec
+    if state is None or ids.size == 0:
+        prios = None if state is None else state.sampleable[order]
+        probs = np.full(ids.size, 1.0 / ids.size) if ids.size else np.zeros(0)
+    else:
+        prios = state.sampleable[order]
+        if spec.sampler == "rank":
+            ranks = np.empty(prios.size)
+            ranks[np.lexsort((flat[order], -prios))] = np.arange(1, prios.size + 1)
+            mass = ranks ** -spec.alpha
+        else:
+            mass = (prios + spec.priority_eps) ** spec.alpha
+        probs = mass / mass.sum() if mass.sum() > 0 else np.full(ids.size, 1.0 / ids.size)
+    return SamplingView(sampler=spec.sampler, ids=ids[order], probabilities=probs,
+                        priorities=prios, next_id=int(ring.next_id))

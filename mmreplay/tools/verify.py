@@ -22,9 +22,10 @@ from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import ChunkCodec
 from mmreplay.storage.commit import LOCK, READERS
 from mmreplay.storage.frame_store import FRAMES, FrameStore
-from mmreplay.storage.layout import check_zarr
+from mmreplay.storage.layout import check_zarr, store_dictionary
 from mmreplay.storage.manifest import MANIFEST, check_root, committed_generation, read_manifest
 from mmreplay.storage.safe_io import TMP_DIR, TMP_SUFFIX, load_npy
+from mmreplay.storage.zstd_dict import DICT_FILE
 from mmreplay.store import ReplayStore
 from mmreplay.tools.inspection import ZARR_JSON, Progress, files_under
 
@@ -83,9 +84,10 @@ def _verify_once(root: Path, progress: Progress | None) -> VerifyReport:
     cursors_ok = not problems  # chunk and tail checks need sound cursors
     files = _check_named_files(root, manifest, spec, problems, cursors_ok=cursors_ok)
     files_ok = not problems  # opening reads exactly these files: its error would repeat ours
-    problems += _zarr_problems(root, spec)
-    chunks, frames = (_check_chunks(root, manifest, spec, progress, problems) if cursors_ok
-                      else (0, 0))
+    dictionary, dict_problems = _dictionary(root, manifest)
+    problems += dict_problems or _zarr_problems(root, spec, dictionary)
+    chunks, frames = (_check_chunks(root, manifest, spec, progress, problems, dictionary)
+                      if cursors_ok and not dict_problems else (0, 0))
     sampleable = _check_open_store(root, problems, report_failure=files_ok)
     problems += _unexpected_files(root, manifest, spec)
     return VerifyReport(path=str(root), generation=int(manifest["generation"]),
@@ -168,10 +170,18 @@ def _tail_problems(tail: np.ndarray, manifest: dict[str, Any], spec: StoreSpec) 
             ] if bad else []
 
 
-def _zarr_problems(root: Path, spec: StoreSpec) -> list[str]:
+def _dictionary(root: Path, manifest: dict[str, Any]) -> tuple[bytes | None, list[str]]:
+    """A "zstd-dict" store's dictionary, checked against the manifest (or the problem)."""
+    try:
+        return store_dictionary(root, manifest), []
+    except InvalidStoreError as exc:
+        return None, [str(exc)]
+
+
+def _zarr_problems(root: Path, spec: StoreSpec, dictionary: bytes | None = None) -> list[str]:
     """The zarr metadata must describe the frames array this spec implies."""
     try:
-        check_zarr(root, spec)
+        check_zarr(root, spec, dictionary)
     except InvalidStoreError as exc:
         return [str(exc)]
     return []
@@ -191,7 +201,8 @@ def disk_chunks(lo: int, hi: int, slots: int, chunk: int) -> list[int]:
 
 
 def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
-                  progress: Progress | None, problems: list[str]) -> tuple[int, int]:
+                  progress: Progress | None, problems: list[str],
+                  dictionary: bytes | None = None) -> tuple[int, int]:
     """Every chunk holding a kept frame exists, passes crc32c and decodes to full size."""
     S, C = spec.slots_per_env, spec.chunk_frames
     written = np.asarray(manifest["written"], np.int64)
@@ -200,7 +211,8 @@ def _check_chunks(root: Path, manifest: dict[str, Any], spec: StoreSpec,
     on_disk_end = written - written % S % C  # later frames live in the tail file
     work = [(e, c) for e in range(spec.num_envs)
             for c in disk_chunks(int(oldest[e]), int(on_disk_end[e]), S, C)]
-    store, codec = FrameStore(root, spec, writable=False, cache_bytes=0), ChunkCodec(spec)
+    store = FrameStore(root, spec, writable=False, cache_bytes=0, dictionary=dictionary)
+    codec = ChunkCodec(spec, dictionary)
     try:
         for env, chunk in (progress(work, len(work)) if progress else work):
             problem = _chunk_problem(store, codec, root, env, chunk)
@@ -286,6 +298,8 @@ def _frames_problem(env: np.ndarray, frames: np.ndarray, what: str) -> str:
 def _unexpected_files(root: Path, manifest: dict[str, Any], spec: StoreSpec) -> list[str]:
     """Files that are neither named by the manifest nor part of the fixed layout."""
     named = set(manifest["files"]) | {MANIFEST, LOCK, READERS}
+    if "dictionary" in manifest:
+        named.add(DICT_FILE)
     out = []
     for path, _ in files_under(root):
         rel = path.relative_to(root).as_posix()

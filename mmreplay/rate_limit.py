@@ -1,0 +1,408 @@
+"""Samples per insert under control: Reverb's rate limiter, for writers and learners.
+
+The store counts every step it records as an *insert* and every transition it hands out
+as a *sample* (a batch of B transitions is B samples; B sequences of length L are B*L).
+The limiter keeps the difference ::
+
+    diff = inserts * samples_per_insert - samples              (minus a rebase offset)
+
+between `min_diff` and `max_diff`: an insert waits while one more would push `diff`
+above `max_diff`, a sample waits while one more would pull it below `min_diff` or while
+fewer than `min_size_to_sample` steps were inserted::
+
+        samples wait        both proceed          inserts wait
+    ---------------|==========================|---------------->  diff
+               min_diff                   max_diff
+
+`SampleToInsertRatio(spi, min_size, error_buffer)` centres the band on
+``spi * min_size`` (Reverb's offset); `min_size` only holds samples back until the
+store has enough steps; `queue` lets each step be sampled about once. A call of n
+items is admitted when its first item would be (as Reverb admits items one at a time),
+so `diff` may pass an edge by at most n - 1 items: this is what makes a band of
+``2 * max(1, spi)`` deadlock-free for any batch size.
+
+Waits are bounded by `timeout_s` (`RateLimitTimeoutError`), `close` wakes every
+waiter (`RateLimiterClosedError`), `disable`/`enable` switch limiting off and on at run
+time (preloading: counts go on, and enabling moves the band's reference so that the
+run resumes at its edge instead of paying back the preload). `state` is a flat dict of
+JSON numbers that the store commits with its manifest, and `restore` takes it back.
+This module knows no store, frames or files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
+
+CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
+COUNTER_KEYS = ("inserts", "samples", "offset", "insert_wait_s", "sample_wait_s",
+                "inserts_blocked", "samples_blocked")
+_DEFAULT: Any = object()  # "the limiter's own timeout_s"
+
+
+def _number(name: str, value: Any, *, low: float = -math.inf) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < low:
+        raise InvalidInputError(f"{name} must be a finite number >= {low}, got {value!r:.40}")
+    return float(value)
+
+
+def _count(name: str, value: Any, *, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidInputError(f"{name} must be an int >= {low}, got {value!r:.40}")
+    return value
+
+
+class RateLimiter:
+    """Reverb's rate limiter (see the module docstring); thread-safe, one lock.
+
+    `samples_per_insert` > 0, `min_size_to_sample` >= 1, and the band
+    ``max_diff - min_diff`` must be at least ``2 * max(1, samples_per_insert)``:
+    narrower, a blocked insert and a blocked sample could wait for each other forever.
+    `timeout_s` (None: forever) bounds every wait that does not give its own.
+    """
+
+    def __init__(self, samples_per_insert: float, min_size_to_sample: int, min_diff: float,
+                 max_diff: float, *, timeout_s: float | None = None) -> None:
+        self.samples_per_insert = _number("samples_per_insert", samples_per_insert, low=0.0)
+        self.min_size_to_sample = _count("min_size_to_sample", min_size_to_sample, low=1)
+        self.min_diff = _number("min_diff", min_diff)
+        self.max_diff = _number("max_diff", max_diff)
+        if self.samples_per_insert == 0:
+            raise InvalidInputError("samples_per_insert must be > 0 (use min_size to only "
+                                    "hold samples back until the store has enough steps)")
+        width = 2 * max(1.0, self.samples_per_insert)
+        if self.max_diff - self.min_diff < width:
+            raise InvalidInputError(
+                f"max_diff - min_diff = {self.max_diff - self.min_diff:g} must be >= "
+                f"2 * max(1, samples_per_insert) = {width:g}: a narrower band lets a waiting "
+                f"insert and a waiting sample block each other forever")
+        self.timeout_s = None if timeout_s is None else _number("timeout_s", timeout_s, low=0)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._inserts = self._samples = 0
+        self._offset = 0.0
+        self._wait_s = {"insert": 0.0, "sample": 0.0}
+        self._blocked = {"insert": 0, "sample": 0}
+        self._waiters = 0
+        self._enabled, self._closed = True, False
+
+    # -- Reverb's constructors ----------------------------------------------------------
+    @classmethod
+    def sample_to_insert_ratio(cls, samples_per_insert: float, min_size_to_sample: int,
+                               error_buffer: float | tuple[float, float], *,
+                               timeout_s: float | None = None) -> RateLimiter:
+        """Reverb's ``SampleToInsertRatio``: a number `error_buffer` is a band of that half
+        width around ``samples_per_insert * min_size_to_sample``; a pair is used as is."""
+        spi = _number("samples_per_insert", samples_per_insert, low=0.0)
+        offset = spi * _count("min_size_to_sample", min_size_to_sample, low=1)
+        if isinstance(error_buffer, tuple):
+            min_diff, max_diff = (_number("error_buffer", v) for v in error_buffer)
+        else:
+            half = _number("error_buffer", error_buffer, low=0.0)
+            min_diff, max_diff = offset - half, offset + half
+        if min_diff > offset:
+            raise InvalidInputError(
+                f"min_diff {min_diff:g} > samples_per_insert * min_size_to_sample = "
+                f"{offset:g}: samples would block for good once min_size_to_sample steps "
+                f"are in")
+        if max_diff < offset:
+            warnings.warn(f"max_diff {max_diff:g} < samples_per_insert * min_size_to_sample "
+                          f"= {offset:g}: inserts block once min_size_to_sample steps are in "
+                          f"until a concurrent learner samples", stacklevel=2)
+        return cls(spi, min_size_to_sample, min_diff, max_diff, timeout_s=timeout_s)
+
+    @classmethod
+    def min_size(cls, min_size_to_sample: int, *,
+                 timeout_s: float | None = None) -> RateLimiter:
+        """Reverb's ``MinSize``: samples wait until `min_size_to_sample` steps are in."""
+        big = sys.float_info.max
+        return cls(1.0, min_size_to_sample, -big, big, timeout_s=timeout_s)
+
+    @classmethod
+    def queue(cls, size: int, *, timeout_s: float | None = None) -> RateLimiter:
+        """Reverb's ``Queue`` band: each step sampled about once, at most `size` steps ahead
+        of the learner. (The store samples uniformly, not in FIFO order; `size` >= 2.)"""
+        return cls(1.0, 1, 0.0, float(_count("size", size, low=2)), timeout_s=timeout_s)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> RateLimiter:
+        """A limiter from `config` (its `config()` dict, e.g. sent to another process)."""
+        missing = sorted(set(CONFIG_KEYS) - set(config))
+        if missing:
+            raise InvalidInputError(f"rate limiter config lacks {missing}")
+        return cls(*(config[k] for k in CONFIG_KEYS), timeout_s=config.get("timeout_s"))
+
+    def config(self) -> dict[str, Any]:
+        """The parameters, as plain numbers (`from_config` takes them)."""
+        return {"samples_per_insert": self.samples_per_insert,
+                "min_size_to_sample": self.min_size_to_sample, "min_diff": self.min_diff,
+                "max_diff": self.max_diff, "timeout_s": self.timeout_s}
+
+    # -- admission ----------------------------------------------------------------------
+    def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
+        """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
+        with self._lock:  # the fast path (admitted at once) takes no Condition call
+            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
+                self._wait("insert", n, self._can_insert, timeout)
+            self._inserts += n
+            if self._waiters:
+                self._cond.notify_all()
+
+    def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
+        """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
+        with self._lock:
+            if n > 0 and (self._closed or self._enabled and not self._can_sample()):
+                self._wait("sample", n, self._can_sample, timeout)
+            self._samples += n
+            if self._waiters:
+                self._cond.notify_all()
+
+    def cancel_insert(self, n: int) -> None:
+        """Take back `n` counted inserts that did not happen (the store refused them)."""
+        with self._cond:
+            self._inserts -= n
+            self._wake()
+
+    def cancel_sample(self, n: int) -> None:
+        """Take back `n` counted samples that were not drawn."""
+        with self._cond:
+            self._samples -= n
+            self._wake()
+
+    def _diff(self) -> float:
+        return self._inserts * self.samples_per_insert - self._samples - self._offset
+
+    def _can_insert(self) -> bool:
+        if self._inserts + 1 <= self.min_size_to_sample:
+            return True
+        return self._diff() + self.samples_per_insert <= self.max_diff
+
+    def _can_sample(self) -> bool:
+        return self._inserts >= self.min_size_to_sample and self._diff() - 1 >= self.min_diff
+
+    def _wait(self, kind: str, n: int, can: Any, timeout: float | None) -> None:
+        """Under the lock: return once `can()` (or limiting is off); raise on timeout/close."""
+        limit = self.timeout_s if timeout is _DEFAULT else timeout
+        if self._closed:
+            raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
+        if not self._enabled or can():
+            return
+        start = time.monotonic()
+        self._waiters += 1
+        self._blocked[kind] += 1
+        try:
+            while True:
+                left = None if limit is None else start + limit - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RateLimitTimeoutError(self._timeout_message(kind, n, limit))
+                self._cond.wait(left)
+                if self._closed:
+                    raise RateLimiterClosedError(f"the rate limiter was closed while a {kind} "
+                                                 f"of {n} waited")
+                if not self._enabled or can():
+                    return
+        finally:
+            self._waiters -= 1
+            self._wait_s[kind] += time.monotonic() - start
+
+    def _timeout_message(self, kind: str, n: int, limit: float | None) -> str:
+        other = "the learner is not sampling" if kind == "insert" else \
+            "the writers are not inserting"
+        article = "an" if kind == "insert" else "a"
+        return (f"rate limiter: {article} {kind} of {n} waited {limit} s ({other}): inserts "
+                f"{self._inserts}, samples {self._samples}, samples_per_insert "
+                f"{self.samples_per_insert:g}, diff {self._diff():g} in band "
+                f"[{self.min_diff:g}, {self.max_diff:g}], min_size_to_sample "
+                f"{self.min_size_to_sample}; raise timeout_s or check the other side")
+
+    def _wake(self) -> None:
+        if self._waiters:
+            self._cond.notify_all()
+
+    # -- switches -----------------------------------------------------------------------
+    def disable(self) -> None:
+        """Stop limiting (nothing waits; counts go on), e.g. while preloading offline data."""
+        with self._cond:
+            self._enabled = False
+            self._wake()
+
+    def enable(self) -> None:
+        """Limit again, from where the counts are: if `diff` left the band meanwhile, the
+        band's reference moves so that it sits at the nearest edge (`rebase`)."""
+        with self._cond:
+            self._enabled = True
+            self._rebase()
+            self._wake()
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def _rebase(self) -> None:
+        """Move `diff` into the band (below min size: to what it is with no samples)."""
+        if self._inserts < self.min_size_to_sample:
+            self._offset = float(-self._samples)
+            return
+        diff = self._diff()
+        self._offset += diff - min(max(diff, self.min_diff), self.max_diff)
+
+    def close(self) -> None:
+        """Shut down: every waiter, now and later, raises `RateLimiterClosedError`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- counters -----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Config and counters as a flat dict of JSON numbers (what a store commits)."""
+        with self._cond:
+            return {**{k: v for k, v in self.config().items() if k != "timeout_s"},
+                    "inserts": self._inserts, "samples": self._samples,
+                    "offset": self._offset, "insert_wait_s": self._wait_s["insert"],
+                    "sample_wait_s": self._wait_s["sample"],
+                    "inserts_blocked": self._blocked["insert"],
+                    "samples_blocked": self._blocked["sample"], "enabled": self._enabled}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take counters back from a `state` dict (not ``enabled``: this limiter's own switch
+        stands). If it was saved with other parameters, `diff` is moved into this limiter's
+        band (`rebase`); else it is kept exactly."""
+        counts = {k: _count(k, state[k]) for k in ("inserts", "samples", "inserts_blocked",
+                                                   "samples_blocked") if k in state}
+        floats = {k: _number(k, state[k], low=0.0 if k != "offset" else -math.inf)
+                  for k in ("offset", "insert_wait_s", "sample_wait_s") if k in state}
+        with self._cond:
+            self._inserts = counts.get("inserts", 0)
+            self._samples = counts.get("samples", 0)
+            self._blocked = {"insert": counts.get("inserts_blocked", 0),
+                             "sample": counts.get("samples_blocked", 0)}
+            self._offset = floats.get("offset", 0.0)
+            self._wait_s = {"insert": floats.get("insert_wait_s", 0.0),
+                            "sample": floats.get("sample_wait_s", 0.0)}
+            same = all(state.get(k) == v for k, v in self.config().items() if k != "timeout_s")
+            if not same and self._enabled:
+                self._rebase()
+            self._wake()
+
+    def attach(self, saved: dict[str, Any] | None, *, inserts: int) -> None:
+        """Start counting for a store that has recorded `inserts` steps, from the counters
+        it committed (`saved`) if any; without them the run starts at the band's edge."""
+        self.restore({**(saved or {}), "inserts": inserts})
+        if saved is None:
+            with self._cond:
+                self._rebase()
+
+    def stats(self) -> dict[str, Any]:
+        """`state` with what a person reads added (see `summary`)."""
+        return summary(self.state())
+
+    def check_valid(self) -> None:
+        """Internal invariants (tests call it after operations)."""
+        with self._cond:
+            assert self._inserts >= 0 and self._samples >= 0, (self._inserts, self._samples)
+            assert self._waiters >= 0 and min(self._wait_s.values()) >= 0
+
+    def __repr__(self) -> str:
+        return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, "
+                f"min_size_to_sample={self.min_size_to_sample}, min_diff={self.min_diff:g}, "
+                f"max_diff={self.max_diff:g})")
+
+
+def summary(state: dict[str, Any]) -> dict[str, Any]:
+    """A `state` dict plus the achieved samples per insert since `min_size_to_sample`
+    (None before) and Reverb's error: `diff` less its value at min size."""
+    spi, min_size = state["samples_per_insert"], state["min_size_to_sample"]
+    past = state["inserts"] - min_size
+    diff = state["inserts"] * spi - state["samples"] - state.get("offset", 0.0)
+    return {**state, "achieved_samples_per_insert": state["samples"] / past if past > 0
+            else None, "error": diff - spi * min_size}
+
+
+def steps_in_call(count: int, autoreset: Any) -> int:
+    """How many of `count` env rows of an ``add`` are steps (not autoreset rows); a value
+    the store's own checks will refuse counts as `count` (the refusal cancels it)."""
+    if autoreset is None:
+        return count
+    try:
+        resets = int(np.count_nonzero(np.asarray(autoreset)))
+    except (TypeError, ValueError, RuntimeError):
+        return count
+    return max(0, count - resets)
+
+
+class LimiterSlot:
+    """The rate limiter a store may hold, and the waits its calls make on it.
+
+    `inserting(n)` / `sampling(n)` are context managers: they wait until the limiter lets
+    `n` inserts / samples through, run the body, and give the count back if the body raises
+    (a refused call was never an insert or a sample). With no limiter they cost nothing.
+    """
+
+    def __init__(self) -> None:
+        self.limiter: RateLimiter | None = None
+
+    def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
+               inserts: int, capacity: int) -> None:
+        """Hold `limiter` (None removes it), counting from a store's committed counters
+        `saved` and its `inserts` recorded steps; refused if samples could never start."""
+        if limiter is not None:
+            if limiter.min_size_to_sample > capacity:
+                raise InvalidInputError(
+                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
+                    f"capacity {capacity}: samples would wait forever")
+            limiter.attach(saved, inserts=inserts)
+        self.limiter = limiter
+
+    def state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The limiter's counters if one is held, else the committed ones (`saved`)."""
+        if self.limiter is not None:
+            return self.limiter.state()
+        return None if saved is None else dict(saved)
+
+    @contextlib.contextmanager
+    def inserting(self, n: int) -> Iterator[None]:
+        """Wait for `n` inserts, then run the body (count given back if it raises)."""
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        limiter.await_insert(n)
+        try:
+            yield
+        except BaseException:
+            limiter.cancel_insert(n)
+            raise
+
+    @contextlib.contextmanager
+    def sampling(self, n: int) -> Iterator[None]:
+        """Wait for `n` samples, then run the body (count given back if it raises)."""
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        limiter.await_sample(n)
+        try:
+            yield
+        except BaseException:
+            limiter.cancel_sample(n)
+            raise
+
+    def close(self) -> None:
+        """Close the held limiter, waking its waiters."""
+        if self.limiter is not None:
+            self.limiter.close()

@@ -1,0 +1,387 @@
+"""The parts the scripts share, so each script keeps only what is its own.
+
+    from common import parse_args, run_main        # `python scripts/x.py` puts scripts/ on sys.path
+
+- **Arguments**: `parse_args(Args)` builds an argparse parser from an args dataclass: one
+  ``--kebab-case`` flag per field, the field's docstring as its help with the default shown,
+  ``--flag value`` and ``--flag=value``, booleans as ``--x/--no-x``; a bad or missing value is
+  one line on stderr and exit status 2.
+- **Run directories**: `prepare_run_dir` refuses a directory that already holds a run unless
+  ``--resume`` or ``--overwrite`` says what to do with it (``--overwrite`` removes it first).
+- **Exit behaviour**: `run_main(main)` turns ordinary mistakes (`mmreplay.errors.MmreplayError`,
+  `FileNotFoundError`, `UsageError`, ``SystemExit("message")``) into one line on stderr and
+  exit status 2, no traceback. Ctrl-C runs the callbacks registered with `on_interrupt`
+  (flush and close the store), prints where the run can be resumed and exits with 130;
+  `StopFlag` lets a training loop finish its step first and do the same.
+- **Environments and networks**: `is_atari`, `make_env` (ALE games with the usual DQN
+  preprocessing, anything else as `gym.make` builds it), `QNetwork` (the Nature CNN for
+  stacked 84x84 frames, a small MLP for vector observations), `nature_cnn`, `mlp`, and the
+  agent's side of frame stacking (`push_frames`), `linear_schedule`, and the DQN `Learner`
+  (networks, optimizer, one gradient step, checkpoint state).
+- **Disk usage**: `dir_bytes` (file sizes) and `dir_blocks` (allocated blocks).
+
+gymnasium and ale_py are imported by the functions that need them, so the bench scripts
+that make no env do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import math
+import os
+import shlex
+import shutil
+import signal
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    import gymnasium as gym
+
+T = TypeVar("T")
+INTERRUPTED = 130  # exit status of a run stopped by Ctrl-C (128 + SIGINT)
+USAGE = 2  # exit status of an ordinary mistake (argparse's own)
+
+
+class UsageError(ValueError):
+    """An argument or a run directory the script cannot work with; shown as one line."""
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of the dataclass `cls` (a string literal after it)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # base classes first, a subclass may redefine
+        try:
+            tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, doc in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                docs[node.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message (see --help)`` and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's examples as written (the module docstrings are laid out)."""
+
+
+def _value_type(hint: Any) -> type:
+    """The type a flag converts its value to, for a field's type hint (``int | None``: int,
+    the field keeps its None default unless the flag is given)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return hint
+
+
+def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
+    """One ``--kebab-case`` flag per field of the args dataclass `cls`, documented by its
+    field docstrings, each with its default."""
+    parser = _Parser(description=description, formatter_class=_Formatter, allow_abbrev=False)
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for f in fields(cls):
+        if f.default is MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name} needs a default to become a flag")
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        kind = _value_type(hints[f.name])
+        shown = "none" if default is None else repr(default) if kind is str else default
+        text = f"{docs.get(f.name, '')} (default: {shown})".strip()
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=text.replace("%", "%%"))
+            continue
+        parser.add_argument(flag, type=kind, default=default, dest=f.name,
+                            metavar=kind.__name__.upper(),
+                            help=text.replace("%", "%%"))
+    return parser
+
+
+def parse_args(cls: type[T], argv: list[str] | None = None, *,
+               description: str | None = None) -> T:
+    """The args dataclass `cls` filled from the command line (`argv`, default sys.argv)."""
+    namespace = build_parser(cls, description).parse_args(argv)
+    return cls(**vars(namespace))
+
+
+# -- run directories ---------------------------------------------------------------------------
+
+
+def holds_run(path: Path) -> bool:
+    """Whether `path` exists and is not an empty directory."""
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False,
+                    resumable: bool = True) -> Path:
+    """Make `run_dir` ready: new (created), continued (``--resume``: must hold a run) or
+    replaced (``--overwrite``: removed first). A run dir that holds a run is refused unless
+    one of the two flags says what to do with it; `resumable` scripts offer both."""
+    if resume and overwrite:
+        raise UsageError("pass --resume or --overwrite, not both")
+    if resume:
+        if not holds_run(run_dir):
+            raise UsageError(f"{run_dir} holds no run to resume; leave out --resume to start one")
+        return run_dir
+    if holds_run(run_dir):
+        if not overwrite:
+            choices = "--resume or --overwrite" if resumable else "--overwrite"
+            raise UsageError(f"{run_dir} already holds a run: pass {choices}")
+        if not run_dir.is_dir():
+            raise UsageError(f"{run_dir} is a file, not a run directory; not deleting it")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def resume_command(run_dir: Path, *, script: str | None = None) -> str:
+    """The command line that continues the run in `run_dir`."""
+    if script is None:
+        script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "<script>"
+    return f"python {shlex.quote(script)} --resume --run-dir {shlex.quote(str(run_dir))}"
+
+
+# -- exit behaviour ----------------------------------------------------------------------------
+
+
+_on_interrupt: list[tuple[Callable[[], object], str | None]] = []
+
+
+def on_interrupt(cleanup: Callable[[], object], *, message: str | None = None) -> None:
+    """On Ctrl-C, `run_main` calls `cleanup()` (newest first), then prints `message`
+    (for example where to resume)."""
+    _on_interrupt.append((cleanup, message))
+
+
+def _interrupted() -> int:
+    while _on_interrupt:
+        cleanup, message = _on_interrupt.pop()
+        try:
+            cleanup()
+        except Exception as exc:  # report it and go on with the others
+            print(f"interrupted; cleaning up failed: {exc}", file=sys.stderr)
+        if message:
+            print(message, file=sys.stderr)
+    print("interrupted", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def run_main(main: Callable[[], object]) -> NoReturn:
+    """Run `main` and exit with the status it returns (an int; anything else means 0).
+    Ordinary mistakes are one line on stderr and status 2; Ctrl-C cleans up
+    (`on_interrupt`) and exits with 130."""
+    from mmreplay.errors import MmreplayError
+
+    prog = Path(sys.argv[0]).name or "script"
+    try:
+        result = main()
+        code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+    except KeyboardInterrupt:
+        code = _interrupted()
+    except (MmreplayError, FileNotFoundError, UsageError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        code = USAGE
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(f"{prog}: error: {exc.code}", file=sys.stderr)
+        code = USAGE
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+class StopFlag:
+    """SIGINT and SIGTERM set a flag that a training loop reads between steps (an interrupt
+    inside `store.add` would leave a half-recorded step); a second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        signal.signal(signal.SIGINT, self._request)
+        signal.signal(signal.SIGTERM, self._request)
+
+    def _request(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __bool__(self) -> bool:
+        return bool(self.signals)
+
+    def exit_status(self, resume: str | None = None) -> int:
+        """128 + the signal's number after one (130 for Ctrl-C, 143 for SIGTERM), printing
+        `resume`, the way to continue; else 0."""
+        if not self.signals:
+            return 0
+        print(f"interrupted; to continue: {resume}" if resume else "interrupted",
+              file=sys.stderr, flush=True)
+        return 128 + self.signals[0]
+
+
+# -- environments and networks -----------------------------------------------------------------
+
+
+def is_atari(env_id: str) -> bool:
+    """Whether `env_id` is an ALE game (its entry point lives in ale_py)."""
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    try:
+        return "ale_py" in str(gym.spec(env_id).entry_point)
+    except gym.error.Error as exc:
+        raise UsageError(f"unknown environment id {env_id!r} ({exc})") from None
+
+
+def make_env(env_id: str, *, terminal_on_life_loss: bool = False, **ale_kwargs: Any) -> gym.Env:
+    """`env_id` as the scripts train on it: an ALE game with DQN preprocessing (84x84
+    grayscale, frame skip 4 with max-pooling, up to 30 no-op starts, no env-side frame
+    stacking: the store stacks), anything else as `gym.make` builds it. `ale_kwargs` go to
+    the ALE env (``obs_type="grayscale"`` spares it an RGB copy per skipped frame)."""
+    import gymnasium as gym
+
+    if not is_atari(env_id):
+        return gym.make(env_id)
+    from gymnasium.wrappers import AtariPreprocessing
+
+    env = gym.make(env_id, frameskip=1, **ale_kwargs)
+    return AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84,
+                              terminal_on_life_loss=terminal_on_life_loss, grayscale_obs=True)
+
+
+def nature_cnn(in_channels: int) -> nn.Sequential:
+    """The Nature-DQN convolutional stack: (in_channels, 84, 84) -> 3136 features (unpack
+    it into a larger Sequential to keep the layer indices checkpoints were saved with)."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
+        nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten())
+
+
+def mlp(inputs: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
+    """Flatten, then Linear + ReLU per `hidden` size, then a Linear to `out`."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    for size in hidden:
+        layers += [nn.Linear(inputs, size), nn.ReLU()]
+        inputs = size
+    return nn.Sequential(*layers, nn.Linear(inputs, out))
+
+
+class QNetwork(nn.Module):
+    """Q-values for states of `state_shape`: the Nature CNN for (stack, 84, 84) frames
+    (uint8, scaled by 1/255), an MLP with `hidden` sizes for anything else."""
+
+    def __init__(self, state_shape: tuple[int, ...], num_actions: int, *,
+                 hidden: tuple[int, ...] = (120, 84)) -> None:
+        super().__init__()
+        self.pixels = tuple(state_shape[1:]) == (84, 84)
+        if self.pixels:
+            self.network = nn.Sequential(*nature_cnn(state_shape[0]), nn.Linear(3136, 512),
+                                         nn.ReLU(), nn.Linear(512, num_actions))
+        else:
+            self.network = mlp(math.prod(state_shape), hidden, num_actions)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network(x.float() / 255.0 if self.pixels else x.float())
+
+
+@dataclass
+class Learner:
+    """A DQN learner: the online network, its target copy and their Adam optimizer."""
+
+    q: QNetwork
+    target: QNetwork
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def create(cls, state_shape: tuple[int, ...], num_actions: int, lr: float) -> Learner:
+        q, target = QNetwork(state_shape, num_actions), QNetwork(state_shape, num_actions)
+        target.load_state_dict(q.state_dict())
+        return cls(q, target, torch.optim.Adam(q.parameters(), lr=lr))
+
+    def state(self) -> dict[str, Any]:
+        """The state dicts a checkpoint holds (tensors and plain numbers only)."""
+        return {"q_network": self.q.state_dict(), "target_network": self.target.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load(self, ckpt: dict[str, Any]) -> None:
+        self.q.load_state_dict(ckpt["q_network"])
+        self.target.load_state_dict(ckpt["target_network"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+
+    def update(self, batch: Any) -> torch.Tensor:
+        """One gradient step of the importance-weighted Huber loss on `batch` (a store batch:
+        obs, action, reward, discount, next_obs, weights); returns |TD error| per transition."""
+        with torch.no_grad():
+            next_value = self.target(batch.next_obs).max(1).values
+            td_target = batch.reward + batch.discount * next_value
+        q_value = self.q(batch.obs).gather(1, batch.action.view(-1, 1)).squeeze(1)
+        huber = F.smooth_l1_loss(q_value, td_target, reduction="none")
+        loss = (batch.weights * huber).mean()  # weights are ones for uniform sampling
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return (td_target - q_value).abs().detach()
+
+    def sync_target(self) -> None:
+        self.target.load_state_dict(self.q.state_dict())
+
+
+def linear_schedule(start: float, end: float, duration: float, t: int) -> float:
+    """`start` moving linearly to `end` over `duration` steps, then `end`."""
+    slope = (end - start) / max(duration, 1.0)
+    return max(slope * t + start, end) if end < start else min(slope * t + start, end)
+
+
+def crossed(before: int, now: int, every: int) -> int:
+    """How many multiples of `every` lie in (before, now]."""
+    return now // every - before // every
+
+
+def push_frames(stack: np.ndarray, frames: np.ndarray, fresh: np.ndarray) -> None:
+    """Shift each env's last-k frames left and append its new frame; `fresh` envs restart
+    from zeros, the way the store pads stacks at an episode's start (stack_padding="zero")."""
+    stack[fresh] = 0
+    stack[:, :-1] = stack[:, 1:]
+    stack[:, -1] = frames
+
+
+# -- disk usage --------------------------------------------------------------------------------
+
+
+def dir_bytes(path: Path) -> int:
+    """Sum of the sizes of the files under `path` (symlinks not followed)."""
+    total = 0
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            total += dir_bytes(Path(entry.path))
+        elif entry.is_file(follow_symlinks=False):
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def dir_blocks(path: Path) -> int:
+    """Bytes the filesystem allocated under `path`: blocks of its files and folders."""
+    return sum(p.lstat().st_blocks * 512 for p in Path(path).rglob("*"))

@@ -1,0 +1,56 @@
+"""Helpers and fixtures the test files share.
+
+Helpers (import them: ``from conftest import frame``; pytest puts tests/ on sys.path):
+
+- `frame(value, shape)`: a uint8 frame filled with ``value % 256``;
+- `numbered_frame(t, shape)`: a frame unique to ``t`` (its first four bytes are ``t``,
+  little-endian), so a frame read from the wrong slot never matches;
+- `new_frame_store(path, ...)`: a writable `FrameStore` over a fresh frames array.
+
+`scripts/` is put on sys.path too, so tests can import the scripts and their shared module
+(`common`) as `python scripts/x.py` does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from mmreplay.spec import StoreSpec, make_spec
+from mmreplay.storage.frame_store import FrameStore, create_frames_array
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.append(str(SCRIPTS))
+
+
+def frame(value: int, shape: tuple[int, ...]) -> np.ndarray:
+    """A uint8 frame of `shape` filled with ``value % 256``."""
+    return np.full(shape, value % 256, np.uint8)
+
+
+def numbered_frame(t: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Frame number `t`: distinct for every t (at least 4 bytes): a pattern that moves with t,
+    and t itself as four little-endian bytes at the start."""
+    size = int(np.prod(shape))
+    if size < 4:
+        raise ValueError(f"a numbered frame needs at least 4 bytes, shape {shape} has {size}")
+    out = ((np.arange(size, dtype=np.int64) * 13 + t * 29) % 251).astype(np.uint8)
+    out[:4] = np.frombuffer(int(t).to_bytes(4, "little"), np.uint8)
+    return out.reshape(shape)
+
+
+def new_frame_store(path: Path, *, slots: int, chunk: int, shard: int = 1, envs: int = 1,
+                    obs_shape: tuple[int, ...] = (3,), codec: str = "lz4",
+                    hook: Callable[[int, int, int], object] | None = None
+                    ) -> tuple[StoreSpec, FrameStore]:
+    """(spec, writable FrameStore) of `slots` frames per env in chunks of `chunk` frames,
+    `shard` chunks per shard file; `hook` runs before each chunk write."""
+    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=obs_shape,
+                     chunk_frames=chunk, codec=codec, shard_chunks=shard)
+    create_frames_array(path, spec)
+    (path / "tmp").mkdir()
+    return spec, FrameStore(path, spec, writable=True, before_chunk_write=hook)
