@@ -397,7 +397,7 @@ def test_hostile_corpus_uploaded_to_a_bucket_is_refused(tmp_path: Path) -> None:
     bucket with an `InvalidStoreError` (all 709 such cases were, when run whole)."""
     from hostile_stores import build_store, cases, make_case
 
-    bases = {kind: tmp_path / kind for kind in ("uniform", "prio")}
+    bases = {kind: tmp_path / kind for kind in ("uniform", "prio", "zstd_dict")}
     for kind, path in bases.items():
         build_store(path, kind)
     chosen = [c for c in cases() if not c.huge and not c.name.startswith(("link-", "fifo-"))]
