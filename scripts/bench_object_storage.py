@@ -208,38 +208,53 @@ def latency_figures(server: S3Server, url: str, tmp: Path, args: Args) -> dict[s
 
 
 def kill_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dict[str, Any]:
-    """Kill the server mid-push `--kills` times; count lost generations and wrong frames."""
+    """Kill the server mid-push `--kills` times; count lost generations and wrong frames.
+
+    A generation is lost when the bucket, after the restart, holds one older than the last
+    push that returned (its manifest PUT was acknowledged). Not `store.generation - 1`: once
+    the ring wraps, `add` commits give-up generations that no push uploaded.
+    """
     url = server.url("kills")
-    lost = wrong = completed = 0
+    lost = wrong = completed = old_lost = 0
+    log: list[dict[str, int | bool]] = []
     with new_store(tmp / "kills", 50_000) as store:
         feed(store, rec, 20_000)
-        store.push(url)
+        acked = store.push(url).generation
         for k in range(args.kills):
             feed(store, rec, 2_000, start=20_000 + 2_000 * k)
             store.flush()
-            before = store.generation - 1
+            flushed = store.generation  # the old reference was flushed - 1
             slow = FaultProxy(server.ports[3], bandwidth=2_000_000)
-            pusher = threading.Thread(target=_push, args=(store, url, server, slow))
+            reports: list[Any] = []
+            pusher = threading.Thread(target=_push, args=(store, url, server, slow, reports))
             pusher.start()
             time.sleep(0.2)
             server.kill()
             pusher.join(120)
             slow.close()
+            acked = reports[0].generation if reports else acked  # it may have finished
             server.start()
             with ReplayStore.open(url, "r", cache_dir=tmp) as remote:
-                lost += remote.generation < before
+                lost += remote.generation < acked
+                old_lost += remote.generation < flushed - 1
+                log.append({"acked": acked, "flushed": flushed, "pushed": store.generation,
+                            "killed_push_returned": bool(reports),
+                            "bucket_after_restart": remote.generation})
                 with ReplayStore.open(tmp / "kills", "r") as local:  # ids both still hold
                     ids = np.intersect1d(remote.valid_ids(), local.valid_ids())[::11]
                     wrong += int((np.asarray(remote.get(ids).obs)
                                   != np.asarray(local.get(ids).obs)).any(axis=(1, 2, 3)).sum())
-            completed += store.push(url, take_over=True).generation == store.generation
+            acked = store.push(url, take_over=True).generation
+            completed += acked == store.generation
     return {"kills": args.kills, "generations_lost": lost, "wrong_frames": wrong,
-            "next_push_completed": completed}
+            "next_push_completed": completed,
+            "lost_against_local_generation_minus_1": old_lost, "per_kill": log}
 
 
-def _push(store: ReplayStore, url: str, server: S3Server, proxy: FaultProxy) -> None:
+def _push(store: ReplayStore, url: str, server: S3Server, proxy: FaultProxy,
+          reports: list[Any]) -> None:
     try:
-        store.push(url, storage_options=server.options(proxy.endpoint))
+        reports.append(store.push(url, storage_options=server.options(proxy.endpoint)))
     except Exception:  # noqa: BLE001,S110 -- the server is killed under it
         pass
 
