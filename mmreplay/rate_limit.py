@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -374,35 +374,33 @@ class LimiterSlot:
             return self.limiter.state()
         return None if saved is None else dict(saved)
 
-    @contextlib.contextmanager
-    def inserting(self, n: int) -> Iterator[None]:
+    def inserting(self, n: int) -> contextlib.AbstractContextManager[None]:
         """Wait for `n` inserts, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            yield
-            return
-        limiter.await_insert(n)
-        try:
-            yield
-        except BaseException:
-            limiter.cancel_insert(n)
-            raise
+            return contextlib.nullcontext()
+        return _admitted(limiter.await_insert, limiter.cancel_insert, n)
 
-    @contextlib.contextmanager
-    def sampling(self, n: int) -> Iterator[None]:
+    def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
         """Wait for `n` samples, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            yield
-            return
-        limiter.await_sample(n)
-        try:
-            yield
-        except BaseException:
-            limiter.cancel_sample(n)
-            raise
+            return contextlib.nullcontext()
+        return _admitted(limiter.await_sample, limiter.cancel_sample, n)
 
     def close(self) -> None:
         """Close the held limiter, waking its waiters."""
         if self.limiter is not None:
             self.limiter.close()
+
+
+@contextlib.contextmanager
+def _admitted(wait: Callable[[int], None], cancel: Callable[[int], None],
+              n: int) -> Iterator[None]:
+    """`wait(n)`, then the body; `cancel(n)` if the body raises (it was never counted)."""
+    wait(n)
+    try:
+        yield
+    except BaseException:
+        cancel(n)
+        raise
