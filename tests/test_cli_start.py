@@ -26,7 +26,7 @@ from mmreplay.spec import make_spec
 from mmreplay.storage.codec import ChunkCodec
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "numba", "llvmlite", "ray", "minari", "stable_baselines3", "gymnasium")
+HEAVY = ("torch", "numba", "llvmlite", "ray", "minari", "stable_baselines3", "gymnasium", "zarr")
 PROBE = f"""
 import json, sys
 from mmreplay.tools.cli import main

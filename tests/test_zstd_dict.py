@@ -257,7 +257,7 @@ def _reseal_dictionary(root: Path, data: bytes, *, zarr_json: bool) -> None:
     seal(root, manifest)
     if zarr_json:
         meta = json.loads((root / "frames" / "zarr.json").read_text())
-        meta = mmreplay.storage.zarr_codec.with_dictionary(meta, data)
+        meta = mmreplay.storage.zstd_dict.with_dictionary(meta, data)
         (root / "frames" / "zarr.json").write_text(json.dumps(meta))
 
 

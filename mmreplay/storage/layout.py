@@ -36,9 +36,8 @@ from mmreplay.storage.safe_io import (
     safe_path,
     strict_equal,
 )
-from mmreplay.storage.zarr_codec import NAME as ZSTD_DICT_CODEC
-from mmreplay.storage.zarr_codec import configuration, with_dictionary
-from mmreplay.storage.zstd_dict import read_dictionary
+from mmreplay.storage.zstd_dict import NAME as ZSTD_DICT_CODEC
+from mmreplay.storage.zstd_dict import configuration, read_dictionary, with_dictionary
 
 ZARR_JSON = "zarr.json"
 MAX_ZARR_JSON_BYTES = 1 << 20

@@ -22,12 +22,14 @@ import base64
 import binascii
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zstandard
 from zarr.abc.codec import BytesBytesCodec
 from zarr.core.common import JSON, parse_named_configuration
 from zarr.registry import register_codec
+
+from mmreplay.storage.zstd_dict import NAME, configuration
 
 if TYPE_CHECKING:
     from typing import Self
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
     from zarr.core.buffer import Buffer
 
-NAME = "mmreplay.zstd_dict"
 
 
 @dataclass(frozen=True)
@@ -91,28 +92,6 @@ class ZstdDictCodec(BytesBytesCodec):
         raise NotImplementedError
 
 
-def configuration(level: int, dictionary: bytes | None) -> dict[str, Any]:
-    """The codec's configuration in ``zarr.json``."""
-    if dictionary is None:
-        return {"level": level}
-    return {"level": level, "dictionary": base64.b64encode(dictionary).decode("ascii")}
-
-
-def with_dictionary(meta: dict[str, Any], dictionary: bytes) -> dict[str, Any]:
-    """``frames/zarr.json`` metadata with `dictionary` set in its ``mmreplay.zstd_dict``
-    codec (also inside ``sharding_indexed``)."""
-    def walk(codecs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for codec in codecs:
-            config = codec.get("configuration", {})
-            if codec.get("name") == NAME:
-                codec = {**codec, "configuration": configuration(config["level"], dictionary)}
-            elif codec.get("name") == "sharding_indexed":
-                codec = {**codec, "configuration": {**config, "codecs": walk(config["codecs"])}}
-            out.append(codec)
-        return out
-
-    return {**meta, "codecs": walk(meta["codecs"])}
 
 
 register_codec(NAME, ZstdDictCodec)

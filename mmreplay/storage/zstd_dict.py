@@ -22,6 +22,7 @@ beyond the record it checks.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,6 @@ import zstandard
 
 from mmreplay.errors import InvalidInputError, InvalidStoreError
 from mmreplay.storage.safe_io import read_small, write_atomic
-from mmreplay.storage.zarr_codec import with_dictionary
 
 DICT_FILE = "zstd.dict"
 MIN_DICT_BYTES = 256
@@ -157,3 +157,30 @@ def install(root: Path, dictionary: bytes, tmp_dir: Path, *, durable: bool) -> N
     meta = json.loads(read_small(path, "frames/zarr.json", MAX_ZARR_JSON_BYTES))
     write_atomic(path, json.dumps(with_dictionary(meta, dictionary), indent=2).encode(),
                  tmp_dir, durable=durable)
+
+
+NAME = "mmreplay.zstd_dict"  # the zarr codec's name (`zarr_codec`; zarr is not imported here)
+
+
+def configuration(level: int, dictionary: bytes | None) -> dict[str, Any]:
+    """The codec's configuration in ``zarr.json``."""
+    if dictionary is None:
+        return {"level": level}
+    return {"level": level, "dictionary": base64.b64encode(dictionary).decode("ascii")}
+
+
+def with_dictionary(meta: dict[str, Any], dictionary: bytes) -> dict[str, Any]:
+    """``frames/zarr.json`` metadata with `dictionary` set in its ``mmreplay.zstd_dict``
+    codec (also inside ``sharding_indexed``)."""
+    def walk(codecs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for codec in codecs:
+            config = codec.get("configuration", {})
+            if codec.get("name") == NAME:
+                codec = {**codec, "configuration": configuration(config["level"], dictionary)}
+            elif codec.get("name") == "sharding_indexed":
+                codec = {**codec, "configuration": {**config, "codecs": walk(config["codecs"])}}
+            out.append(codec)
+        return out
+
+    return {**meta, "codecs": walk(meta["codecs"])}
