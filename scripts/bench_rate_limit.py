@@ -108,18 +108,27 @@ def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> d
             "insert_wait_s": end["insert_wait_s"], "sample_wait_s": end["sample_wait_s"]}
 
 
+def adds_per_s(store: ReplayStore, pool: np.ndarray, steps: int) -> float:
+    """Steps/s of `steps` one-env adds of frames from `pool`."""
+    t0 = time.perf_counter()
+    for i in range(steps):
+        store.add(i % 4, 1.0, pool[i % len(pool)], False, False)
+    return steps / (time.perf_counter() - t0)
+
+
+def batches_per_s(store: ReplayStore, batch_size: int, batches: int) -> float:
+    """`sample(batch_size)` calls per second over `batches` calls."""
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        store.sample(batch_size)
+    return batches / (time.perf_counter() - t0)
+
+
 def natural_rates(args: Args, root: Path) -> dict[str, float]:
     """Unlimited env steps/s and learner samples/s of this machine (no sleeps)."""
     store = make_store(root, None)
-    pool = frames(256)
-    t0 = time.perf_counter()
-    for i in range(3000):
-        store.add(i % 4, 1.0, pool[i % 256], False, False)
-    env = 3000 / (time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for _ in range(200):
-        store.sample(args.batch_size)
-    learner = 200 * args.batch_size / (time.perf_counter() - t0)
+    env = adds_per_s(store, frames(256), 3000)
+    learner = batches_per_s(store, args.batch_size, 200) * args.batch_size
     store.close()
     return {"env_steps_per_s": env, "learner_samples_per_s": learner}
 
@@ -131,15 +140,8 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
         for name in ("without", "with"):
             limiter = RateLimiter.min_size(1) if name == "with" else None
             store = make_store(root / f"o{r}{name}", limiter)
-            t0 = time.perf_counter()
-            for i in range(4000):
-                store.add(i % 4, 1.0, pool[i % 256], False, False)
-            ingest = 4000 / (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for _ in range(300):
-                store.sample(args.batch_size)
-            learn = 300 / (time.perf_counter() - t0)
-            rows[name].append((ingest, learn))
+            rows[name].append((adds_per_s(store, pool, 4000),
+                               batches_per_s(store, args.batch_size, 300)))
             store.close()
     out: dict[str, Any] = {}
     for name, values in rows.items():

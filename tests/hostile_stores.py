@@ -834,9 +834,9 @@ def dict_cases() -> Iterator[Case]:
                                 {"level": 3, "dictionary": "AAAA"},
                                 {"level": 3, "dictionary": "not base64!"},
                                 {"level": 3, "dictionary": 12}, {"level": "3"}]):
-        yield on_dict(f"zarr-config-{i}", _dict_zarr_config(config))
-    yield on_dict("zarr-codec-zstd", _dict_zarr_name("zstd"))
-    yield on_dict("zarr-codec-other", _dict_zarr_name("numcodecs.zstd"))
+        yield on_dict(f"zarr-config-{i}", _dict_zarr_set("configuration", config))
+    yield on_dict("zarr-codec-zstd", _dict_zarr_set("name", "zstd"))
+    yield on_dict("zarr-codec-other", _dict_zarr_set("name", "numcodecs.zstd"))
     yield on_dict("version-3", set_path(("format_version",), 3))
     yield on_dict("version-5", set_path(("format_version",), 5))
     for key, value in [("codec", "lz4"), ("codec", "zstd"), ("dict_bytes", 10),
@@ -865,19 +865,11 @@ def _dict_codec(meta: dict[str, Any]) -> dict[str, Any]:
     return meta["codecs"][0]["configuration"]["codecs"][1]
 
 
-def _dict_zarr_config(config: dict[str, Any]) -> Callable[[Env], None]:
+def _dict_zarr_set(key: str, value: Any) -> Callable[[Env], None]:
+    """Set `key` ("configuration" or "name") of the dictionary codec in frames/zarr.json."""
     def damage(env: Env) -> None:
         path = env.root / "frames/zarr.json"
         meta = json.loads(path.read_text())
-        _dict_codec(meta)["configuration"] = config
-        path.write_text(json.dumps(meta))
-    return damage
-
-
-def _dict_zarr_name(name: str) -> Callable[[Env], None]:
-    def damage(env: Env) -> None:
-        path = env.root / "frames/zarr.json"
-        meta = json.loads(path.read_text())
-        _dict_codec(meta)["name"] = name
+        _dict_codec(meta)[key] = value
         path.write_text(json.dumps(meta))
     return damage
