@@ -56,8 +56,9 @@ CASES = cases()
 SMALL = [c for c in CASES if not c.huge]
 HUGE = [c for c in CASES if c.huge]
 # The reliability promise: a hostile store cannot stall an open. A hang guard, not a speed
-# target (the slowest open seen is ~0.5 s).
-MAX_OPEN_SECONDS = 2.0
+# target: the slowest open seen is ~0.5 s on a quiet machine and 2.6-4.7 s on a loaded one, so
+# the guard sits far above both; `test_corpus_figures` prints the slowest open as a figure.
+HANG_GUARD_SECONDS = 30.0
 MAX_RSS_GROWTH_MIB = 512
 STATS: dict[str, Any] = {"opens": 0, "refused": 0, "slowest": 0.0, "slowest_case": ""}
 
@@ -101,7 +102,7 @@ def refuse_all(env: Env, modes: tuple[str, ...], name: str) -> None:
             STATS["slowest"], STATS["slowest_case"] = seconds, f"{name} ({mode})"
         assert kind == "InvalidStoreError", f"{name} mode {mode}: {kind}: {message}"
         assert message and "\n" not in message, repr(message)
-        assert seconds < MAX_OPEN_SECONDS, f"{name} mode {mode} took {seconds:.2f} s"
+        assert seconds < HANG_GUARD_SECONDS, f"{name} mode {mode} took {seconds:.2f} s"
 
 
 def check_untouched(env: Env, before: dict[str, Any], times: dict[str, int] | None,
@@ -144,7 +145,7 @@ def test_huge_cases_allocate_nothing(bases: dict[str, Path], tmp_path: Path) -> 
     for row in report["results"]:
         assert row["kind"] == "InvalidStoreError", row
         assert row["message"] and "\n" not in row["message"]
-        assert row["seconds"] < MAX_OPEN_SECONDS, row
+        assert row["seconds"] < HANG_GUARD_SECONDS, row
     assert len(report["results"]) == 2 * len(HUGE)
     assert report["rss_growth_mib"] < MAX_RSS_GROWTH_MIB, report["rss_growth_mib"]
     assert report["traced_peak_mib"] < MAX_RSS_GROWTH_MIB, report["traced_peak_mib"]
@@ -391,4 +392,4 @@ def test_errors_are_mmreplay_and_value_errors() -> None:
     start = time.perf_counter()
     with pytest.raises(InvalidStoreError):
         parse_manifest(b"[" * 10_000_000)
-    assert time.perf_counter() - start < MAX_OPEN_SECONDS
+    assert time.perf_counter() - start < HANG_GUARD_SECONDS
