@@ -153,6 +153,35 @@ def test_transition_stacks_and_gif(server: Any, store_path: Path) -> None:
     assert (code, kind) == (200, "image/gif") and gif.size == (OBS[1] * 2, OBS[0] * 2)
 
 
+def decode_mp4(body: bytes) -> tuple[np.ndarray, Any]:
+    """Every frame of an MP4 as RGB ``(N, H, W, 3)``, and its video stream's codec context."""
+    import av
+
+    with av.open(io.BytesIO(body)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        return np.stack(frames), container.streams.video[0].codec_context
+
+
+@pytest.mark.parametrize("episode", [5, 6])
+def test_episode_mp4_decodes_to_the_store_s_frames(server: Any, store_path: Path,
+                                                   episode: int) -> None:
+    with ins.open_readonly(store_path) as store:
+        want = ins.episode_frames(store, episode).astype(np.int64)
+    big = want.repeat(2, axis=1).repeat(2, axis=2)[..., None]  # scale=2, gray in each channel
+    code, kind, body = get(server, f"/api/episode/{episode}.mp4?fps=10&scale=2&lossless=1")
+    frames, codec = decode_mp4(body)
+    assert (code, kind, codec.name) == (200, "video/mp4", "h264")
+    assert frames.shape == (len(want), OBS[0] * 2, OBS[1] * 2, 3)
+    assert np.array_equal(frames, np.broadcast_to(big, frames.shape))  # lossless: exact
+    code, kind, body = get(server, f"/api/episode/{episode}.mp4?fps=10&scale=2")
+    frames, codec = decode_mp4(body)  # the default: yuv420p, which browsers play; lossy
+    assert (code, codec.pix_fmt, frames.shape[0]) == (200, "yuv420p", len(want))
+    error = np.abs(frames.astype(np.int64) - big)
+    assert error.mean() < 4 and np.percentile(error, 99) < 24, (error.mean(), error.max())
+    others = np.roll(big, 1, axis=0)  # each frame against its neighbour: far off
+    assert np.abs(frames.astype(np.int64) - others).mean() > 4 * error.mean() + 10
+
+
 def test_sampling_view_and_batch(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
         view = ins.sampling_view(store)
@@ -194,6 +223,8 @@ def test_probabilities_of_a_uniform_store(tmp_path: Path) -> None:
     ("/api/sampling?beta=abc", 400, "beta must be a number"),
     ("/api/sampling?beta=-1", 400, "beta"),
     ("/api/episode/5.gif?fps=0", 400, "fps must be in 1..60"),
+    ("/api/episode/5.mp4?lossless=2", 400, "lossless must be in 0..1"),
+    ("/api/episode/99.mp4", 404, "episode 99"),
     ("/api/nothing", 404, "no such endpoint"),
     ("/api/episode/-1", 404, "no such endpoint"),
     ("/api/episode/99999999999999999999", 404, "no such endpoint"),

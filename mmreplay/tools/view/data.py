@@ -160,8 +160,7 @@ class StoreData:
             self._require_images(store)
 
             def make() -> bytes:
-                frames = self._frames.get(episode, lambda: ins.as_images(
-                    _known(ins.episode_frames, store, episode)))
+                frames = self.episode_images(episode)
                 if not 0 <= t < len(frames):
                     raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
                                             f"frames; frame {t} is not one of them")
@@ -169,12 +168,20 @@ class StoreData:
 
             return self._png.get(("frame", episode, t), make)
 
-    def episode_gif(self, episode: int, *, fps: int, scale: int) -> bytes:
+    def episode_images(self, episode: int) -> np.ndarray:
+        """The kept frames of `episode` as uint8 images (decoded once per generation)."""
         with self._lock:
             store = self.store()
             self._require_images(store)
-            frames = ins.as_images(_known(ins.episode_frames, store, episode))
-        return render.gif_bytes(frames, fps=fps, scale=scale)
+            return self._frames.get(episode, lambda: ins.as_images(
+                _known(ins.episode_frames, store, episode)))
+
+    def episode_gif(self, episode: int, *, fps: int, scale: int) -> bytes:
+        return render.gif_bytes(self.episode_images(episode), fps=fps, scale=scale)
+
+    def episode_mp4(self, episode: int, *, fps: int, scale: int, lossless: bool) -> bytes:
+        return render.mp4_bytes(self.episode_images(episode), fps=fps, scale=scale,
+                                lossless=lossless)
 
     # -- transitions and sampling ---------------------------------------------------------
     def transition(self, tid: int) -> dict[str, Any]:

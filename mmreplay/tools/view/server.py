@@ -11,6 +11,7 @@ Routes, all GET (HEAD too); nothing else is served::
     /api/episode/E                      steps of episode E
     /api/episode/E/frame/T.png          kept frame T of episode E
     /api/episode/E.gif?fps=&scale=      episode E as an animated GIF
+    /api/episode/E.mp4?fps=&scale=&lossless=   episode E as an H.264 MP4 (PyAV)
     /api/transition/ID                  fields of transition ID
     /api/transition/ID/obs.png|next.png its stacked state / n-step next state
     /api/sampling?batch=&seed=&beta=    the sampler's distribution and a fresh batch
@@ -139,6 +140,13 @@ def _gif(d: StoreData, m: re.Match[str], q: dict[str, str]) -> Reply:
     return 200, "image/gif", d.episode_gif(int(m[1]), fps=fps, scale=scale)
 
 
+def _mp4(d: StoreData, m: re.Match[str], q: dict[str, str]) -> Reply:
+    fps = int_param("fps", q.get("fps", "15"), 1, 60)
+    scale = int_param("scale", q.get("scale", "2"), 1, 8)
+    lossless = int_param("lossless", q.get("lossless", "0"), 0, 1) == 1
+    return 200, "video/mp4", d.episode_mp4(int(m[1]), fps=fps, scale=scale, lossless=lossless)
+
+
 ROUTES: list[Route] = [
     (re.compile(r"/api/status"), lambda d, m, q: _json(d.status())),
     (re.compile(r"/api/overview"), lambda d, m, q: _json(d.overview())),
@@ -148,6 +156,7 @@ ROUTES: list[Route] = [
     (re.compile(r"/api/episode/(\d{1,18})/frame/(\d{1,18})\.png"),
      lambda d, m, q: _png(d.frame_png(int(m[1]), int(m[2])))),
     (re.compile(r"/api/episode/(\d{1,18})\.gif"), _gif),
+    (re.compile(r"/api/episode/(\d{1,18})\.mp4"), _mp4),
     (re.compile(r"/api/transition/(\d{1,18})"),
      lambda d, m, q: _json(d.transition(int(m[1])))),
     (re.compile(r"/api/transition/(\d{1,18})/(obs|next)\.png"),

@@ -302,8 +302,10 @@ function playerLayout(main, p) {
   };
   Object.keys(p.shown).forEach((k) => ui.toggles.append(el("label", {}, el("input", {
     type: "checkbox", "data-series": k, ...(p.shown[k] ? { checked: "" } : {}) }), ` ${k}`)));
-  const gif = el("a", { id: "gif", href: `/api/episode/${episode}.gif?fps=15&scale=2`,
-    download: `episode_${episode}.gif`, text: "export GIF" });
+  const gif = el("span", {}, el("a", { id: "gif", href: `/api/episode/${episode}.gif?fps=15&scale=2`,
+    download: `episode_${episode}.gif`, text: "export GIF" }), " · ",
+  el("a", { id: "mp4", href: `/api/episode/${episode}.mp4?fps=15&scale=2`,
+    download: `episode_${episode}.mp4`, text: "MP4" }));
   const status = ep.terminated.some(Boolean) ? "terminated" : ep.truncated.some(Boolean)
     ? "truncated" : "running or evicted end";
   main.replaceChildren(el("h2", { text: `Episode ${episode}` },
