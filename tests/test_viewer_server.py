@@ -138,6 +138,42 @@ def test_episode_steps_and_frames(server: Any, store_path: Path) -> None:
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(body))), frames[t])
 
 
+def test_episode_discount_and_n_step_return_match_the_store(tmp_path: Path) -> None:
+    """Per-step discount and n-step return, as a batch holds them (``ReplayStore.get``), for
+    episodes ending terminated, truncated and still running, some partly evicted."""
+    path = tmp_path / "nstep"
+    with ReplayStore.create(path, capacity=48, obs_shape=OBS, n_step=3, gamma=0.9,
+                            frame_stack=2, chunk_frames=8) as store:
+        n = 0
+        for e, (steps, how) in enumerate([(9, "term"), (4, "trunc"), (2, "term"), (13, "trunc"),
+                                          (7, "term"), (5, "running")]):
+            store.reset(frame(n))
+            for t in range(steps):
+                n += 1
+                last = t == steps - 1
+                store.add(0, float(t + e), frame(n), last and how == "term",
+                          last and how == "trunc")
+            n += 1
+        store.flush()
+        rows = ins.episode_table(store)
+        checked = 0
+        with serving(path) as srv:
+            for row in rows:
+                ep = get_json(srv, f"/api/episode/{row.episode}")
+                ids = np.asarray(ep["ids"])
+                ok = np.asarray(ep["sampleable"]) & (ids >= 0)
+                assert [v is None for v in ep["discount"]] == (~ok).tolist()
+                if ok.any():
+                    batch = store.get(ids[ok])
+                    got = np.asarray(ep["discount"], dtype=np.float64)[ok]
+                    assert np.allclose(got, batch.discount.numpy())
+                    assert np.allclose(np.asarray(ep["n_step_return"], np.float64)[ok],
+                                       batch.reward.numpy())
+                    checked += int(ok.sum())
+        assert checked > 20 and {r.status for r in rows} >= {"terminated", "truncated",
+                                                             "running"}
+
+
 def test_transition_stacks_and_gif(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
         tid = int(store.valid_ids()[-3])

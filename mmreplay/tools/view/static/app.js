@@ -84,7 +84,7 @@ function extent(values, fromZero = false) {
 }
 
 // Lines (or bars) of several series over a shared x; each series {name, color, y, bars}.
-function plotXY(canvas, x, series, { height = 180, title = "", cursor = null } = {}) {
+function plotXY(canvas, x, series, { height = 180, title = "", cursor = null, at = null } = {}) {
   const { ctx, width } = setupCanvas(canvas, height);
   const pad = { l: 120, r: 10, t: 18, b: 20 };
   const [x0, x1] = extent(x);
@@ -114,11 +114,22 @@ function plotXY(canvas, x, series, { height = 180, title = "", cursor = null } =
     });
     if (!s.bars) ctx.stroke();
   });
+  const cursorX = cursor === null ? null : Math.round(sx(cursor)) + 0.5;
+  if (at !== null) series.forEach((s, i) => valueTag(ctx, fmt(s.y[at], 4), cursorX,
+    pad.t + i * rowH + 10, width - pad.r));
   if (cursor !== null) {
-    ctx.strokeStyle = "#ffffff"; ctx.beginPath();
-    ctx.moveTo(sx(cursor), pad.t); ctx.lineTo(sx(cursor), height - pad.b); ctx.stroke();
+    ctx.strokeStyle = "#ffffff"; ctx.lineWidth = 1; ctx.beginPath();
+    ctx.moveTo(cursorX, pad.t); ctx.lineTo(cursorX, height - pad.b); ctx.stroke();
   }
-  return { xOf: (px) => x0 + ((px - pad.l) / (width - pad.l - pad.r)) * (x1 - x0) };
+  return { xOf: (px) => x0 + ((px - pad.l) / (width - pad.l - pad.r)) * (x1 - x0), cursorX };
+}
+
+// A value written beside the cursor line (left of it near the right edge), on a dark box.
+function valueTag(ctx, text, x, y, right) {
+  const w = ctx.measureText(text).width + 6;
+  const left = x + 4 + w > right ? x - 4 - w : x + 4;
+  ctx.fillStyle = "rgba(22, 23, 27, 0.85)"; ctx.fillRect(left, y - 10, w, 13);
+  ctx.fillStyle = "#ffffff"; ctx.fillText(text, left + 3, y);
 }
 
 function histogram(canvas, edges, mass, { height = 160, title = "", color = "#5aa9ff" } = {}) {
@@ -281,10 +292,32 @@ async function playerView(main, episode, t0) {
   return { leave: () => { stop(); document.removeEventListener("keydown", keys); }, seek: set };
 }
 
+// Every per-step column of an episode as timeline series {key, name, color, y, bars}:
+// reward, n-step return, discount, action (each component of a vector action),
+// terminated, truncated, priority and each extra (wider extras as their mean).
+function timelineSeries(ep) {
+  const out = [{ key: "reward", name: "reward", color: "#7bd88f", y: ep.reward, bars: true }];
+  if (ep.n_step > 1) out.push({ key: "n_step_return", name: `${ep.n_step}-step return`,
+    color: "#a6e3a1", y: ep.n_step_return });
+  out.push({ key: "discount", name: "discount", color: "#89dceb", y: ep.discount, zero: true });
+  const width = ep.action.length && Array.isArray(ep.action[0]) ? ep.action[0].length : 0;
+  if (!width) out.push({ key: "action", name: "action", color: "#5aa9ff", y: ep.action });
+  else for (let i = 0; i < Math.min(width, 4); i += 1) out.push({ key: `action:${i}`,
+    name: `action[${i}]`, color: "#5aa9ff", y: ep.action.map((a) => a[i]) });
+  out.push({ key: "terminated", name: "terminated", color: "#ff6b6b", bars: true,
+    y: ep.terminated.map(Number) });
+  out.push({ key: "truncated", name: "truncated", color: "#ffb454", bars: true,
+    y: ep.truncated.map(Number) });
+  if (ep.priority.some((v) => v !== null)) out.push({ key: "priority", name: "priority",
+    color: "#f9e2af", y: ep.priority });
+  Object.entries(ep.extras).forEach(([k, e]) => out.push({ key: `extra:${k}`,
+    name: `${k}${e.summary === "mean" ? " (mean)" : ""}`, color: "#c792ea", y: e.values }));
+  return out;
+}
+
 function seriesShown(ep) {
-  const shown = { reward: true, action: true, priority: ep.priority.some((v) => v !== null),
-    done: true };
-  Object.keys(ep.extras).forEach((k) => { shown[`extra:${k}`] = true; });
+  const shown = {};
+  timelineSeries(ep).forEach((s) => { shown[s.key] = true; });
   return shown;
 }
 
@@ -321,22 +354,17 @@ function playerLayout(main, p) {
   return ui;
 }
 
+// The timeline: each shown series over episode position, a white line at the frame shown
+// and each series' value there (also in canvas.dataset: t, cursorX and values, by name).
 function drawTimeline(canvas, p, seek) {
   const { ep, shown } = p;
-  const series = [];
-  if (shown.reward) series.push({ name: "reward", color: "#7bd88f", y: ep.reward, bars: true });
-  if (shown.action) series.push({ name: "action", color: "#5aa9ff",
-    y: ep.action.map((a) => (Array.isArray(a) ? a[0] : a)) });
-  if (shown.priority) series.push({ name: "priority", color: "#ffb454", y: ep.priority });
-  if (shown.done) series.push({ name: "terminated/truncated", color: "#ff6b6b", bars: true,
-    y: ep.terminated.map((v, i) => (v ? 1 : ep.truncated[i] ? 0.5 : 0)) });
-  Object.entries(ep.extras).forEach(([k, e]) => {
-    if (shown[`extra:${k}`]) series.push({ name: `${k}${e.summary === "mean" ? " (mean)" : ""}`,
-      color: "#c792ea", y: e.values });
-  });
+  const series = timelineSeries(ep).filter((s) => shown[s.key]);
   if (!series.length) { setupCanvas(canvas, 40); return; }
   const plot = plotXY(canvas, ep.pos, series, { height: 40 + 46 * series.length,
-    title: "episode position", cursor: ep.pos[p.t] });
+    title: "episode position", cursor: ep.pos[p.t], at: p.t });
+  canvas.dataset.t = String(p.t);
+  canvas.dataset.cursorX = String(plot.cursorX);
+  canvas.dataset.values = JSON.stringify(Object.fromEntries(series.map((s) => [s.name, s.y[p.t]])));
   canvas.onclick = (ev) => {
     const pos = Math.round(plot.xOf(ev.offsetX));
     const i = ep.pos.findIndex((v) => v >= pos);
@@ -350,7 +378,8 @@ function stepFields(box, ep, t) {
   box.replaceChildren(kvTable([["frame", `${t} of ${ep.frames} (position ${ep.pos[t]})`],
     ["transition id", id < 0 ? "none (no step from this frame)" : id],
     ["action", id < 0 ? null : ep.action[t]], ["reward", id < 0 ? null : ep.reward[t]],
-    ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
+    ...(ep.n_step > 1 ? [[`${ep.n_step}-step return`, ep.n_step_return[t]]] : []),
+    ["discount", ep.discount[t]], ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
     ["priority", ep.priority[t]], ["sampleable", ep.sampleable[t]], ...extras]));
 }
 
