@@ -229,6 +229,35 @@ def test_timeline_follows_the_frame_with_every_step_field(browser: Any, tmp_path
             assert console_errors(browser) == []
 
 
+def test_health_card_verifies_on_demand(browser: Any, tmp_path: Path) -> None:
+    """The overview's "verify now" runs verify: a sound store says so; one with a damaged
+    frame chunk lists the problem and raises the error panel."""
+    path = tmp_path / "health"
+    small_store(path, [6, 20, 9]).close()
+    health = lambda: browser.execute_script(  # noqa: E731
+        "return document.body.dataset.health")
+    for damaged in (False, True):
+        if damaged:
+            victim = max((p for p in (path / "frames").rglob("*") if p.is_file()),
+                         key=lambda p: p.stat().st_size)
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        with serving(path) as server:
+            open_view(browser, server.url + "#/overview", "overview")
+            assert health() == "never" and not browser.find_element("id", "error").is_displayed()
+            browser.find_element("id", "verify").click()
+            wait_for(lambda: health() in ("ok", "problems", "failed", "stopped"), "verify")
+            card = browser.find_element("id", "health").text
+            panel = browser.find_element("id", "error")
+            if damaged:
+                assert health() == "problems" and victim.name in card, card
+                assert panel.is_displayed() and "verify found" in panel.text
+            else:
+                assert health() == "ok" and "sound" in card and not panel.is_displayed()
+            assert console_errors(browser) == []
+
+
 def test_live_store_gains_an_episode_without_reload(browser: Any, tmp_path: Path) -> None:
     path = tmp_path / "live"
     writer = small_store(path, [5, 7])
@@ -327,6 +356,10 @@ def test_every_view_of_a_breakout_store(browser: Any, tmp_path: Path,
             timed(f"open {view}", open_view(browser, server.url + fragment, view))
             if view == "episode":
                 wait_for(frame_settled(browser, 60), "frame 60")
+            if view == "overview":  # the health card with verify's result
+                browser.find_element("id", "verify").click()
+                wait_for(lambda: browser.execute_script("return document.body.dataset.health")
+                         == "ok", "verify to find the Breakout store sound", timeout=60)
             time.sleep(0.2)  # images after the JSON
             assert console_errors(browser) == [], view
             save_page(browser, shots / f"viewer_{view}.png")

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +217,63 @@ def test_episode_mp4_decodes_to_the_store_s_frames(server: Any, store_path: Path
     assert error.mean() < 4 and np.percentile(error, 99) < 24, (error.mean(), error.max())
     others = np.roll(big, 1, axis=0)  # each frame against its neighbour: far off
     assert np.abs(frames.astype(np.int64) - others).mean() > 4 * error.mean() + 10
+
+
+def wait_health(srv: Any, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = get_json(srv, "/api/health")
+        if state["state"] != "running":
+            return state  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def corrupt_a_chunk(root: Path) -> str:
+    """Flip one byte in the middle of the largest frame chunk file; returns its name."""
+    victim = max((p for p in (root / "frames").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return victim.name
+
+
+def test_health_runs_verify_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "good"
+    small_store(path, [6, 20, 9, 30]).close()
+    with serving(path) as srv:
+        assert get_json(srv, "/api/health")["state"] == "never"  # nothing runs unasked
+        started = get_json(srv, "/api/health?run=1")
+        assert started["state"] in ("running", "done")
+        done = wait_health(srv)
+        report = done["report"]
+        assert done["state"] == "done" and report["ok"] and report["problems"] == []
+        assert report["chunks_checked"] > 0 and report["generation"] == done["generation"]
+        again = get_json(srv, "/api/health?run=1")  # same generation: the same result
+        assert again["state"] == "done" and again["elapsed_s"] == done["elapsed_s"]
+    name = corrupt_a_chunk(path)
+    with serving(path) as srv:  # the viewer opens it (frames are read lazily) ...
+        get_json(srv, "/api/health?run=1")
+        done = wait_health(srv)  # ... and verify finds the damage
+        assert done["state"] == "done" and not done["report"]["ok"]
+        assert any(name in p for p in done["report"]["problems"]), done["report"]["problems"]
+
+
+def test_health_run_stops_at_its_time_limit(tmp_path: Path) -> None:
+    path = tmp_path / "slow"
+    small_store(path, [60] * 8, capacity=1024).close()
+    server = make_server(path, verify_limit_s=0.0)
+    try:
+        server.data.health.run()
+        deadline = time.monotonic() + 60
+        while (state := server.data.health.state())["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert state["state"] == "stopped" and "time limit" in state["error"]
+        assert state["chunks_done"] < state["chunks_total"]
+    finally:
+        server.server_close()
 
 
 def test_sampling_view_and_batch(server: Any, store_path: Path) -> None:

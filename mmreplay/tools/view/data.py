@@ -28,6 +28,7 @@ from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
 from mmreplay.tools import render
 from mmreplay.tools.view import tables
+from mmreplay.tools.view.health import DEFAULT_LIMIT_S, HealthCheck
 
 PNG_CACHE = 4096  # encoded frames kept per generation (a few KiB each for Atari frames)
 EPISODE_CACHE = 4  # decoded episodes kept per generation
@@ -53,8 +54,10 @@ class LRU:
 class StoreData:
     """One store, followed across generations; every public method returns plain data."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, verify_limit_s: float = DEFAULT_LIMIT_S) -> None:
         self.path = Path(path)
+        self.health = HealthCheck(self.path, limit_s=verify_limit_s,
+                                  generation=lambda: ins.committed_generation(self.path))
         self._lock = threading.RLock()
         self._store: ReplayStore | None = None
         self.follow_error: str | None = None
@@ -100,6 +103,7 @@ class StoreData:
             old.close()
 
     def close(self) -> None:
+        self.health.close()
         with self._lock:
             self._closed = True
             if self._store is not None:

@@ -6,6 +6,7 @@ Routes, all GET (HEAD too); nothing else is served::
     /static/NAME                        app.js, style.css, ... (names fixed at start-up)
     /api/status                         generation and counts (polled by the page)
     /api/overview                       config, counts, disk, RAM, sampler, directory
+    /api/health[?run=1]                 the newest verify run (run=1 starts one, bounded)
     /api/episodes?sort=&order=&status=&env=&kept=&offset=&limit=   one page of episodes
     /api/series                         return and length over episode number
     /api/episode/E                      steps of episode E
@@ -39,6 +40,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from mmreplay.errors import InvalidInputError, MmreplayError, UnknownIdError
 from mmreplay.tools.view.data import StoreData
+from mmreplay.tools.view.health import DEFAULT_LIMIT_S
 from mmreplay.tools.view.tables import int_param
 
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -93,13 +95,13 @@ class ViewerServer(ThreadingHTTPServer):
 
 
 def make_server(path: str | Path, *, host: str = "127.0.0.1", port: int = 0,
-                log: bool = False) -> ViewerServer:
+                log: bool = False, verify_limit_s: float = DEFAULT_LIMIT_S) -> ViewerServer:
     """A server for the store at `path` (opened now: a bad store raises here).
 
     A background thread then builds the episode table and draws a first frame
     (`StoreData.warm`), so the first page opened finds them ready.
     """
-    data = StoreData(path)
+    data = StoreData(path, verify_limit_s=verify_limit_s)
     data.store()
     try:
         server = ViewerServer(data, host, port, log=log)
@@ -147,7 +149,13 @@ def _mp4(d: StoreData, m: re.Match[str], q: dict[str, str]) -> Reply:
     return 200, "video/mp4", d.episode_mp4(int(m[1]), fps=fps, scale=scale, lossless=lossless)
 
 
+def _health(d: StoreData, m: re.Match[str], q: dict[str, str]) -> Reply:
+    run = int_param("run", q.get("run", "0"), 0, 1) == 1
+    return _json(d.health.run() if run else d.health.state())
+
+
 ROUTES: list[Route] = [
+    (re.compile(r"/api/health"), _health),
     (re.compile(r"/api/status"), lambda d, m, q: _json(d.status())),
     (re.compile(r"/api/overview"), lambda d, m, q: _json(d.overview())),
     (re.compile(r"/api/episodes"), lambda d, m, q: _json(d.episodes(q))),

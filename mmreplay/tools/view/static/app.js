@@ -150,7 +150,7 @@ function histogram(canvas, edges, mass, { height = 160, title = "", color = "#5a
 
 // -- overview --------------------------------------------------------------------------
 async function overviewView(main) {
-  const info = await api("/api/overview");
+  const [info, health] = await Promise.all([api("/api/overview"), api("/api/health")]);
   const c = info.counts, d = info.disk, r = info.ram;
   const files = el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "entry" }),
     el("th", { class: "num", text: "files" }), el("th", { class: "num", text: "size" }))),
@@ -171,9 +171,59 @@ async function overviewView(main) {
       ["masks", bytes(r.masks_bytes)], ["sampler", bytes(r.sampler_bytes)],
       ["frame tail", bytes(r.tail_bytes)], ["total", bytes(r.total_bytes)]])),
     card("sampler", kvTable([["kind", info.sampler], ...prio])),
+    healthCard(),
     card("config", kvTable(Object.entries(info.spec))),
     card("files", files)));
+  showHealth(health);
+  if (health.state === "running") followHealth();
   return { refresh: () => overviewView(main) };
+}
+
+// -- health: `mmreplay verify` on demand (the server runs it in the background, bounded) --
+function healthCard() {
+  return card("health", el("div", { id: "health" }), el("div", { class: "controls" },
+    el("button", { id: "verify", type: "button", text: "verify now", onclick: async () => {
+      try { showHealth(await api("/api/health?run=1")); followHealth(); }
+      catch (err) { showError(err.message); }
+    } })));
+}
+
+async function followHealth() {
+  for (;;) {
+    const h = await api("/api/health");
+    if (!document.getElementById("health")) return; // the user left the overview
+    showHealth(h);
+    if (h.state !== "running") return;
+    await new Promise((resolve) => { setTimeout(resolve, 250); });
+  }
+}
+
+function showHealth(h) {
+  const box = document.getElementById("health");
+  if (!box) return;
+  box.dataset.state = h.state;
+  const r = h.report;
+  const lines = {
+    never: [["verify", `not run yet (checks every checksum and invariant, read-only; ` +
+      `stops after ${h.limit_s} s)`]],
+    unavailable: [["verify", h.error]],
+    running: [["verify", `running: ${h.chunks_done} of ${fmt(h.chunks_total)} frame chunks, ` +
+      `${fmt(h.elapsed_s, 3)} s`]],
+    stopped: [["verify", h.error]],
+    failed: [["verify", `could not run: ${h.error}`]],
+  }[h.state] || [["result", r.ok ? "sound: no problem found" : `${r.problems.length} problem(s)`],
+    ["generation", r.generation], ["files checked", r.files_checked],
+    ["frame chunks checked", r.chunks_checked], ["frames checked", r.frames_checked],
+    ["took", `${fmt(h.elapsed_s, 3)} s`], ...(r.note ? [["note", r.note]] : [])];
+  box.replaceChildren(kvTable(lines));
+  box.classList.toggle("bad", h.state === "done" && !r.ok);
+  box.classList.toggle("good", h.state === "done" && r.ok);
+  if (h.state === "done" && !r.ok) {
+    box.append(el("ul", { class: "problems" }, ...r.problems.slice(0, 50).map((p) => el("li", { text: p }))));
+    showError(`verify found ${r.problems.length} problem(s) in generation ${r.generation}: ` +
+      r.problems.slice(0, 3).join("; "));
+  } else if (h.state === "failed") showError(`verify could not run: ${h.error}`);
+  document.body.dataset.health = h.state === "done" ? (r.ok ? "ok" : "problems") : h.state;
 }
 
 // -- episodes --------------------------------------------------------------------------
