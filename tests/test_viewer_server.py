@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [6, 20, 9, 3, 14, 7, 11]
 
 
-def get(server: Any, target: str, method: str = "GET") -> tuple[int, str, bytes]:
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+def get(server: Any, target: str, method: str = "GET",
+        timeout: float = 10.0) -> tuple[int, str, bytes]:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=timeout)
     try:
         conn.request(method, target)
         response = conn.getresponse()

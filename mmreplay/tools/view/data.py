@@ -27,7 +27,8 @@ from mmreplay.errors import InvalidInputError, InvalidStoreError, MmreplayError,
 from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
 from mmreplay.tools import render
-from mmreplay.tools.view import tables
+from mmreplay.storage.objects import is_url
+from mmreplay.tools.view import follow, tables
 from mmreplay.tools.view.health import DEFAULT_LIMIT_S, HealthCheck
 
 PNG_CACHE = 4096  # encoded frames kept per generation (a few KiB each for Atari frames)
@@ -55,9 +56,10 @@ class StoreData:
     """One store, followed across generations; every public method returns plain data."""
 
     def __init__(self, path: str | Path, *, verify_limit_s: float = DEFAULT_LIMIT_S) -> None:
-        self.path = Path(path)
-        self.health = HealthCheck(self.path, limit_s=verify_limit_s,
-                                  generation=lambda: ins.committed_generation(self.path))
+        self.path: str | Path = path if is_url(path) else Path(path)
+        self._probe = follow.probe(self.path)
+        self.health = HealthCheck(None if is_url(path) else Path(path), limit_s=verify_limit_s,
+                                  generation=self._probe.generation)
         self._lock = threading.RLock()
         self._store: ReplayStore | None = None
         self.follow_error: str | None = None
@@ -77,7 +79,7 @@ class StoreData:
         with self._lock:
             if self._closed:
                 raise InvalidInputError("the viewer's store was closed")
-            on_disk = ins.committed_generation(self.path)
+            on_disk = self._probe.generation()
             if self._store is None:
                 self._open()
             elif on_disk is None:
@@ -142,7 +144,19 @@ class StoreData:
                     "follow_error": self.follow_error}
 
     def overview(self) -> dict[str, Any]:
-        return self.cached("overview", tables.overview)
+        """`mmreplay info` of the store, named as given, with its directory's (or bucket's)
+        top-level entries."""
+        def make(store: ReplayStore) -> dict[str, Any]:
+            if isinstance(self._probe, follow.UrlProbe):
+                grouped = self._probe.entries()
+                entries = [{"name": k, "files": v[0], "bytes": v[1]}
+                           for k, v in sorted(grouped.items())[:tables.MAX_FILES]]
+            else:
+                entries = tables.directory_entries(store.path)
+            return {**tables.overview(store), "path": str(self.path), "entries": entries,
+                    "url": isinstance(self._probe, follow.UrlProbe)}
+
+        return self.cached("overview", make)
 
     # -- episodes -----------------------------------------------------------------------
     def episodes(self, query: dict[str, str]) -> dict[str, Any]:
@@ -157,6 +171,11 @@ class StoreData:
         return self.cached(("episode", episode),
                            lambda s: tables.episode_json(s, _known(ins.episode_steps, s,
                                                                    episode)), item=True)
+
+    def first_episode(self) -> dict[str, Any]:
+        """The steps of the lowest-numbered kept episode; ``{"episode": None}`` if none."""
+        rows = self.episodes({"limit": "1"})["rows"]
+        return self.episode(rows[0]["episode"]) if rows else {"episode": None}
 
     def frame_png(self, episode: int, t: int) -> bytes:
         with self._lock:

@@ -45,8 +45,8 @@ class HealthCheck:
         """Start a run unless one is running or the newest result is for this generation."""
         if self.path is None:
             return {"state": "unavailable", "limit_s": self.limit_s, "generation": None,
-                    "error": "verify reads a store directory; a store opened from a URL "
-                             "has no health check here (run `mmreplay verify` on a copy)"}
+                    "error": "verify reads a store directory; for a store in a bucket, "
+                             "`mmreplay verify URL` pulls a copy and checks that"}
         with self._lock:
             current = self._generation()
             if self._state["state"] == "running" or (

@@ -10,6 +10,7 @@ Routes, all GET (HEAD too); nothing else is served::
     /api/episodes?sort=&order=&status=&env=&kept=&offset=&limit=   one page of episodes
     /api/series                         return and length over episode number
     /api/episode/E                      steps of episode E
+    /api/episode/first                  steps of the first kept episode ({"episode": null}: none)
     /api/episode/E/frame/T.png          kept frame T of episode E
     /api/episode/E.gif?fps=&scale=      episode E as an animated GIF
     /api/episode/E.mp4?fps=&scale=&lossless=   episode E as an H.264 MP4 (PyAV)
@@ -26,6 +27,7 @@ be read), which the page shows in its error panel.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -49,16 +51,26 @@ TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=u
 CSP = "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; script-src 'self'"
 Reply = tuple[int, str, bytes]
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+STATIC_CACHE = "public, max-age=86400, immutable"  # /static/ files: named by content hash
 
 
 def load_static() -> dict[str, tuple[str, bytes]]:
-    """Every file of the package's ``static/`` folder, by name, with its content type."""
+    """Every file of the package's ``static/`` folder, by name, with its content type.
+
+    The page names its script and style sheet with a hash of their content
+    (``/static/app.js?v=HASH``), so the browser may keep them (`STATIC_CACHE`): a view
+    opened again loads only the page and its JSON, and a new version is a new name."""
     folder = resources.files("mmreplay.tools.view") / "static"
     out = {}
     for item in folder.iterdir():
         suffix = Path(item.name).suffix
         if item.is_file() and suffix in TYPES:
             out[item.name] = (TYPES[suffix], item.read_bytes())
+    kind, page = out["index.html"]
+    for name, (_, body) in out.items():
+        tag = hashlib.sha256(body).hexdigest()[:12]
+        page = page.replace(f'"/static/{name}"'.encode(), f'"/static/{name}?v={tag}"'.encode())
+    out["index.html"] = (kind, page)
     return out
 
 
@@ -161,6 +173,7 @@ ROUTES: list[Route] = [
     (re.compile(r"/api/episodes"), lambda d, m, q: _json(d.episodes(q))),
     (re.compile(r"/api/series"), lambda d, m, q: _json(d.series())),
     (re.compile(r"/api/episode/(\d{1,18})"), lambda d, m, q: _json(d.episode(int(m[1])))),
+    (re.compile(r"/api/episode/first"), lambda d, m, q: _json(d.first_episode())),
     (re.compile(r"/api/episode/(\d{1,18})/frame/(\d{1,18})\.png"),
      lambda d, m, q: _png(d.frame_png(int(m[1]), int(m[2])))),
     (re.compile(r"/api/episode/(\d{1,18})\.gif"), _gif),
@@ -177,6 +190,7 @@ class Handler(BaseHTTPRequestHandler):
     server: ViewerServer
     timeout = 30  # a client that stops sending holds its thread this long at most
     server_version = "mmreplay-view"
+    protocol_version = "HTTP/1.1"  # keep-alive: the page's requests reuse a connection
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._send(*self._reply())
@@ -214,15 +228,19 @@ class Handler(BaseHTTPRequestHandler):
         return 200, found[0], found[1]
 
     def _send(self, status: int, kind: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", CSP)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        static = status == 200 and self.path.startswith("/static/")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", STATIC_CACHE if static else "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", CSP)
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the page moved on before the answer arrived
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (base signature)
         if self.server.log:

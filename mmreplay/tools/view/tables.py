@@ -49,9 +49,9 @@ def _nested_none(value: Any) -> Any:
 
 # -- overview -------------------------------------------------------------------------------
 def overview(store: ReplayStore) -> dict[str, Any]:
+    """What ``mmreplay info --json`` prints, plus whether observations are images."""
     info = ins.store_info(store).to_dict()
     info["images"] = ins.is_image_shape(store.spec.obs_shape)
-    info["entries"] = directory_entries(store.path)
     info["disk"]["compression_ratio"] = number(info["disk"]["compression_ratio"] or math.nan)
     return info
 

@@ -56,7 +56,11 @@ function kvTable(pairs) {
 
 function card(title, ...kids) { return el("div", { class: "card" }, el("h3", { text: title }), ...kids); }
 
-function ready(view) { document.body.dataset.ready = view; }
+// The view is drawn: say which, and when (ms since navigation started, the browser's clock).
+function ready(view) {
+  document.body.dataset.readyMs = performance.now().toFixed(1);
+  document.body.dataset.ready = view;
+}
 
 // Counts finished redraws of a view's data (tests wait on it instead of guessing).
 function rendered() { document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1); }
@@ -267,7 +271,7 @@ async function episodesView(main) {
 
   async function load() {
     const params = new URLSearchParams(Object.entries(q).filter(([, v]) => v !== ""));
-    const page = await api(`/api/episodes?${params}`);
+    const [page, s] = await Promise.all([api(`/api/episodes?${params}`), api("/api/series")]);
     body.replaceChildren(...page.rows.map((r) => el("tr", {
       "data-episode": r.episode, onclick: () => { location.hash = `#/episode/${r.episode}`; } },
     el("td", { class: "num", text: r.episode }), el("td", { class: "num", text: r.env }),
@@ -282,7 +286,6 @@ async function episodesView(main) {
       `${page.matching} matching (${page.total} episodes)`;
     info.dataset.total = page.total;
     prev.disabled = page.offset === 0; next.disabled = last >= page.matching;
-    const s = await api("/api/series");
     plotXY(plot, s.episode, [
       { name: s.bucket > 1 ? `return (mean of ${s.bucket})` : "return", color: "#7bd88f", y: s.return },
       { name: s.bucket > 1 ? `length (mean of ${s.bucket})` : "length", color: "#5aa9ff", y: s.length }],
@@ -297,12 +300,9 @@ async function episodesView(main) {
 // One episode: the frame at the scrubber, the step taken from it, its stacked and n-step
 // states, and a timeline of the episode's columns. `p.t` is the frame shown.
 async function playerView(main, episode, t0) {
-  if (episode === null) {
-    const page = await api("/api/episodes?limit=1");
-    if (!page.rows.length) { main.replaceChildren(el("p", { text: "No episode yet." })); return {}; }
-    episode = page.rows[0].episode;
-  }
-  const ep = await api(`/api/episode/${episode}`);
+  const ep = await api(`/api/episode/${episode === null ? "first" : episode}`);
+  if (ep.episode === null) { main.replaceChildren(el("p", { text: "No episode yet." })); return {}; }
+  episode = ep.episode;
   const p = { ep, episode, n: ep.frames, t: 0, timer: null, fps: 15, shown: seriesShown(ep) };
   const ui = playerLayout(main, p);
   const set = (t) => {
@@ -568,6 +568,5 @@ window.addEventListener("hashchange", () => {
 });
 document.getElementById("error-close").addEventListener("click", clearError);
 state.episodeArg = parseHash().arg;
-route();
-poll();
-state.poll = setInterval(poll, POLL_MS);
+// The first poll waits for the first view: its requests go first to the server.
+route().then(poll).then(() => { state.poll = setInterval(poll, POLL_MS); });
