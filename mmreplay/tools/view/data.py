@@ -1,10 +1,10 @@
 """What the viewer serves, as JSON-ready dicts and image bytes, from one read-only store.
 
 `StoreData` opens the store read-only (as ``mmreplay info`` does: no lock, nothing written,
-safe beside a writer). Each request first compares the committed generation on disk (one
-small file) with the one it holds and reopens the store when a writer has committed since;
-if that reopen fails (a half-written or damaged store) it keeps serving the generation it
-has and says so in `status`. Everything derived (the episode table and its sort orders,
+safe beside a writer; a bucket URL is opened the same way). Each request first compares
+the committed generation (`follow.py`: a stat of the manifest) with the one it holds and
+reopens the store when a writer has committed since; if that reopen fails (a half-written
+or damaged store) it keeps serving the generation it has and says so in `status`. Everything derived (the episode table and its sort orders,
 decoded episodes, encoded PNGs) is cached per generation and dropped when it moves.
 
 Costs: a request pays O(page) (a page of episodes, one episode, one frame, one batch)
@@ -15,6 +15,7 @@ generation, like ``mmreplay episodes``.
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -121,15 +122,22 @@ class StoreData:
             return (self._items if item else self._derived).get(key, lambda: make(store))
 
     def warm(self) -> None:
-        """Draw one frame and one stacked state now, so that the first page a user opens
-        does not pay for loading the compiled read path. A store with nothing to draw, or
-        one that fails here, is left for the requests to report."""
+        """Build what each view asks first (the episode table, series, overview, the first
+        episode and its first frame and stacked state, the sampler's table) and import what
+        batches need (torch: seconds, outside the lock), so that no first view pays for
+        them. A store with nothing to draw, or one that fails here, is left for the
+        requests to report."""
         try:
             first = self.episodes({"limit": "1"})["rows"]
+            self.series()
             if first and ins.is_image_shape(self.store().spec.obs_shape):
                 self.frame_png(first[0]["episode"], 0)
                 if first[0]["first_id"] is not None:
                     self.stack_png(first[0]["first_id"], "obs")
+            self.first_episode()
+            self.overview()
+            importlib.import_module("mmreplay.torch_batch")
+            self.sampling(1, 0, 0.4)  # the sampler's table, and torch (batches) imported
         except (MmreplayError, OSError, ValueError):
             return  # includes a store closed meanwhile
 
