@@ -354,6 +354,8 @@ def test_every_view_of_a_breakout_store(browser: Any, tmp_path: Path,
               open_view(browser, server.url + "#/overview", "overview"))
         for view, fragment in VIEWS:
             timed(f"open {view}", open_view(browser, server.url + fragment, view))
+            timed(f"open {view} (page clock)", float(browser.execute_script(
+                "return document.body.dataset.readyMs")) / 1000)
             if view == "episode":
                 wait_for(frame_settled(browser, 60), "frame 60")
             if view == "overview":  # the health card with verify's result

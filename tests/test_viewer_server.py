@@ -32,7 +32,7 @@ LENGTHS = [6, 20, 9, 3, 14, 7, 11]
 
 
 def get(server: Any, target: str, method: str = "GET",
-        timeout: float = 10.0) -> tuple[int, str, bytes]:
+        timeout: float = 60.0) -> tuple[int, str, bytes]:
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=timeout)
     try:
         conn.request(method, target)
@@ -423,13 +423,18 @@ def test_damage_after_start_keeps_the_last_generation(tmp_path: Path) -> None:
 
 def test_store_removed_under_the_server_answers_with_errors(tmp_path: Path) -> None:
     path = tmp_path / "gone"
-    small_store(path, [4, 4]).close()
+    small_store(path, [40, 40]).close()
     with serving(path) as srv:
         get_json(srv, "/api/status")
         shutil.rmtree(path)
-        code, kind, body = get(srv, "/api/overview")
-        assert code == 500 and kind == "application/json" and json.loads(body)["error"]
-        assert get(srv, "/api/status")[0] == 200  # the generation it has
+        for target in ("/api/overview", "/api/episode/1", "/api/episode/1/frame/2.png",
+                       "/api/sampling?batch=4"):  # the generation it holds, or an error
+            code, kind, body = get(srv, target)
+            assert code == 200 or (code == 500 and json.loads(body)["error"]), target
+        get_json(srv, "/api/health?run=1")
+        assert wait_health(srv)["state"] == "failed"  # verify: no store there any more
+        status = get_json(srv, "/api/status")  # the generation it has, and why it stays
+        assert "cannot be read" in status["follow_error"]
 
 
 def test_store_data_caches_per_generation(tmp_path: Path) -> None:
@@ -496,4 +501,8 @@ def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["frames_kept"] == 2000 and figures["episodes"] >= 2
     assert set(figures["http"]) >= {"status", "episodes page (sorted by return)", "frame png"}
-    assert all(v["cold_ms"] > 0 and v["warm_ms"] > 0 for v in figures["http"].values())
+    timed = [v for k, v in figures["http"].items() if not k.startswith("health")]
+    assert all(v["cold_ms"] > 0 and v["warm_ms"] > 0 for v in timed)
+    health = figures["http"]["health: verify the whole store"]
+    assert health["state"] == "done" and health["ok"] is True and health["chunks"] > 0
+    assert len(figures["load_average_at_start"]) == 3

@@ -4,8 +4,9 @@
 safe beside a writer; a bucket URL is opened the same way). Each request first compares
 the committed generation (`follow.py`: a stat of the manifest) with the one it holds and
 reopens the store when a writer has committed since; if that reopen fails (a half-written
-or damaged store) it keeps serving the generation it has and says so in `status`. Everything derived (the episode table and its sort orders,
-decoded episodes, encoded PNGs) is cached per generation and dropped when it moves.
+or damaged store) it keeps serving the generation it has and says so in `status`.
+Everything derived (the episode table and its sort orders, decoded episodes, encoded PNGs)
+is cached per generation and dropped when it moves.
 
 Costs: a request pays O(page) (a page of episodes, one episode, one frame, one batch)
 once the per-generation tables exist; building those is O(kept frames), once per
@@ -25,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidInputError, InvalidStoreError, MmreplayError, UnknownIdError
+from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
 from mmreplay.tools import render
-from mmreplay.storage.objects import is_url
 from mmreplay.tools.view import follow, tables
 from mmreplay.tools.view.health import DEFAULT_LIMIT_S, HealthCheck
 

@@ -95,4 +95,4 @@ class UrlProbe:
 
 def probe(path: str | Path) -> DirectoryProbe | UrlProbe:
     """The probe for a store path or URL."""
-    return UrlProbe(path) if is_url(path) else DirectoryProbe(Path(path))
+    return UrlProbe(str(path)) if is_url(path) else DirectoryProbe(Path(path))
