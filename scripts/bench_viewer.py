@@ -9,8 +9,10 @@ do, well). Each endpoint is timed cold (first request of the generation: tables 
 frames decoded) and warm (cached). Browser figures: from navigation to the view drawn, and
 from a click or key to the page redrawn (the frame decoded and shown, for the player).
 The browser goes first, on the freshly started server (its first view may wait for the
-warm-up, as a user's would). Figures only, one run; writes JSON (default
-data/bench/viewer_large.json).
+warm-up, as a user's would); then each view is opened 5 more times, timed by the page's
+own clock (``performance.now()`` from navigation start to the view drawn). Last, the
+health card's verify of the whole store. Figures only, one run, with the load average;
+writes JSON (default data/bench/viewer_large.json).
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ def http_timings(server: ViewerServer) -> dict[str, dict[str, float]]:
                "series": "/api/series", "episode (steps)": f"/api/episode/{ep}",
                "frame png": f"/api/episode/{ep}/frame/20.png",
                "stacked state png": f"/api/transition/{tid}/obs.png",
-               "sampling + batch of 8": "/api/sampling?batch=8&seed=1"}
+               "sampling + batch of 8": "/api/sampling?batch=8&seed=1",
+               "first episode (player without a number)": "/api/episode/first",
+               "episode as GIF": f"/api/episode/{ep}.gif",
+               "episode as MP4": f"/api/episode/{ep}.mp4"}
     out = {}
     for name, target in targets.items():
         times = []
@@ -87,6 +92,15 @@ def http_timings(server: ViewerServer) -> dict[str, dict[str, float]]:
             get(target)
             times.append(round((time.perf_counter() - start) * 1000, 1))
         out[name] = {"cold_ms": times[0], "warm_ms": times[1]}
+    start = time.perf_counter()
+    get("/api/health?run=1")
+    while get("/api/health")["state"] == "running":
+        time.sleep(0.05)
+    report = get("/api/health")
+    out["health: verify the whole store"] = {
+        "ms": round((time.perf_counter() - start) * 1000, 1), "state": report["state"],
+        "ok": (report.get("report") or {}).get("ok"),
+        "chunks": (report.get("report") or {}).get("chunks_checked")}
     return out
 
 
@@ -106,6 +120,78 @@ def browser_timings(url: str, profile: Path) -> dict[str, float]:
         driver.quit()
 
 
+VIEWS = ("overview", "episodes", "episode", "sampling")
+REPEATS = 5
+
+
+def _reopen(driver: Any, url: str, view: str) -> list[float]:
+    """Milliseconds from navigation start to the view drawn, by the page's own clock
+    (``performance.now()`` when it sets ``data-ready``), for `REPEATS` fresh loads."""
+    times = []
+    for _ in range(REPEATS):
+        driver.get("about:blank")
+        driver.get(f"{url}#/{view}")
+        _wait(lambda: driver.execute_script("return document.body.dataset.ready") == view)
+        times.append(float(driver.execute_script("return document.body.dataset.readyMs")))
+    return times
+
+
+def _switch(driver: Any, url: str, view: str) -> list[float]:
+    """Milliseconds from a click on the nav bar (a new ``#/view`` address: no page load) to
+    the view drawn, by the page's clock, `REPEATS` times, each from another view."""
+    js, times = driver.execute_script, []
+    driver.get("about:blank")
+    driver.get(f"{url}#/{view}")
+    for _ in range(REPEATS):
+        other = VIEWS[(VIEWS.index(view) + 1) % len(VIEWS)]
+        js(f"location.hash = '#/{other}'")
+        _wait(lambda o=other: js("return document.body.dataset.ready") == o)
+        js("window.clickedAt = performance.now();"
+           f"document.querySelector('nav a[data-nav={view}]').click();")
+        _wait(lambda: js("return document.body.dataset.ready") == view)
+        times.append(round(float(js("return document.body.dataset.readyMs - window.clickedAt")),
+                           1))
+    return times
+
+
+FRAME_AT = ("const i = document.getElementById('frame');"
+            "return i.complete && i.naturalWidth > 0 && i.dataset.t === '{t}';")
+RENDERED = "return Number(document.body.dataset.renders || 0) > before{extra};"
+IMAGES = (" && [...document.querySelectorAll('#batch-items img')]"
+          ".every(m => m.complete && m.naturalWidth > 0)")
+SCRUB = ("const s = document.getElementById('scrub');"
+         "window.target = Math.floor(Number(s.max) * {f}); s.value = window.target;"
+         "s.dispatchEvent(new Event('input'));")
+# What a user does in each view: (name, the action, when the page has answered), as JS.
+INTERACTIONS = {
+    "episodes": [
+        ("sort by return", "document.querySelector('th[data-key=return]').click()",
+         RENDERED.format(extra="")),
+        ("next page", "document.getElementById('next').click()", RENDERED.format(extra=""))],
+    "episode": [
+        ("step one frame (arrow key)",
+         "document.dispatchEvent(new KeyboardEvent('keydown', {key: 'ArrowRight'}))",
+         FRAME_AT.format(t=1)),
+        ("scrub to the middle", SCRUB.format(f=0.5), FRAME_AT.format(t="' + window.target + '")),
+        ("scrub to the end", SCRUB.format(f=1), FRAME_AT.format(t="' + window.target + '"))],
+    "sampling": [
+        ("draw a batch of 8", "document.getElementById('draw').click()",
+         RENDERED.format(extra=IMAGES))],
+}
+
+
+def _in_page(driver: Any, act: str, done: str) -> float:
+    """Milliseconds from `act` to `done` being true, both run and timed in the page
+    (``performance.now()``; `done` is checked every millisecond)."""
+    return round(float(driver.execute_async_script(
+        "const finish = arguments[arguments.length - 1];"
+        "const before = Number(document.body.dataset.renders || 0);"
+        f"const start = performance.now(); {act};"
+        f"const check = () => {{ {done} }};"
+        "(function poll() { if (check()) finish(performance.now() - start);"
+        " else setTimeout(poll, 1); })();")), 1)
+
+
 def _wait(check: Callable[[], Any], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -114,10 +200,9 @@ def _wait(check: Callable[[], Any], timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def _browse(driver: Any, url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _browse(driver: Any, url: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     js = driver.execute_script
-    renders = lambda: int(js("return document.body.dataset.renders || 0"))  # noqa: E731
 
     def timed(name: str, act: Callable[[], None], done: Callable[[], Any]) -> None:
         start = time.perf_counter()
@@ -125,31 +210,21 @@ def _browse(driver: Any, url: str) -> dict[str, float]:
         _wait(done)
         out[name] = round((time.perf_counter() - start) * 1000, 1)
 
-    for view in ("overview", "episodes", "episode", "sampling"):
+    for view in VIEWS:  # the first open of each view, on the fresh server
         driver.get("about:blank")
         timed(f"open {view}", lambda v=view: driver.get(f"{url}#/{v}"),
               lambda v=view: js("return document.body.dataset.ready") == v)
-        if view == "episode":
-            n = int(js("return document.getElementById('scrub').max"))
-            for key, target in (("scrub to the middle", n // 2), ("scrub to the end", n)):
-                timed(key, lambda t=target: js(
-                    "const s = document.getElementById('scrub'); s.value = arguments[0];"
-                    "s.dispatchEvent(new Event('input'));", t),
-                    lambda t=target: js("const i = document.getElementById('frame');"
-                                        "return i.complete && i.dataset.t === String(arguments[0])",
-                                        t))
-        if view == "episodes":
-            for name, selector in (("sort by return", "th[data-key=return]"),
-                                   ("next page", "#next")):
-                before = renders()
-                timed(name, lambda s=selector: js(f"document.querySelector('{s}').click()"),
-                      lambda b=before: renders() > b)
-        if view == "sampling":
-            before = renders()
-            timed("draw a batch of 8", lambda: js("document.getElementById('draw').click()"),
-                  lambda b=before: renders() > b and js(
-                      "return [...document.querySelectorAll('#batch-items img')]"
-                      ".every(m => m.complete)"))
+        out[f"open {view} (page clock)"] = float(js("return document.body.dataset.readyMs"))
+    for view in VIEWS:
+        out[f"open {view}, {REPEATS} more (page clock)"] = _reopen(driver, url, view)
+    for view in VIEWS:
+        out[f"switch to {view} from the nav bar (page clock)"] = _switch(driver, url, view)
+    for view in VIEWS:
+        driver.get("about:blank")
+        driver.get(f"{url}#/{view}")
+        _wait(lambda v=view: js("return document.body.dataset.ready") == v)
+        for name, act, done in INTERACTIONS.get(view, ()):
+            out[name] = _in_page(driver, act, done)
     return out
 
 
@@ -186,13 +261,15 @@ def measure(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         result: dict[str, Any] = {
             "frames_kept": counts["frames_kept"], "episodes": counts["episodes"],
             "envs": args.envs, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "server_start_ms": round(started * 1000, 1)}
+            "server_start_ms": round(started * 1000, 1),
+            "load_average_at_start": [round(v, 2) for v in os.getloadavg()]}
         browser = not args.no_browser and Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()
         if browser:  # first, while the server may still be warming up, as a user would
             result["browser_ms"] = browser_timings(server.url, tmp / "profile")
             result["start_to_overview_ms"] = round(
                 result["server_start_ms"] + result["browser_ms"]["open overview"], 1)
         result["http"] = http_timings(server)
+        result["load_average_at_end"] = [round(v, 2) for v in os.getloadavg()]
         return result
     finally:
         server.shutdown()

@@ -168,6 +168,96 @@ def test_deep_link_opens_episode_at_step(browser: Any, numbered: Path) -> None:
         assert console_errors(browser) == []
 
 
+def timeline_at(driver: Any) -> tuple[int, dict[str, Any], list[int]]:
+    """(frame the timeline marks, its values there by series name, the RGB of the canvas
+    pixel on its cursor line, halfway down the first series)."""
+    t, values, rgb = driver.execute_script("""
+        const c = document.getElementById('timeline');
+        const r = window.devicePixelRatio || 1;
+        const x = Math.floor(Number(c.dataset.cursorX) * r), y = Math.floor(40 * r);
+        const px = c.getContext('2d').getImageData(x, y, 1, 1).data;
+        return [Number(c.dataset.t), JSON.parse(c.dataset.values), [px[0], px[1], px[2]]];""")
+    return t, values, rgb
+
+
+def test_timeline_follows_the_frame_with_every_step_field(browser: Any, tmp_path: Path) -> None:
+    """Reward, n-step return, discount, action, terminated, truncated, priority and an extra
+    on the timeline, at the frame shown, equal the store's (``ReplayStore.get``)."""
+    path = tmp_path / "fields"
+    with ReplayStore.create(path, capacity=128, obs_shape=frame(0).shape, frame_stack=2,
+                            n_step=3, gamma=0.9, seed=0, chunk_frames=8, sampler="prioritized",
+                            extras={"logp": ((), np.float32)}) as store:
+        n = 0
+        for e, steps in enumerate([5, 12]):
+            store.reset(frame(n))
+            for t in range(steps):
+                n += 1
+                store.add(t % 3, float(t * (e + 1)), frame(n), t == steps - 1, False,
+                          extras={"logp": np.float32(-0.25 * t)})
+            n += 1
+        ids = store.valid_ids()
+        store.update_priorities(ids, 0.5 + ids % 7)
+        store.flush()
+        steps = ins.episode_steps(store, 1)
+        batch = store.get(steps.ids[steps.sampleable])
+        with serving(path) as server:
+            open_view(browser, server.url + "#/episode/1?t=2", "episode")
+            body = browser.find_element("tag name", "body")
+            for t, keys in ((2, ""), (3, "\ue014"), (9, "\ue014" * 6), (10, "\ue014"),
+                            (12, "\ue014\ue014"), (8, "\ue012" * 4)):
+                body.send_keys(keys) if keys else None
+                wait_for(lambda t=t: timeline_at(browser)[0] == t, f"timeline at frame {t}")
+                wait_for(frame_settled(browser, t), f"frame {t}")
+                shown, values, rgb = timeline_at(browser)
+                assert rgb == [255, 255, 255], "no cursor line at the frame shown"
+                has = steps.ids[t] >= 0
+                assert values["reward"] == (float(steps.reward[t]) if has else 0.0)
+                assert values["action"] == (int(steps.action[t]) if has else 0)
+                assert values["terminated"] == int(steps.terminated[t])
+                assert values["truncated"] == 0 and values["logp"] == (-0.25 * t if has else 0)
+                if steps.sampleable[t]:
+                    i = int(np.flatnonzero(steps.ids[steps.sampleable] == steps.ids[t])[0])
+                    assert values["discount"] == pytest.approx(float(batch.discount[i]))
+                    assert values["3-step return"] == pytest.approx(float(batch.reward[i]))
+                    assert values["priority"] == pytest.approx(0.5 + steps.ids[t] % 7)
+                else:
+                    assert values["discount"] is None and values["priority"] is None
+                fields = browser.find_element("id", "player").text
+                assert "discount" in fields and "3-step return" in fields
+            assert set(values) == {"reward", "3-step return", "discount", "action",
+                                   "terminated", "truncated", "priority", "logp"}
+            assert console_errors(browser) == []
+
+
+def test_health_card_verifies_on_demand(browser: Any, tmp_path: Path) -> None:
+    """The overview's "verify now" runs verify: a sound store says so; one with a damaged
+    frame chunk lists the problem and raises the error panel."""
+    path = tmp_path / "health"
+    small_store(path, [6, 20, 9]).close()
+    health = lambda: browser.execute_script(  # noqa: E731
+        "return document.body.dataset.health")
+    for damaged in (False, True):
+        if damaged:
+            victim = max((p for p in (path / "frames").rglob("*") if p.is_file()),
+                         key=lambda p: p.stat().st_size)
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        with serving(path) as server:
+            open_view(browser, server.url + "#/overview", "overview")
+            assert health() == "never" and not browser.find_element("id", "error").is_displayed()
+            browser.find_element("id", "verify").click()
+            wait_for(lambda: health() in ("ok", "problems", "failed", "stopped"), "verify")
+            card = browser.find_element("id", "health").text
+            panel = browser.find_element("id", "error")
+            if damaged:
+                assert health() == "problems" and victim.name in card, card
+                assert panel.is_displayed() and "verify found" in panel.text
+            else:
+                assert health() == "ok" and "sound" in card and not panel.is_displayed()
+            assert console_errors(browser) == []
+
+
 def test_live_store_gains_an_episode_without_reload(browser: Any, tmp_path: Path) -> None:
     path = tmp_path / "live"
     writer = small_store(path, [5, 7])
@@ -264,8 +354,14 @@ def test_every_view_of_a_breakout_store(browser: Any, tmp_path: Path,
               open_view(browser, server.url + "#/overview", "overview"))
         for view, fragment in VIEWS:
             timed(f"open {view}", open_view(browser, server.url + fragment, view))
+            timed(f"open {view} (page clock)", float(browser.execute_script(
+                "return document.body.dataset.readyMs")) / 1000)
             if view == "episode":
                 wait_for(frame_settled(browser, 60), "frame 60")
+            if view == "overview":  # the health card with verify's result
+                browser.find_element("id", "verify").click()
+                wait_for(lambda: browser.execute_script("return document.body.dataset.health")
+                         == "ok", "verify to find the Breakout store sound", timeout=60)
             time.sleep(0.2)  # images after the JSON
             assert console_errors(browser) == [], view
             save_page(browser, shots / f"viewer_{view}.png")

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [6, 20, 9, 3, 14, 7, 11]
 
 
-def get(server: Any, target: str, method: str = "GET") -> tuple[int, str, bytes]:
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+def get(server: Any, target: str, method: str = "GET",
+        timeout: float = 60.0) -> tuple[int, str, bytes]:
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=timeout)
     try:
         conn.request(method, target)
         response = conn.getresponse()
@@ -138,6 +140,42 @@ def test_episode_steps_and_frames(server: Any, store_path: Path) -> None:
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(body))), frames[t])
 
 
+def test_episode_discount_and_n_step_return_match_the_store(tmp_path: Path) -> None:
+    """Per-step discount and n-step return, as a batch holds them (``ReplayStore.get``), for
+    episodes ending terminated, truncated and still running, some partly evicted."""
+    path = tmp_path / "nstep"
+    with ReplayStore.create(path, capacity=48, obs_shape=OBS, n_step=3, gamma=0.9,
+                            frame_stack=2, chunk_frames=8) as store:
+        n = 0
+        for e, (steps, how) in enumerate([(9, "term"), (4, "trunc"), (2, "term"), (13, "trunc"),
+                                          (7, "term"), (5, "running")]):
+            store.reset(frame(n))
+            for t in range(steps):
+                n += 1
+                last = t == steps - 1
+                store.add(0, float(t + e), frame(n), last and how == "term",
+                          last and how == "trunc")
+            n += 1
+        store.flush()
+        rows = ins.episode_table(store)
+        checked = 0
+        with serving(path) as srv:
+            for row in rows:
+                ep = get_json(srv, f"/api/episode/{row.episode}")
+                ids = np.asarray(ep["ids"])
+                ok = np.asarray(ep["sampleable"]) & (ids >= 0)
+                assert [v is None for v in ep["discount"]] == (~ok).tolist()
+                if ok.any():
+                    batch = store.get(ids[ok])
+                    got = np.asarray(ep["discount"], dtype=np.float64)[ok]
+                    assert np.allclose(got, batch.discount.numpy())
+                    assert np.allclose(np.asarray(ep["n_step_return"], np.float64)[ok],
+                                       batch.reward.numpy())
+                    checked += int(ok.sum())
+        assert checked > 20 and {r.status for r in rows} >= {"terminated", "truncated",
+                                                             "running"}
+
+
 def test_transition_stacks_and_gif(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
         tid = int(store.valid_ids()[-3])
@@ -151,6 +189,92 @@ def test_transition_stacks_and_gif(server: Any, store_path: Path) -> None:
     code, kind, body = get(server, "/api/episode/6.gif?fps=10&scale=2")
     gif = Image.open(io.BytesIO(body))
     assert (code, kind) == (200, "image/gif") and gif.size == (OBS[1] * 2, OBS[0] * 2)
+
+
+def decode_mp4(body: bytes) -> tuple[np.ndarray, Any]:
+    """Every frame of an MP4 as RGB ``(N, H, W, 3)``, and its video stream's codec context."""
+    import av
+
+    with av.open(io.BytesIO(body)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        return np.stack(frames), container.streams.video[0].codec_context
+
+
+@pytest.mark.parametrize("episode", [5, 6])
+def test_episode_mp4_decodes_to_the_store_s_frames(server: Any, store_path: Path,
+                                                   episode: int) -> None:
+    with ins.open_readonly(store_path) as store:
+        want = ins.episode_frames(store, episode).astype(np.int64)
+    big = want.repeat(2, axis=1).repeat(2, axis=2)[..., None]  # scale=2, gray in each channel
+    code, kind, body = get(server, f"/api/episode/{episode}.mp4?fps=10&scale=2&lossless=1")
+    frames, codec = decode_mp4(body)
+    assert (code, kind, codec.name) == (200, "video/mp4", "h264")
+    assert frames.shape == (len(want), OBS[0] * 2, OBS[1] * 2, 3)
+    assert np.array_equal(frames, np.broadcast_to(big, frames.shape))  # lossless: exact
+    code, kind, body = get(server, f"/api/episode/{episode}.mp4?fps=10&scale=2")
+    frames, codec = decode_mp4(body)  # the default: yuv420p, which browsers play; lossy
+    assert (code, codec.pix_fmt, frames.shape[0]) == (200, "yuv420p", len(want))
+    error = np.abs(frames.astype(np.int64) - big)
+    assert error.mean() < 4 and np.percentile(error, 99) < 24, (error.mean(), error.max())
+    others = np.roll(big, 1, axis=0)  # each frame against its neighbour: far off
+    assert np.abs(frames.astype(np.int64) - others).mean() > 4 * error.mean() + 10
+
+
+def wait_health(srv: Any, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        state = get_json(srv, "/api/health")
+        if state["state"] != "running":
+            return state  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, state
+        time.sleep(0.05)
+
+
+def corrupt_a_chunk(root: Path) -> str:
+    """Flip one byte in the middle of the largest frame chunk file; returns its name."""
+    victim = max((p for p in (root / "frames").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return victim.name
+
+
+def test_health_runs_verify_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "good"
+    small_store(path, [6, 20, 9, 30]).close()
+    with serving(path) as srv:
+        assert get_json(srv, "/api/health")["state"] == "never"  # nothing runs unasked
+        started = get_json(srv, "/api/health?run=1")
+        assert started["state"] in ("running", "done")
+        done = wait_health(srv)
+        report = done["report"]
+        assert done["state"] == "done" and report["ok"] and report["problems"] == []
+        assert report["chunks_checked"] > 0 and report["generation"] == done["generation"]
+        again = get_json(srv, "/api/health?run=1")  # same generation: the same result
+        assert again["state"] == "done" and again["elapsed_s"] == done["elapsed_s"]
+    name = corrupt_a_chunk(path)
+    with serving(path) as srv:  # the viewer opens it (frames are read lazily) ...
+        get_json(srv, "/api/health?run=1")
+        done = wait_health(srv)  # ... and verify finds the damage
+        assert done["state"] == "done" and not done["report"]["ok"]
+        assert any(name in p for p in done["report"]["problems"]), done["report"]["problems"]
+
+
+def test_health_run_stops_at_its_time_limit(tmp_path: Path) -> None:
+    path = tmp_path / "slow"
+    small_store(path, [60] * 8, capacity=1024).close()
+    server = make_server(path, verify_limit_s=0.0)
+    try:
+        server.data.health.run()
+        deadline = time.monotonic() + 60
+        while (state := server.data.health.state())["state"] == "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert state["state"] == "stopped" and "time limit" in state["error"]
+        assert state["chunks_done"] < state["chunks_total"]
+    finally:
+        server.server_close()
 
 
 def test_sampling_view_and_batch(server: Any, store_path: Path) -> None:
@@ -194,6 +318,8 @@ def test_probabilities_of_a_uniform_store(tmp_path: Path) -> None:
     ("/api/sampling?beta=abc", 400, "beta must be a number"),
     ("/api/sampling?beta=-1", 400, "beta"),
     ("/api/episode/5.gif?fps=0", 400, "fps must be in 1..60"),
+    ("/api/episode/5.mp4?lossless=2", 400, "lossless must be in 0..1"),
+    ("/api/episode/99.mp4", 404, "episode 99"),
     ("/api/nothing", 404, "no such endpoint"),
     ("/api/episode/-1", 404, "no such endpoint"),
     ("/api/episode/99999999999999999999", 404, "no such endpoint"),
@@ -297,13 +423,18 @@ def test_damage_after_start_keeps_the_last_generation(tmp_path: Path) -> None:
 
 def test_store_removed_under_the_server_answers_with_errors(tmp_path: Path) -> None:
     path = tmp_path / "gone"
-    small_store(path, [4, 4]).close()
+    small_store(path, [40, 40]).close()
     with serving(path) as srv:
         get_json(srv, "/api/status")
         shutil.rmtree(path)
-        code, kind, body = get(srv, "/api/overview")
-        assert code == 500 and kind == "application/json" and json.loads(body)["error"]
-        assert get(srv, "/api/status")[0] == 200  # the generation it has
+        for target in ("/api/overview", "/api/episode/1", "/api/episode/1/frame/2.png",
+                       "/api/sampling?batch=4"):  # the generation it holds, or an error
+            code, kind, body = get(srv, target)
+            assert code == 200 or (code == 500 and json.loads(body)["error"]), target
+        get_json(srv, "/api/health?run=1")
+        assert wait_health(srv)["state"] == "failed"  # verify: no store there any more
+        status = get_json(srv, "/api/status")  # the generation it has, and why it stays
+        assert "cannot be read" in status["follow_error"]
 
 
 def test_store_data_caches_per_generation(tmp_path: Path) -> None:
@@ -370,4 +501,8 @@ def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["frames_kept"] == 2000 and figures["episodes"] >= 2
     assert set(figures["http"]) >= {"status", "episodes page (sorted by return)", "frame png"}
-    assert all(v["cold_ms"] > 0 and v["warm_ms"] > 0 for v in figures["http"].values())
+    timed = [v for k, v in figures["http"].items() if not k.startswith("health")]
+    assert all(v["cold_ms"] > 0 and v["warm_ms"] > 0 for v in timed)
+    health = figures["http"]["health: verify the whole store"]
+    assert health["state"] == "done" and health["ok"] is True and health["chunks"] > 0
+    assert len(figures["load_average_at_start"]) == 3

@@ -1,4 +1,4 @@
-"""Frames to image files: labelled contact sheets, PNG and GIF bytes (Pillow).
+"""Frames to image files: labelled contact sheets, PNG and GIF bytes (Pillow), MP4 (PyAV).
 
 Used by `mmreplay show` and the viewer (`tools/view`). Inputs are uint8 images as
 `inspection.as_images` returns them, ``(N, H, W)`` or ``(N, H, W, C)``. A sheet lays cells
@@ -14,8 +14,9 @@ label lines::
     | label 2 |  | label 2 |      |
     +-----------------------------+
 
-Pillow is optional (the ``view`` / ``tools`` extras): it is imported when a function here
-is called, never by ``import mmreplay``.
+Pillow and PyAV (``av``, whose wheels bundle FFmpeg's libraries: nothing is downloaded at run
+time) are optional (the ``view`` extra; Pillow also in ``tools``): each is imported when a
+function here needs it, never by ``import mmreplay``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,39 @@ def gif_bytes(images: np.ndarray, *, fps: int, scale: int = 1) -> bytes:
     out = io.BytesIO()
     frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], loop=0,
                    duration=max(1, round(1000 / fps)))
+    return out.getvalue()
+
+
+def pyav() -> Any:
+    """The `av` module (PyAV), or `MissingExtraError` naming the extra to install."""
+    try:
+        import av
+    except ImportError:
+        raise MissingExtraError('MP4 export needs PyAV: pip install "mmreplay[view]"') from None
+    return av
+
+
+def mp4_bytes(images: np.ndarray, *, fps: int, scale: int = 1, lossless: bool = False) -> bytes:
+    """An H.264 MP4 of ``(N, H, W[, C])`` uint8 frames, enlarged `scale` times.
+
+    Default: ``yuv420p`` at CRF 18, which every browser and player plays; odd sides are
+    padded by one edge pixel (4:2:0 needs even sides). ``lossless``: RGB H.264 at QP 0
+    (``libx264rgb``), bit-exact frames but a profile (High 4:4:4) few browsers play.
+    """
+    av = pyav()
+    rgb = _rgb(enlarge(images, scale))
+    if not lossless:
+        h, w = rgb.shape[1:3]
+        rgb = np.pad(rgb, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264rgb" if lossless else "libx264", rate=fps)
+        stream.height, stream.width = rgb.shape[1:3]
+        stream.pix_fmt = "rgb24" if lossless else "yuv420p"
+        stream.options = {"qp": "0"} if lossless else {"crf": "18"}
+        for image in rgb:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
     return out.getvalue()
 
 

@@ -1,11 +1,12 @@
 """What the viewer serves, as JSON-ready dicts and image bytes, from one read-only store.
 
 `StoreData` opens the store read-only (as ``mmreplay info`` does: no lock, nothing written,
-safe beside a writer). Each request first compares the committed generation on disk (one
-small file) with the one it holds and reopens the store when a writer has committed since;
-if that reopen fails (a half-written or damaged store) it keeps serving the generation it
-has and says so in `status`. Everything derived (the episode table and its sort orders,
-decoded episodes, encoded PNGs) is cached per generation and dropped when it moves.
+safe beside a writer; a bucket URL is opened the same way). Each request first compares
+the committed generation (`follow.py`: a stat of the manifest) with the one it holds and
+reopens the store when a writer has committed since; if that reopen fails (a half-written
+or damaged store) it keeps serving the generation it has and says so in `status`.
+Everything derived (the episode table and its sort orders, decoded episodes, encoded PNGs)
+is cached per generation and dropped when it moves.
 
 Costs: a request pays O(page) (a page of episodes, one episode, one frame, one batch)
 once the per-generation tables exist; building those is O(kept frames), once per
@@ -15,6 +16,7 @@ generation, like ``mmreplay episodes``.
 from __future__ import annotations
 
 import functools
+import importlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,10 +26,12 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidInputError, InvalidStoreError, MmreplayError, UnknownIdError
+from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
 from mmreplay.tools import render
-from mmreplay.tools.view import tables
+from mmreplay.tools.view import follow, tables
+from mmreplay.tools.view.health import DEFAULT_LIMIT_S, HealthCheck
 
 PNG_CACHE = 4096  # encoded frames kept per generation (a few KiB each for Atari frames)
 EPISODE_CACHE = 4  # decoded episodes kept per generation
@@ -53,8 +57,11 @@ class LRU:
 class StoreData:
     """One store, followed across generations; every public method returns plain data."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, *, verify_limit_s: float = DEFAULT_LIMIT_S) -> None:
+        self.path: str | Path = path if is_url(path) else Path(path)
+        self._probe = follow.probe(self.path)
+        self.health = HealthCheck(None if is_url(path) else Path(path), limit_s=verify_limit_s,
+                                  generation=self._probe.generation)
         self._lock = threading.RLock()
         self._store: ReplayStore | None = None
         self.follow_error: str | None = None
@@ -74,7 +81,7 @@ class StoreData:
         with self._lock:
             if self._closed:
                 raise InvalidInputError("the viewer's store was closed")
-            on_disk = ins.committed_generation(self.path)
+            on_disk = self._probe.generation()
             if self._store is None:
                 self._open()
             elif on_disk is None:
@@ -100,6 +107,7 @@ class StoreData:
             old.close()
 
     def close(self) -> None:
+        self.health.close()
         with self._lock:
             self._closed = True
             if self._store is not None:
@@ -115,15 +123,22 @@ class StoreData:
             return (self._items if item else self._derived).get(key, lambda: make(store))
 
     def warm(self) -> None:
-        """Draw one frame and one stacked state now, so that the first page a user opens
-        does not pay for loading the compiled read path. A store with nothing to draw, or
-        one that fails here, is left for the requests to report."""
+        """Build what each view asks first (the episode table, series, overview, the first
+        episode and its first frame and stacked state, the sampler's table) and import what
+        batches need (torch: seconds, outside the lock), so that no first view pays for
+        them. A store with nothing to draw, or one that fails here, is left for the
+        requests to report."""
         try:
             first = self.episodes({"limit": "1"})["rows"]
+            self.series()
             if first and ins.is_image_shape(self.store().spec.obs_shape):
                 self.frame_png(first[0]["episode"], 0)
                 if first[0]["first_id"] is not None:
                     self.stack_png(first[0]["first_id"], "obs")
+            self.first_episode()
+            self.overview()
+            importlib.import_module("mmreplay.torch_batch")
+            self.sampling(1, 0, 0.4)  # the sampler's table, and torch (batches) imported
         except (MmreplayError, OSError, ValueError):
             return  # includes a store closed meanwhile
 
@@ -138,7 +153,19 @@ class StoreData:
                     "follow_error": self.follow_error}
 
     def overview(self) -> dict[str, Any]:
-        return self.cached("overview", tables.overview)
+        """`mmreplay info` of the store, named as given, with its directory's (or bucket's)
+        top-level entries."""
+        def make(store: ReplayStore) -> dict[str, Any]:
+            if isinstance(self._probe, follow.UrlProbe):
+                grouped = self._probe.entries()
+                entries = [{"name": k, "files": v[0], "bytes": v[1]}
+                           for k, v in sorted(grouped.items())[:tables.MAX_FILES]]
+            else:
+                entries = tables.directory_entries(store.path)
+            return {**tables.overview(store), "path": str(self.path), "entries": entries,
+                    "url": isinstance(self._probe, follow.UrlProbe)}
+
+        return self.cached("overview", make)
 
     # -- episodes -----------------------------------------------------------------------
     def episodes(self, query: dict[str, str]) -> dict[str, Any]:
@@ -154,14 +181,18 @@ class StoreData:
                            lambda s: tables.episode_json(s, _known(ins.episode_steps, s,
                                                                    episode)), item=True)
 
+    def first_episode(self) -> dict[str, Any]:
+        """The steps of the lowest-numbered kept episode; ``{"episode": None}`` if none."""
+        rows = self.episodes({"limit": "1"})["rows"]
+        return self.episode(rows[0]["episode"]) if rows else {"episode": None}
+
     def frame_png(self, episode: int, t: int) -> bytes:
         with self._lock:
             store = self.store()
             self._require_images(store)
 
             def make() -> bytes:
-                frames = self._frames.get(episode, lambda: ins.as_images(
-                    _known(ins.episode_frames, store, episode)))
+                frames = self.episode_images(episode)
                 if not 0 <= t < len(frames):
                     raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
                                             f"frames; frame {t} is not one of them")
@@ -169,12 +200,20 @@ class StoreData:
 
             return self._png.get(("frame", episode, t), make)
 
-    def episode_gif(self, episode: int, *, fps: int, scale: int) -> bytes:
+    def episode_images(self, episode: int) -> np.ndarray:
+        """The kept frames of `episode` as uint8 images (decoded once per generation)."""
         with self._lock:
             store = self.store()
             self._require_images(store)
-            frames = ins.as_images(_known(ins.episode_frames, store, episode))
-        return render.gif_bytes(frames, fps=fps, scale=scale)
+            return self._frames.get(episode, lambda: ins.as_images(
+                _known(ins.episode_frames, store, episode)))
+
+    def episode_gif(self, episode: int, *, fps: int, scale: int) -> bytes:
+        return render.gif_bytes(self.episode_images(episode), fps=fps, scale=scale)
+
+    def episode_mp4(self, episode: int, *, fps: int, scale: int, lossless: bool) -> bytes:
+        return render.mp4_bytes(self.episode_images(episode), fps=fps, scale=scale,
+                                lossless=lossless)
 
     # -- transitions and sampling ---------------------------------------------------------
     def transition(self, tid: int) -> dict[str, Any]:

@@ -49,9 +49,9 @@ def _nested_none(value: Any) -> Any:
 
 # -- overview -------------------------------------------------------------------------------
 def overview(store: ReplayStore) -> dict[str, Any]:
+    """What ``mmreplay info --json`` prints, plus whether observations are images."""
     info = ins.store_info(store).to_dict()
     info["images"] = ins.is_image_shape(store.spec.obs_shape)
-    info["entries"] = directory_entries(store.path)
     info["disk"]["compression_ratio"] = number(info["disk"]["compression_ratio"] or math.nan)
     return info
 
@@ -206,7 +206,33 @@ def episode_json(store: ReplayStore, steps: ins.EpisodeSteps) -> dict[str, Any]:
         "action": numbers(steps.action), "reward": numbers(steps.reward),
         "terminated": steps.terminated.tolist(), "truncated": steps.truncated.tolist(),
         "sampleable": steps.sampleable.tolist(), "priority": numbers(steps.priority),
-        "extras": {k: extra_json(v) for k, v in steps.extras.items()}}
+        "extras": {k: extra_json(v) for k, v in steps.extras.items()},
+        **nstep_targets(steps, n_step=spec.n_step, gamma=spec.gamma)}
+
+
+def nstep_targets(steps: ins.EpisodeSteps, *, n_step: int, gamma: float) -> dict[str, Any]:
+    """Per frame, the n-step return and discount a batch holds for the transition starting
+    there (``null`` where it is not sampleable): the window runs `n_step` steps or to the
+    episode's end; discount is 0 if it ends terminated, else ``gamma ** steps`` (the
+    store's own rule; the tests compare with `ReplayStore.get`).
+
+    O(episode length * n_step), over the episode's arrays only."""
+    t = steps.ids.size
+    has = steps.ids >= 0
+    alive, ended = has.copy(), np.zeros(t, bool)
+    ret, m = np.zeros(t), np.zeros(t, np.int64)
+    for j in range(n_step):
+        u = np.minimum(np.arange(t) + j, t - 1)
+        step = alive & (np.arange(t) + j < t) & has[u]
+        ret += np.where(step, gamma ** j * steps.reward[u], 0.0)
+        m += step
+        stop_t, stop = step & steps.terminated[u], step & (steps.terminated[u] | steps.truncated[u])
+        ended |= stop_t
+        alive = step & ~stop
+    discount = np.where(ended, 0.0, np.power(gamma, m))
+    keep = steps.sampleable & has
+    return {"n_step_return": numbers(np.where(keep, ret, np.nan)),
+            "discount": numbers(np.where(keep, discount, np.nan))}
 
 
 def extra_json(values: np.ndarray) -> dict[str, Any]:

@@ -56,7 +56,11 @@ function kvTable(pairs) {
 
 function card(title, ...kids) { return el("div", { class: "card" }, el("h3", { text: title }), ...kids); }
 
-function ready(view) { document.body.dataset.ready = view; }
+// The view is drawn: say which, and when (ms since navigation started, the browser's clock).
+function ready(view) {
+  document.body.dataset.readyMs = performance.now().toFixed(1);
+  document.body.dataset.ready = view;
+}
 
 // Counts finished redraws of a view's data (tests wait on it instead of guessing).
 function rendered() { document.body.dataset.renders = String(Number(document.body.dataset.renders || 0) + 1); }
@@ -84,7 +88,7 @@ function extent(values, fromZero = false) {
 }
 
 // Lines (or bars) of several series over a shared x; each series {name, color, y, bars}.
-function plotXY(canvas, x, series, { height = 180, title = "", cursor = null } = {}) {
+function plotXY(canvas, x, series, { height = 180, title = "", cursor = null, at = null } = {}) {
   const { ctx, width } = setupCanvas(canvas, height);
   const pad = { l: 120, r: 10, t: 18, b: 20 };
   const [x0, x1] = extent(x);
@@ -114,11 +118,22 @@ function plotXY(canvas, x, series, { height = 180, title = "", cursor = null } =
     });
     if (!s.bars) ctx.stroke();
   });
+  const cursorX = cursor === null ? null : Math.round(sx(cursor)) + 0.5;
+  if (at !== null) series.forEach((s, i) => valueTag(ctx, fmt(s.y[at], 4), cursorX,
+    pad.t + i * rowH + 10, width - pad.r));
   if (cursor !== null) {
-    ctx.strokeStyle = "#ffffff"; ctx.beginPath();
-    ctx.moveTo(sx(cursor), pad.t); ctx.lineTo(sx(cursor), height - pad.b); ctx.stroke();
+    ctx.strokeStyle = "#ffffff"; ctx.lineWidth = 1; ctx.beginPath();
+    ctx.moveTo(cursorX, pad.t); ctx.lineTo(cursorX, height - pad.b); ctx.stroke();
   }
-  return { xOf: (px) => x0 + ((px - pad.l) / (width - pad.l - pad.r)) * (x1 - x0) };
+  return { xOf: (px) => x0 + ((px - pad.l) / (width - pad.l - pad.r)) * (x1 - x0), cursorX };
+}
+
+// A value written beside the cursor line (left of it near the right edge), on a dark box.
+function valueTag(ctx, text, x, y, right) {
+  const w = ctx.measureText(text).width + 6;
+  const left = x + 4 + w > right ? x - 4 - w : x + 4;
+  ctx.fillStyle = "rgba(22, 23, 27, 0.85)"; ctx.fillRect(left, y - 10, w, 13);
+  ctx.fillStyle = "#ffffff"; ctx.fillText(text, left + 3, y);
 }
 
 function histogram(canvas, edges, mass, { height = 160, title = "", color = "#5aa9ff" } = {}) {
@@ -139,7 +154,7 @@ function histogram(canvas, edges, mass, { height = 160, title = "", color = "#5a
 
 // -- overview --------------------------------------------------------------------------
 async function overviewView(main) {
-  const info = await api("/api/overview");
+  const [info, health] = await Promise.all([api("/api/overview"), api("/api/health")]);
   const c = info.counts, d = info.disk, r = info.ram;
   const files = el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "entry" }),
     el("th", { class: "num", text: "files" }), el("th", { class: "num", text: "size" }))),
@@ -160,9 +175,59 @@ async function overviewView(main) {
       ["masks", bytes(r.masks_bytes)], ["sampler", bytes(r.sampler_bytes)],
       ["frame tail", bytes(r.tail_bytes)], ["total", bytes(r.total_bytes)]])),
     card("sampler", kvTable([["kind", info.sampler], ...prio])),
+    healthCard(),
     card("config", kvTable(Object.entries(info.spec))),
     card("files", files)));
+  showHealth(health);
+  if (health.state === "running") followHealth();
   return { refresh: () => overviewView(main) };
+}
+
+// -- health: `mmreplay verify` on demand (the server runs it in the background, bounded) --
+function healthCard() {
+  return card("health", el("div", { id: "health" }), el("div", { class: "controls" },
+    el("button", { id: "verify", type: "button", text: "verify now", onclick: async () => {
+      try { showHealth(await api("/api/health?run=1")); followHealth(); }
+      catch (err) { showError(err.message); }
+    } })));
+}
+
+async function followHealth() {
+  for (;;) {
+    const h = await api("/api/health");
+    if (!document.getElementById("health")) return; // the user left the overview
+    showHealth(h);
+    if (h.state !== "running") return;
+    await new Promise((resolve) => { setTimeout(resolve, 250); });
+  }
+}
+
+function showHealth(h) {
+  const box = document.getElementById("health");
+  if (!box) return;
+  box.dataset.state = h.state;
+  const r = h.report;
+  const lines = {
+    never: [["verify", `not run yet (checks every checksum and invariant, read-only; ` +
+      `stops after ${h.limit_s} s)`]],
+    unavailable: [["verify", h.error]],
+    running: [["verify", `running: ${h.chunks_done} of ${fmt(h.chunks_total)} frame chunks, ` +
+      `${fmt(h.elapsed_s, 3)} s`]],
+    stopped: [["verify", h.error]],
+    failed: [["verify", `could not run: ${h.error}`]],
+  }[h.state] || [["result", r.ok ? "sound: no problem found" : `${r.problems.length} problem(s)`],
+    ["generation", r.generation], ["files checked", r.files_checked],
+    ["frame chunks checked", r.chunks_checked], ["frames checked", r.frames_checked],
+    ["took", `${fmt(h.elapsed_s, 3)} s`], ...(r.note ? [["note", r.note]] : [])];
+  box.replaceChildren(kvTable(lines));
+  box.classList.toggle("bad", h.state === "done" && !r.ok);
+  box.classList.toggle("good", h.state === "done" && r.ok);
+  if (h.state === "done" && !r.ok) {
+    box.append(el("ul", { class: "problems" }, ...r.problems.slice(0, 50).map((p) => el("li", { text: p }))));
+    showError(`verify found ${r.problems.length} problem(s) in generation ${r.generation}: ` +
+      r.problems.slice(0, 3).join("; "));
+  } else if (h.state === "failed") showError(`verify could not run: ${h.error}`);
+  document.body.dataset.health = h.state === "done" ? (r.ok ? "ok" : "problems") : h.state;
 }
 
 // -- episodes --------------------------------------------------------------------------
@@ -206,7 +271,7 @@ async function episodesView(main) {
 
   async function load() {
     const params = new URLSearchParams(Object.entries(q).filter(([, v]) => v !== ""));
-    const page = await api(`/api/episodes?${params}`);
+    const [page, s] = await Promise.all([api(`/api/episodes?${params}`), api("/api/series")]);
     body.replaceChildren(...page.rows.map((r) => el("tr", {
       "data-episode": r.episode, onclick: () => { location.hash = `#/episode/${r.episode}`; } },
     el("td", { class: "num", text: r.episode }), el("td", { class: "num", text: r.env }),
@@ -221,7 +286,6 @@ async function episodesView(main) {
       `${page.matching} matching (${page.total} episodes)`;
     info.dataset.total = page.total;
     prev.disabled = page.offset === 0; next.disabled = last >= page.matching;
-    const s = await api("/api/series");
     plotXY(plot, s.episode, [
       { name: s.bucket > 1 ? `return (mean of ${s.bucket})` : "return", color: "#7bd88f", y: s.return },
       { name: s.bucket > 1 ? `length (mean of ${s.bucket})` : "length", color: "#5aa9ff", y: s.length }],
@@ -236,12 +300,9 @@ async function episodesView(main) {
 // One episode: the frame at the scrubber, the step taken from it, its stacked and n-step
 // states, and a timeline of the episode's columns. `p.t` is the frame shown.
 async function playerView(main, episode, t0) {
-  if (episode === null) {
-    const page = await api("/api/episodes?limit=1");
-    if (!page.rows.length) { main.replaceChildren(el("p", { text: "No episode yet." })); return {}; }
-    episode = page.rows[0].episode;
-  }
-  const ep = await api(`/api/episode/${episode}`);
+  const ep = await api(`/api/episode/${episode === null ? "first" : episode}`);
+  if (ep.episode === null) { main.replaceChildren(el("p", { text: "No episode yet." })); return {}; }
+  episode = ep.episode;
   const p = { ep, episode, n: ep.frames, t: 0, timer: null, fps: 15, shown: seriesShown(ep) };
   const ui = playerLayout(main, p);
   const set = (t) => {
@@ -281,10 +342,32 @@ async function playerView(main, episode, t0) {
   return { leave: () => { stop(); document.removeEventListener("keydown", keys); }, seek: set };
 }
 
+// Every per-step column of an episode as timeline series {key, name, color, y, bars}:
+// reward, n-step return, discount, action (each component of a vector action),
+// terminated, truncated, priority and each extra (wider extras as their mean).
+function timelineSeries(ep) {
+  const out = [{ key: "reward", name: "reward", color: "#7bd88f", y: ep.reward, bars: true }];
+  if (ep.n_step > 1) out.push({ key: "n_step_return", name: `${ep.n_step}-step return`,
+    color: "#a6e3a1", y: ep.n_step_return });
+  out.push({ key: "discount", name: "discount", color: "#89dceb", y: ep.discount, zero: true });
+  const width = ep.action.length && Array.isArray(ep.action[0]) ? ep.action[0].length : 0;
+  if (!width) out.push({ key: "action", name: "action", color: "#5aa9ff", y: ep.action });
+  else for (let i = 0; i < Math.min(width, 4); i += 1) out.push({ key: `action:${i}`,
+    name: `action[${i}]`, color: "#5aa9ff", y: ep.action.map((a) => a[i]) });
+  out.push({ key: "terminated", name: "terminated", color: "#ff6b6b", bars: true,
+    y: ep.terminated.map(Number) });
+  out.push({ key: "truncated", name: "truncated", color: "#ffb454", bars: true,
+    y: ep.truncated.map(Number) });
+  if (ep.priority.some((v) => v !== null)) out.push({ key: "priority", name: "priority",
+    color: "#f9e2af", y: ep.priority });
+  Object.entries(ep.extras).forEach(([k, e]) => out.push({ key: `extra:${k}`,
+    name: `${k}${e.summary === "mean" ? " (mean)" : ""}`, color: "#c792ea", y: e.values }));
+  return out;
+}
+
 function seriesShown(ep) {
-  const shown = { reward: true, action: true, priority: ep.priority.some((v) => v !== null),
-    done: true };
-  Object.keys(ep.extras).forEach((k) => { shown[`extra:${k}`] = true; });
+  const shown = {};
+  timelineSeries(ep).forEach((s) => { shown[s.key] = true; });
   return shown;
 }
 
@@ -302,8 +385,10 @@ function playerLayout(main, p) {
   };
   Object.keys(p.shown).forEach((k) => ui.toggles.append(el("label", {}, el("input", {
     type: "checkbox", "data-series": k, ...(p.shown[k] ? { checked: "" } : {}) }), ` ${k}`)));
-  const gif = el("a", { id: "gif", href: `/api/episode/${episode}.gif?fps=15&scale=2`,
-    download: `episode_${episode}.gif`, text: "export GIF" });
+  const gif = el("span", {}, el("a", { id: "gif", href: `/api/episode/${episode}.gif?fps=15&scale=2`,
+    download: `episode_${episode}.gif`, text: "export GIF" }), " · ",
+  el("a", { id: "mp4", href: `/api/episode/${episode}.mp4?fps=15&scale=2`,
+    download: `episode_${episode}.mp4`, text: "MP4" }));
   const status = ep.terminated.some(Boolean) ? "terminated" : ep.truncated.some(Boolean)
     ? "truncated" : "running or evicted end";
   main.replaceChildren(el("h2", { text: `Episode ${episode}` },
@@ -319,22 +404,17 @@ function playerLayout(main, p) {
   return ui;
 }
 
+// The timeline: each shown series over episode position, a white line at the frame shown
+// and each series' value there (also in canvas.dataset: t, cursorX and values, by name).
 function drawTimeline(canvas, p, seek) {
   const { ep, shown } = p;
-  const series = [];
-  if (shown.reward) series.push({ name: "reward", color: "#7bd88f", y: ep.reward, bars: true });
-  if (shown.action) series.push({ name: "action", color: "#5aa9ff",
-    y: ep.action.map((a) => (Array.isArray(a) ? a[0] : a)) });
-  if (shown.priority) series.push({ name: "priority", color: "#ffb454", y: ep.priority });
-  if (shown.done) series.push({ name: "terminated/truncated", color: "#ff6b6b", bars: true,
-    y: ep.terminated.map((v, i) => (v ? 1 : ep.truncated[i] ? 0.5 : 0)) });
-  Object.entries(ep.extras).forEach(([k, e]) => {
-    if (shown[`extra:${k}`]) series.push({ name: `${k}${e.summary === "mean" ? " (mean)" : ""}`,
-      color: "#c792ea", y: e.values });
-  });
+  const series = timelineSeries(ep).filter((s) => shown[s.key]);
   if (!series.length) { setupCanvas(canvas, 40); return; }
   const plot = plotXY(canvas, ep.pos, series, { height: 40 + 46 * series.length,
-    title: "episode position", cursor: ep.pos[p.t] });
+    title: "episode position", cursor: ep.pos[p.t], at: p.t });
+  canvas.dataset.t = String(p.t);
+  canvas.dataset.cursorX = String(plot.cursorX);
+  canvas.dataset.values = JSON.stringify(Object.fromEntries(series.map((s) => [s.name, s.y[p.t]])));
   canvas.onclick = (ev) => {
     const pos = Math.round(plot.xOf(ev.offsetX));
     const i = ep.pos.findIndex((v) => v >= pos);
@@ -348,7 +428,8 @@ function stepFields(box, ep, t) {
   box.replaceChildren(kvTable([["frame", `${t} of ${ep.frames} (position ${ep.pos[t]})`],
     ["transition id", id < 0 ? "none (no step from this frame)" : id],
     ["action", id < 0 ? null : ep.action[t]], ["reward", id < 0 ? null : ep.reward[t]],
-    ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
+    ...(ep.n_step > 1 ? [[`${ep.n_step}-step return`, ep.n_step_return[t]]] : []),
+    ["discount", ep.discount[t]], ["terminated", ep.terminated[t]], ["truncated", ep.truncated[t]],
     ["priority", ep.priority[t]], ["sampleable", ep.sampleable[t]], ...extras]));
 }
 
@@ -487,6 +568,5 @@ window.addEventListener("hashchange", () => {
 });
 document.getElementById("error-close").addEventListener("click", clearError);
 state.episodeArg = parseHash().arg;
-route();
-poll();
-state.poll = setInterval(poll, POLL_MS);
+// The first poll waits for the first view: its requests go first to the server.
+route().then(poll).then(() => { state.poll = setInterval(poll, POLL_MS); });
