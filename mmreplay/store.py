@@ -67,6 +67,7 @@ from mmreplay.storage.manifest import (
     read_manifest,
 )
 from mmreplay.storage.objects import is_url, open_objects
+from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
 from mmreplay.storage.zstd_dict import parse_dictionary
@@ -187,7 +188,8 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None) -> Any:
+             rate_limiter: RateLimiter | None = None,
+             local: str | os.PathLike[str] | None = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
@@ -195,10 +197,20 @@ class ReplayStore(BucketMethods):
         Any problem raises `InvalidStoreError`.
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
-        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
+        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md. A URL with
+        ``mode="r+"`` and `local` (a directory) resumes writing on this machine: the
+        bucket's newest complete generation is pulled into `local` (kept if `local` already
+        holds that store), opened, and mirrored back to the URL.
         `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
+        if local is not None and not (is_url(path) and mode == "r+" and mirror is None):
+            raise InvalidInputError("local= is the working copy of a URL opened with "
+                                    "mode='r+' (which mirrors back to that URL)")
+        if local is not None:
+            working_copy(open_objects(str(path), storage_options), Path(local),
+                         take_over=take_over)
+            path, mirror = Path(local), str(path)
         _check_open_args(path, mode, rate_limiter)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
@@ -625,8 +637,8 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
     """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
     if mode != "r":
         raise InvalidInputError(
-            f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
-            f"open DIR with mirror={url!r}")
+            f"a URL opens read-only (mode='r'); to write, give a local working copy: "
+            f"ReplayStore.open({url!r}, 'r+', local=DIR)")
     objects = open_objects(url, storage_options)
     root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
     remote: RemoteChunks | None = None
