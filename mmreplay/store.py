@@ -188,8 +188,7 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None,
-             local: str | os.PathLike[str] | None = None) -> Any:
+             rate_limiter: RateLimiter | None = None, local: Any = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
@@ -197,20 +196,11 @@ class ReplayStore(BucketMethods):
         Any problem raises `InvalidStoreError`.
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
-        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md. A URL with
-        ``mode="r+"`` and `local` (a directory) resumes writing on this machine: the
-        bucket's newest complete generation is pulled into `local` (kept if `local` already
-        holds that store), opened, and mirrored back to the URL.
-        `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
+        `cache_bytes`); `mirror` as in `create`; ``mode="r+"`` with `local` (a directory)
+        pulls it there and mirrors back (docs/object-storage.md). `rate_limiter`: r+ only.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
-        if local is not None and not (is_url(path) and mode == "r+" and mirror is None):
-            raise InvalidInputError("local= is the working copy of a URL opened with "
-                                    "mode='r+' (which mirrors back to that URL)")
-        if local is not None:
-            working_copy(open_objects(str(path), storage_options), Path(local),
-                         take_over=take_over)
-            path, mirror = Path(local), str(path)
+        path, mirror = _working_copy(path, mode, mirror, local, storage_options, take_over)
         _check_open_args(path, mode, rate_limiter)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
@@ -468,6 +458,20 @@ def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
     if dictionary is not None:
         store._frames.set_dictionary(dictionary)
     return store
+
+
+def _working_copy(path: Any, mode: str, mirror: str | None, local: Any,
+                  storage_options: dict[str, str] | None, take_over: bool) -> tuple[Any, Any]:
+    """(path, mirror) to open: a URL opened for writing with `local` becomes the working
+    copy `local` (the bucket's newest generation pulled there unless it holds it) mirrored
+    back to the URL; anything else is returned as it came."""
+    if local is None:
+        return path, mirror
+    if not (is_url(path) and mode == "r+" and mirror is None):
+        raise InvalidInputError("local= is the working copy of a URL opened with mode='r+' "
+                                "(which mirrors back to that URL)")
+    working_copy(open_objects(str(path), storage_options), Path(local), take_over=take_over)
+    return Path(local), str(path)
 
 
 def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:

@@ -312,9 +312,12 @@ def test_apex_dqn_resumes_from_the_bucket_on_a_new_machine(s3: S3Server,
         old = a.valid_ids()
         kept = np.intersect1d(old, b.valid_ids())  # the ring may have dropped the oldest
         assert kept.size > 0
-        for name in FIELDS:
+        # the steps the bucket carried over are those of machine A (the episodes the
+        # restart cut end as truncated there, so n-step fields may differ at their ends)
+        for name in ("obs", "action"):
             np.testing.assert_array_equal(np.asarray(getattr(a.get(kept), name)),
                                           np.asarray(getattr(b.get(kept), name)))
+        assert b.get(b.valid_ids()).truncated.any()
     pull(open_objects(f"{url}/store"), tmp_path / "bucket-now")
     with ReplayStore.open(tmp_path / "B" / "store", "r") as b, \
             ReplayStore.open(tmp_path / "bucket-now", "r") as now:

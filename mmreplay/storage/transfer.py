@@ -169,6 +169,7 @@ class Pusher:
         self._md5: dict[str, tuple[tuple[int, int, int], str]] = {}  # local stat -> md5
         self._bucket_manifest: dict[str, Any] | None = None
         self._kept_seen: list[int] = []  # the directory's kept_from after frame files were read
+        self._pool: ThreadPoolExecutor | None = None  # kept between a mirror's pushes
         self.stats = _Counter()
 
     def push(self, *, take_over: bool = False) -> PushReport:
@@ -189,6 +190,9 @@ class Pusher:
                           self.stats.skipped, deleted, time.monotonic() - start)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self.lease.release()
 
     # -- what the bucket holds ------------------------------------------------------------
@@ -301,8 +305,9 @@ class Pusher:
         def put(item: tuple[str, bytes]) -> None:
             self.objects.put(*item)
 
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(put, items))  # raises the first failure
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mmreplay-push")
+        list(self._pool.map(put, items))  # raises the first failure
         for key, data in items:
             self._known[key] = md5_hex(data) if md5 else None
             self.stats.objects += 1
