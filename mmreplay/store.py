@@ -67,9 +67,9 @@ from mmreplay.storage.manifest import (
     read_manifest,
 )
 from mmreplay.storage.objects import is_url, open_objects
-from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -241,8 +242,6 @@ TINY_DQN = ["--env", "CartPole-v1", "--learning-starts", "100", "--buffer-size",
 def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """A script as a user runs it; the s3 fixture put the server's AWS variables in the
     environment, which the subprocess inherits."""
-    import os
-
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
@@ -268,7 +267,7 @@ def test_train_dqn_resumes_from_the_bucket_exactly_as_locally(s3: S3Server,
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_dqn.py"),
                               *TINY_DQN, "--run-dir", str(tmp_path / "C"), "--store", url],
                              capture_output=True, text=True, check=False,
-                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert refused.returncode == 2 and "already holds a run" in refused.stderr
     there = script("train_dqn.py", *TINY_DQN, "--total-timesteps", "900", "--run-dir", str(b),
                    "--store", url, "--resume")
@@ -323,3 +322,30 @@ def test_apex_dqn_resumes_from_the_bucket_on_a_new_machine(s3: S3Server,
             ReplayStore.open(tmp_path / "bucket-now", "r") as now:
         assert_same_steps(b, now)
     assert json.loads(open_objects(url).get("summary.json"))["global_step"] == 2500
+
+
+def test_prepare_run_with_a_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scripts' `--store` checks (scripts/common.py), against a file:// bucket."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from common import UsageError, prepare_run
+
+    url = f"file://{tmp_path}/bucket/run"
+    with pytest.raises(UsageError, match="s3://bucket/prefix"):
+        prepare_run(tmp_path / "r", resume=False, overwrite=False, store="bucket/run")
+    with pytest.raises(UsageError, match="neither"):
+        prepare_run(tmp_path / "r", resume=True, overwrite=False, store=url)
+    run_dir, bucket = prepare_run(tmp_path / "r", resume=False, overwrite=False, store=url)
+    assert bucket is not None and bucket.store_url == f"{url}/store"
+    with make(run_dir / "store", mirror=bucket.store_url) as store:
+        fill(store, 100)
+    (run_dir / "checkpoint.pt").write_bytes(b"model")
+    bucket.upload(run_dir, "checkpoint.pt")
+    with pytest.raises(UsageError, match="already holds a run"):
+        prepare_run(tmp_path / "other", resume=False, overwrite=False, store=url)
+    new_dir, _ = prepare_run(tmp_path / "new", resume=True, overwrite=False, store=url)
+    assert (new_dir / "checkpoint.pt").read_bytes() == b"model"
+    assert not (new_dir / "checkpoint.pt.pending").exists()
+    bucket.pull_store(new_dir)
+    with ReplayStore.open(run_dir / "store", "r") as a, \
+            ReplayStore.open(new_dir / "store", "r") as b:
+        assert_same(a, b)
