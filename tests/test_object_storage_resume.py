@@ -349,3 +349,49 @@ def test_prepare_run_with_a_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with ReplayStore.open(run_dir / "store", "r") as a, \
             ReplayStore.open(new_dir / "store", "r") as b:
         assert_same(a, b)
+
+
+def test_train_dqn_preempted_resumes_from_the_bucket_with_take_over(s3: S3Server,
+                                                                    tmp_path: Path) -> None:
+    """A mirrored run SIGKILLed (a preempted machine): its lease still runs, so a resume
+    elsewhere is refused until `--take-over`; then the bucket's store and checkpoint match
+    (the checkpoint's transitions are the store's) and the run goes on from there."""
+    import io
+    import signal
+    import time
+
+    import torch
+
+    url = s3.url(prefix("preempt"))
+    objects = open_objects(url)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "scripts" / "train_dqn.py"), *TINY_DQN]
+    first = subprocess.Popen([*cmd, "--total-timesteps", "1000000", "--run-dir",
+                              str(tmp_path / "A"), "--store", url], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert first.poll() is None, "the run ended before it could be killed"
+            if objects.head("checkpoint.pt") is not None and torch.load(io.BytesIO(
+                    objects.get("checkpoint.pt")), weights_only=True)["global_step"] >= 400:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("no checkpoint at step >= 400 in the bucket in time")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    resume = [*cmd, "--run-dir", str(tmp_path / "B"), "--store", url, "--resume"]
+    refused = subprocess.run([*resume, "--total-timesteps", "5000"], env=env,
+                             capture_output=True, text=True, check=False, timeout=300)
+    assert refused.returncode == 2 and "another writer" in refused.stderr, refused.stderr
+    assert not (tmp_path / "B" / "store").exists()  # refused before anything was pulled
+    saved = torch.load(io.BytesIO(objects.get("checkpoint.pt")), weights_only=True)
+    step = int(saved["global_step"])
+    again = script("train_dqn.py", *TINY_DQN, "--run-dir", str(tmp_path / "B"), "--store",
+                   url, "--resume", "--take-over", "--total-timesteps", str(step + 300))
+    assert f"resumed at step {step} " in again.stdout + again.stderr or \
+        f"resumed at step {step + 200} " in again.stdout + again.stderr  # a pending one
+    done = json.loads(objects.get("summary.json"))
+    assert done["global_step"] == step + 300
