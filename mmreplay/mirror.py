@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from mmreplay.errors import InvalidStoreError, ObjectStoreError, StoreLockedError
+from mmreplay.storage.manifest import read_manifest
 from mmreplay.storage.objects import Objects
 from mmreplay.storage.transfer import LEASE_TTL_S, Pusher, PushReport
 
@@ -66,6 +67,13 @@ class Mirror:
             self._raise_fatal()
         if wait:
             self.wait()
+
+    def sync(self, *, wait: bool = False) -> int:
+        """`notify` of the generation the directory commits now (for a store another
+        process writes, such as a Ray store actor); returns it."""
+        generation = int(read_manifest(self._pusher.root)["generation"])
+        self.notify(generation, wait=wait)
+        return generation
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the newest committed generation is in the bucket; raises the last

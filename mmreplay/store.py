@@ -69,6 +69,7 @@ from mmreplay.storage.manifest import (
 from mmreplay.storage.objects import is_url, open_objects
 from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
 from mmreplay.views import StoreViews
@@ -187,7 +188,7 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None) -> Any:
+             rate_limiter: RateLimiter | None = None, local: Any = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
@@ -195,10 +196,11 @@ class ReplayStore(BucketMethods):
         Any problem raises `InvalidStoreError`.
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
-        `cache_bytes`); `mirror` as in `create`; see docs/object-storage.md.
-        `rate_limiter` (``mode="r+"`` only): see `set_rate_limiter`.
+        `cache_bytes`); `mirror` as in `create`; ``mode="r+"`` with `local` (a directory)
+        pulls it there and mirrors back (docs/object-storage.md). `rate_limiter`: r+ only.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
+        path, mirror = _working_copy(path, mode, mirror, local, storage_options, take_over)
         _check_open_args(path, mode, rate_limiter)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
@@ -458,6 +460,20 @@ def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
     return store
 
 
+def _working_copy(path: Any, mode: str, mirror: str | None, local: Any,
+                  storage_options: dict[str, str] | None, take_over: bool) -> tuple[Any, Any]:
+    """(path, mirror) to open: a URL opened for writing with `local` becomes the working
+    copy `local` (the bucket's newest generation pulled there unless it holds it) mirrored
+    back to the URL; anything else is returned as it came."""
+    if local is None:
+        return path, mirror
+    if not (is_url(path) and mode == "r+" and mirror is None):
+        raise InvalidInputError("local= is the working copy of a URL opened with mode='r+' "
+                                "(which mirrors back to that URL)")
+    working_copy(open_objects(str(path), storage_options), Path(local), take_over=take_over)
+    return Path(local), str(path)
+
+
 def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:
     if mode not in ("r", "r+"):
         raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
@@ -625,8 +641,8 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
     """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
     if mode != "r":
         raise InvalidInputError(
-            f"a URL opens read-only (mode='r'); to write, `mmreplay pull {url} DIR` and "
-            f"open DIR with mirror={url!r}")
+            f"a URL opens read-only (mode='r'); to write, give a local working copy: "
+            f"ReplayStore.open({url!r}, 'r+', local=DIR)")
     objects = open_objects(url, storage_options)
     root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
     remote: RemoteChunks | None = None

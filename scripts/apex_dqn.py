@@ -18,6 +18,11 @@ and plain numbers, loaded with ``weights_only=True``). A checkpoint flushes the 
 renames the checkpoint into place, so the store holds at least the transitions the checkpoint
 counted (its scheduled flushes may add more: the replay keeps them). On ``--resume`` the store
 actor reopens the store at its last flush and the env actors start fresh episodes.
+
+``--store s3://bucket/prefix`` mirrors the run there: this process pushes the store actor's
+directory to ``PREFIX/store`` after each checkpoint's flush, then uploads the checkpoint beside
+it; ``--resume --store URL`` with an empty run directory (a machine that never saw the run)
+brings both down first (docs/object-storage.md).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ import torch
 from common import (
     Learner,
     QNetwork,
+    RunBucket,
     StopFlag,
+    StoreArgs,
     UsageError,
     crossed,
     is_atari,
@@ -46,7 +53,7 @@ from common import (
     make_env,
     on_interrupt,
     parse_args,
-    prepare_run_dir,
+    prepare_run,
     push_frames,
     resume_command,
     run_main,
@@ -61,7 +68,7 @@ gym.register_envs(ale_py)
 
 
 @dataclass
-class Args:
+class Args(StoreArgs):
     env: str = "ALE/Breakout-v5"
     """gymnasium id: an ALE game (`ALE/<Game>-v5`) or a vector-observation env (`CartPole-v1`)"""
     seed: int = 0
@@ -190,12 +197,19 @@ class EnvActor:
         self.writer.drain()
 
 
-def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any]) -> None:
-    """Flush the store, then put the checkpoint in place (temp file + rename)."""
+def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any],
+                    bucket: RunBucket | None = None, mirror: Any = None) -> None:
+    """Flush the store, then put the checkpoint in place (temp file + rename). With `bucket`
+    the flushed generation is pushed first (`mirror`), then the checkpoint goes up: the
+    bucket's store holds at least the transitions its checkpoint counted, as on disk."""
     flushed = ray.get(store.flush.remote())
+    if mirror is not None:
+        mirror.notify(flushed.generation, wait=True)
     pending = run_dir / "checkpoint.pt.pending"
     torch.save({**state, "transitions": flushed.transitions}, pending)
     os.replace(pending, run_dir / "checkpoint.pt")
+    if bucket is not None:
+        bucket.upload(run_dir, "checkpoint.pt")
 
 
 def make_rate_limiter(args: Args) -> RateLimiter | None:
@@ -233,11 +247,13 @@ class Run:
     global_step: int = 0
     updates: int = 0
     episodes: dict[str, list[Any]] = field(default_factory=lambda: {"step": [], "return": []})
+    bucket: RunBucket | None = None  # `--store`: the run's copy in object storage
+    mirror: Any = None  # the `Mirror` of the store actor's directory into the bucket
 
     def checkpoint(self) -> None:
         save_checkpoint(self.run_dir, self.store, {
             **self.learner.state(), "global_step": self.global_step, "updates": self.updates,
-            "episodes": self.episodes, "args": asdict(self.args)})
+            "episodes": self.episodes, "args": asdict(self.args)}, self.bucket, self.mirror)
 
     def record(self, report: dict[str, Any]) -> int:
         """Count an actor call's steps and episodes; returns the step count before it."""
@@ -255,8 +271,11 @@ class Run:
         return ray.put({k: v.clone() for k, v in self.learner.q.state_dict().items()})
 
 
-def open_run(args: Args, run_dir: Path) -> Run:
-    """A new run (store actor creating the store) or the one in `run_dir` resumed."""
+def open_run(args: Args, run_dir: Path, bucket: RunBucket | None = None) -> Run:
+    """A new run (store actor creating the store) or the one in `run_dir` resumed; with
+    `bucket` the store comes down from there into an empty `run_dir`, and is mirrored there
+    from this process (the store actor writes, `Mirror.sync` pushes each checkpoint's
+    commit)."""
     probe = make_env(args.env)
     obs_space, num_actions = probe.observation_space, int(probe.action_space.n)
     probe.close()
@@ -264,6 +283,8 @@ def open_run(args: Args, run_dir: Path) -> Run:
     run = Run(args, run_dir, Learner.create((k, *obs_space.shape), num_actions,
                                             args.learning_rate))
     create = None
+    if bucket is not None and args.resume:
+        bucket.pull_store(run_dir, take_over=args.take_over)
     if args.resume:
         ckpt = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
         run.learner.load(ckpt)
@@ -283,6 +304,9 @@ def open_run(args: Args, run_dir: Path) -> Run:
     if spec.num_envs != args.num_actors * args.envs_per_actor:
         raise UsageError(f"the store has {spec.num_envs} envs; the arguments ask for "
                          f"{args.num_actors} x {args.envs_per_actor}")
+    if bucket is not None:  # the store actor has opened the store (spec answered)
+        run.bucket, run.mirror = bucket, bucket.mirror(run_dir, take_over=args.take_over)
+        run.mirror.sync()
     return run
 
 
@@ -442,30 +466,35 @@ def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches 
     }
     ray.get(run.store.close.remote())
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if run.bucket is not None:
+        run.mirror.sync()
+        run.mirror.close()  # pushes the store's last commit
+        run.bucket.upload(run.run_dir, "summary.json")
     tqdm.write(f"stopped at step {run.global_step}: " + json.dumps(summary))
     return summary
 
 
 def main() -> int:
     args = parse_args(Args, description=__doc__)
-    run_dir = prepare_run_dir(  # before Ray starts: a refused run dir costs nothing
+    run_dir, bucket = prepare_run(  # before Ray starts: a refused run dir costs nothing
         Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}"),
-        resume=args.resume, overwrite=args.overwrite)
+        resume=args.resume, overwrite=args.overwrite, store=args.store)
+    again = resume_command(run_dir, store=args.store)
     stop = StopFlag()
     on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "
-                                       f"{resume_command(run_dir)}")  # on a second Ctrl-C
+                                       f"{again}")  # on a second Ctrl-C
     start_ray(args)
     try:
         torch.manual_seed(args.seed)
         torch.set_num_threads(args.torch_threads)
-        run = open_run(args, run_dir)
+        run = open_run(args, run_dir, bucket)
         feeder = Feeder(run)
         progress = Progress(run)
         batches = train(run, feeder, progress, stop)
         finish(run, feeder, progress, batches, bool(stop))
     finally:
         ray.shutdown()
-    return stop.exit_status(resume_command(run_dir))
+    return stop.exit_status(again)
 
 
 if __name__ == "__main__":

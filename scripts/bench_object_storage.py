@@ -7,7 +7,8 @@
 Figures (issue 20's targets; read by people, never asserted):
 
 1. `add` throughput of a store mirroring every flush into the bucket, next to the same
-   store without a mirror (one run, side by side), and the mirror's lag in generations.
+   store without a mirror (one run, rounds alternated), the mirror's lag in generations,
+   and the CPU seconds of the training thread with and without the mirror.
 2. A `--frames` store pushed whole, then `--new-steps` more steps pushed: bytes uploaded.
 3. The store opened from the bucket: open + first batch; bytes fetched per batch with an
    empty cache (on the wire, through a counting proxy) against the compressed chunks the
@@ -34,7 +35,8 @@ from typing import Any
 
 import numpy as np
 from ale_frames import AleFrames, record_frames
-from bench import build_parser, machine_info, write_json
+from benchlib.harness import machine_info, write_json
+from common import build_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
@@ -48,8 +50,12 @@ class Args:
     """frames in the store that is pushed and read from the bucket (its capacity)"""
     distinct_frames: int = 20_000
     """real frames recorded and cycled"""
-    add_steps: int = 100_000
+    add_steps: int = 30_000
     """steps added per store in the with/without mirror comparison"""
+    mirror_rounds: int = 8
+    """rounds of (a plain store, then a mirrored one) in the with/without mirror comparison;
+    the figure is the median of the rounds' ratios (each pair ran seconds apart, under the
+    same load)"""
     flush_every: int = 10_000
     """steps between flushes (and mirror pushes) while adding"""
     new_steps: int = 10_000
@@ -92,31 +98,65 @@ def new_store(path: Path, capacity: int, **kw: Any) -> ReplayStore:
                               seed=0, **kw)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_feed(store: ReplayStore, rec: AleFrames, args: Args, server: S3Server,
+               on_flush: Any = None) -> dict[str, float]:
+    """`feed` with the wall rate, the CPU seconds of this (the training) thread and of the
+    S3 server (it shares this machine's cores) while it ran."""
+    assert server.process is not None
+    cpu0, server0 = time.thread_time(), cpu_seconds(server.process.pid)
+    wall = feed(store, rec, args.add_steps, flush_every=args.flush_every, on_flush=on_flush)
+    return {"steps_per_s": args.add_steps / wall,
+            "loop_cpu_s": time.thread_time() - cpu0,
+            "server_cpu_s": cpu_seconds(server.process.pid) - server0}
+
+
 def mirror_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dict[str, Any]:
-    """add with and without a mirror, side by side: after a warm-up store, two rounds
-    alternating plain and mirrored stores; the mirror's lag after each flush."""
+    """add with and without a mirror, side by side: after a warm-up store, `mirror_rounds`
+    rounds of a plain then a mirrored store (the median of the rounds' ratios, and the
+    ratio of the median rates); the mirror's lag after each flush; the CPU the training
+    thread and the S3 server spent in each (what the mirror costs the loop, and what the
+    server, running on the same cores, costs it)."""
     with new_store(tmp / "warm", 4_000) as warm:  # compiles the kernels, fills caches
         feed(warm, rec, 4_000, flush_every=1_000)
-    rates: dict[str, list[float]] = {"plain": [], "mirrored": []}
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "mirrored": []}
     lags: list[int] = []
     waits: list[float] = []
-    for r in range(2):
+    push_s: list[float] = []
+    for r in range(args.mirror_rounds):
         with new_store(tmp / f"plain{r}", args.add_steps) as plain:
-            rates["plain"].append(args.add_steps / feed(plain, rec, args.add_steps,
-                                                        flush_every=args.flush_every))
+            runs["plain"].append(timed_feed(plain, rec, args, server))
         with new_store(tmp / f"mirrored{r}", args.add_steps,
                        mirror=server.url(f"mirrored{r}")) as m:
-            rates["mirrored"].append(args.add_steps / feed(
-                m, rec, args.add_steps, flush_every=args.flush_every,
-                on_flush=lambda m=m: lags.append(m.mirror.lag)))
+            runs["mirrored"].append(timed_feed(
+                m, rec, args, server, on_flush=lambda m=m: lags.append(m.mirror.lag)))
             t0 = time.perf_counter()
             m.flush(wait_mirror=True)
             waits.append(time.perf_counter() - t0)
-    plain_rate, mirror_rate = max(rates["plain"]), max(rates["mirrored"])
+            push_s += [p.seconds for p in m.mirror.reports]
+
+    def median(kind: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[kind])
+
+    plain_rate, mirror_rate = median("plain", "steps_per_s"), median("mirrored", "steps_per_s")
+    paired = [m["steps_per_s"] / p["steps_per_s"] for p, m in
+              zip(runs["plain"], runs["mirrored"], strict=True)]
     return {"add_steps_per_s_without_mirror": plain_rate,
             "add_steps_per_s_with_mirror": mirror_rate,
-            "add_ratio_with_over_without": mirror_rate / plain_rate, "rounds": rates,
-            "final_wait_mirror_s": max(waits), "mirror_lag_generations_max": max(lags),
+            "add_ratio_with_over_without": statistics.median(paired),
+            "add_ratio_of_median_rates": mirror_rate / plain_rate,
+            "add_ratio_per_round": paired,
+            "loop_cpu_s_without_mirror": median("plain", "loop_cpu_s"),
+            "loop_cpu_s_with_mirror": median("mirrored", "loop_cpu_s"),
+            "server_cpu_s_with_mirror": median("mirrored", "server_cpu_s"),
+            "push_s_median": statistics.median(push_s), "pushes": len(push_s),
+            "rounds": runs, "final_wait_mirror_s": max(waits),
+            "mirror_lag_generations_max": max(lags),
             "mirror_lag_generations_median": statistics.median(lags)}
 
 

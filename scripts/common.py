@@ -137,15 +137,19 @@ def holds_run(path: Path) -> bool:
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False,
-                    resumable: bool = True) -> Path:
-    """Make `run_dir` ready: new (created), continued (``--resume``: must hold a run) or
-    replaced (``--overwrite``: removed first). A run dir that holds a run is refused unless
-    one of the two flags says what to do with it; `resumable` scripts offer both."""
+                    resumable: bool = True, remote: bool = False) -> Path:
+    """Make `run_dir` ready: new (created), continued (``--resume``: must hold a run, unless
+    `remote`: the run is in object storage) or replaced (``--overwrite``: removed first). A
+    run dir that holds a run is refused unless one of the two flags says what to do with
+    it; `resumable` scripts offer both."""
     if resume and overwrite:
         raise UsageError("pass --resume or --overwrite, not both")
     if resume:
         if not holds_run(run_dir):
-            raise UsageError(f"{run_dir} holds no run to resume; leave out --resume to start one")
+            if not remote:
+                raise UsageError(f"{run_dir} holds no run to resume; leave out --resume to "
+                                 f"start one")
+            run_dir.mkdir(parents=True, exist_ok=True)  # a new machine: the bucket holds it
         return run_dir
     if holds_run(run_dir):
         if not overwrite:
@@ -158,11 +162,109 @@ def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = Fa
     return run_dir
 
 
-def resume_command(run_dir: Path, *, script: str | None = None) -> str:
-    """The command line that continues the run in `run_dir`."""
+# -- runs mirrored to object storage -------------------------------------------------------------
+
+
+CHECKPOINT_FILES = ("checkpoint.pt", "checkpoint.pt.pending")
+
+
+class RunBucket:
+    """A run's copy in object storage (``--store s3://bucket/prefix``), laid out as the run
+    directory is, so that a machine that never saw the run can resume it::
+
+        PREFIX/store/                  the store, mirrored by the store as it commits
+        PREFIX/checkpoint.pt(.pending) the checkpoint files, uploaded as they are written
+        PREFIX/summary.json            at the end of a run
+
+    Credentials and endpoint come from the AWS environment variables
+    (docs/object-storage.md); a ``file:///dir`` URL works too.
+    """
+
+    def __init__(self, url: str) -> None:
+        from mmreplay.storage.objects import is_url, open_objects
+
+        if not is_url(url):
+            raise UsageError(f"--store takes s3://bucket/prefix or file:///dir, got {url!r}")
+        self.url = url.rstrip("/")
+        self.store_url = f"{self.url}/store"
+        self.objects = open_objects(self.url)
+
+    def holds_run(self) -> bool:
+        """Whether the prefix holds a store (a run was mirrored there)."""
+        return self.objects.head("store/manifest.json") is not None
+
+    def upload(self, run_dir: Path, name: str) -> None:
+        """Put the run directory's file `name` into the prefix (whole, atomic for readers)."""
+        self.objects.put(name, (run_dir / name).read_bytes())
+
+    def download_checkpoints(self, run_dir: Path) -> None:
+        """The checkpoint files the prefix holds, into `run_dir` (for a first resume here)."""
+        from mmreplay.storage.objects import ObjectMissingError
+
+        for name in CHECKPOINT_FILES:
+            try:
+                data = self.objects.get(name)
+            except ObjectMissingError:
+                continue
+            (run_dir / name).write_bytes(data)
+
+    def pull_store(self, run_dir: Path, *, take_over: bool = False) -> None:
+        """The store's newest complete generation into ``run_dir/store`` unless it holds
+        the store already (refused if the bucket holds a newer generation than it, or while
+        another writer holds the prefix, unless `take_over`)."""
+        from mmreplay.storage.objects import open_objects
+        from mmreplay.storage.transfer import working_copy
+
+        working_copy(open_objects(self.store_url), run_dir / "store", take_over=take_over)
+
+    def mirror(self, run_dir: Path, *, take_over: bool = False) -> Any:
+        """A `Mirror` of ``run_dir/store`` into ``PREFIX/store``, for a store written by
+        another process (the Ray store actor): `Mirror.sync` after each of its commits."""
+        from mmreplay.mirror import Mirror
+        from mmreplay.storage.objects import open_objects
+
+        return Mirror(run_dir / "store", open_objects(self.store_url), take_over=take_over)
+
+
+@dataclass
+class StoreArgs:
+    """The flags of a run mirrored to object storage (both DQN scripts take them)."""
+
+    store: str = ""
+    """mirror the run to this URL (s3://bucket/prefix: the store at PREFIX/store, the
+    checkpoints beside it); with `--resume` on a machine that never saw the run, the run
+    directory starts empty and the run comes down from there"""
+    take_over: bool = False
+    """with `--store`: take the prefix's writer lease even if another writer seems to hold
+    it (the machine that held it is gone: a preempted run)"""
+
+
+def prepare_run(run_dir: Path, *, resume: bool, overwrite: bool,
+                store: str) -> tuple[Path, RunBucket | None]:
+    """`prepare_run_dir`, and the `RunBucket` of ``--store`` (None without): a new run needs
+    a prefix that holds no run; ``--resume`` in an empty run directory (a new machine)
+    brings the checkpoint files down (the store comes down as it opens)."""
+    if not store:
+        return prepare_run_dir(run_dir, resume=resume, overwrite=overwrite), None
+    bucket = RunBucket(store)
+    if resume and not bucket.holds_run() and not holds_run(run_dir):
+        raise UsageError(f"neither {run_dir} nor {bucket.url} holds a run to resume")
+    if not resume and bucket.holds_run():
+        raise UsageError(f"{bucket.url} already holds a run: pass --resume to continue it, "
+                         f"or mirror this run to another prefix")
+    run_dir = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, remote=True)
+    if resume and not any(run_dir.glob("checkpoint.pt*")):
+        bucket.download_checkpoints(run_dir)
+    return run_dir, bucket
+
+
+def resume_command(run_dir: Path, *, script: str | None = None, store: str = "") -> str:
+    """The command line that continues the run in `run_dir` (mirrored to `store`)."""
     if script is None:
         script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "<script>"
-    return f"python {shlex.quote(script)} --resume --run-dir {shlex.quote(str(run_dir))}"
+    mirrored = f" --store {shlex.quote(store)}" if store else ""
+    return (f"python {shlex.quote(script)} --resume --run-dir "
+            f"{shlex.quote(str(run_dir))}{mirrored}")
 
 
 # -- exit behaviour ----------------------------------------------------------------------------

@@ -29,6 +29,16 @@ The store is flushed nowhere else (its final `close` follows the last checkpoint
 commits (giving up old frames on ring wraparound) never add transitions, so on ``--resume`` the
 store's T is recorded by checkpoint.pt or, after a crash between 2 and 3, by the complete pending
 file, which is then promoted.
+
+``--store s3://bucket/prefix`` mirrors the run there (docs/object-storage.md): the store at
+``PREFIX/store`` (its mirror pushes each commit in the background), the checkpoint files beside
+it, uploaded in the same two phases (the pending file before the flush, which waits for the
+mirror; the final file after the rename). On a machine that never saw the run,
+
+    python scripts/train_dqn.py --resume --run-dir runs/new --store s3://bucket/prefix
+
+brings the newest complete store generation and the checkpoint files down into the empty run
+directory and continues exactly as a local ``--resume`` would, mirroring back to the prefix.
 """
 
 from __future__ import annotations
@@ -50,7 +60,9 @@ import torch
 from common import (
     Learner,
     QNetwork,
+    RunBucket,
     StopFlag,
+    StoreArgs,
     UsageError,
     crossed,
     dir_bytes,
@@ -59,7 +71,7 @@ from common import (
     make_env,
     on_interrupt,
     parse_args,
-    prepare_run_dir,
+    prepare_run,
     push_frames,
     resume_command,
     run_main,
@@ -76,7 +88,7 @@ gym.register_envs(ale_py)
 
 
 @dataclass
-class Args:
+class Args(StoreArgs):
     env: str = "ALE/Breakout-v5"
     """gymnasium id: an ALE game (`ALE/<Game>-v5`) or a vector-observation env (`CartPole-v1`)"""
     seed: int = 0
@@ -138,12 +150,19 @@ def for_store(obs: np.ndarray) -> np.ndarray:
     return obs[0] if obs.shape[0] == 1 else obs
 
 
-def save_checkpoint(run_dir: Path, store: ReplayStore, state: dict[str, Any]) -> None:
-    """Two-phase commit of model + store (module docstring): pending, flush, rename."""
+def save_checkpoint(run_dir: Path, store: ReplayStore, state: dict[str, Any],
+                    bucket: RunBucket | None = None) -> None:
+    """Two-phase commit of model + store (module docstring): pending, flush, rename. With
+    `bucket` the bucket gets the same phases: the pending file goes up before the flush,
+    which waits until the store's mirror has pushed it, then the final file."""
     pending = run_dir / "checkpoint.pt.pending"
     torch.save({**state, "transitions": store.counts.transitions}, pending)
-    store.flush()
+    if bucket is not None:
+        bucket.upload(run_dir, pending.name)
+    store.flush(wait_mirror=bucket is not None)
     os.replace(pending, run_dir / "checkpoint.pt")
+    if bucket is not None:
+        bucket.upload(run_dir, "checkpoint.pt")
 
 
 def load_checkpoint(run_dir: Path, transitions: int) -> dict[str, Any]:
@@ -205,6 +224,7 @@ class Run:
         default_factory=lambda: {"step": [], "return": [], "length": []})
     global_step: int = 0
     saved_at: int = -1
+    bucket: RunBucket | None = None  # `--store`: the run's copy in object storage
 
     def __post_init__(self) -> None:
         # The store commits only together with a checkpoint (two-phase, `save_checkpoint`):
@@ -216,7 +236,7 @@ class Run:
         self.saved_at = self.global_step
         save_checkpoint(self.run_dir, self.store, {
             **self.learner.state(), "global_step": self.global_step,
-            "episodes": self.episodes, "args": asdict(self.args)})
+            "episodes": self.episodes, "args": asdict(self.args)}, self.bucket)
         write_logs(self.run_dir, self.episodes, self.args.return_window)
 
     def recent_return(self) -> float:
@@ -233,8 +253,10 @@ def make_envs(args: Args) -> gym.vector.SyncVectorEnv:
     return envs
 
 
-def open_run(args: Args, run_dir: Path, envs: gym.vector.SyncVectorEnv, frame_stack: int) -> Run:
-    """A new run (store created, checkpoint at step 0) or the one in `run_dir` resumed."""
+def open_run(args: Args, run_dir: Path, envs: gym.vector.SyncVectorEnv, frame_stack: int,
+             bucket: RunBucket | None = None) -> Run:
+    """A new run (store created, checkpoint at step 0) or the one in `run_dir` resumed; with
+    `bucket` the store mirrors there, and comes down from there into an empty `run_dir`."""
     obs_space = envs.single_observation_space
     obs_shape: tuple[int, ...] = obs_space.shape or ()
     learner = Learner.create((frame_stack, *obs_shape), int(envs.single_action_space.n),
@@ -245,11 +267,15 @@ def open_run(args: Args, run_dir: Path, envs: gym.vector.SyncVectorEnv, frame_st
             run_dir / "store", capacity=args.buffer_size, obs_shape=obs_shape,
             obs_dtype=obs_space.dtype, num_envs=args.num_envs, frame_stack=frame_stack,
             n_step=args.n_step, gamma=args.gamma, seed=args.seed, sampler=sampler,
-            alpha=args.alpha)
-        run = Run(args, run_dir, store, learner)
+            alpha=args.alpha, mirror=None if bucket is None else bucket.store_url)
+        run = Run(args, run_dir, store, learner, bucket=bucket)
         run.checkpoint()  # step 0: a run directory is always resumable
         return run
-    store = ReplayStore.open(run_dir / "store")
+    if bucket is None:
+        store = ReplayStore.open(run_dir / "store")
+    else:  # brought down from the bucket unless run_dir holds it, then mirrored back
+        store = ReplayStore.open(bucket.store_url, "r+", local=run_dir / "store",
+                                 take_over=args.take_over)
     spec, want = store.spec, (args.num_envs, frame_stack, args.n_step, args.gamma, sampler)
     have = (spec.num_envs, spec.frame_stack, spec.n_step, spec.gamma, spec.sampler)
     if have != want:
@@ -261,7 +287,7 @@ def open_run(args: Args, run_dir: Path, envs: gym.vector.SyncVectorEnv, frame_st
     tqdm.write(f"resumed at step {ckpt['global_step']} with {ckpt['transitions']} transitions "
                f"in the store")
     return Run(args, run_dir, store, learner, ckpt["episodes"], int(ckpt["global_step"]),
-               int(ckpt["global_step"]))
+               int(ckpt["global_step"]), bucket)
 
 
 class Actors:
@@ -378,8 +404,10 @@ def finish(run: Run, solved_at: int | None, interrupted: bool, started: tuple[fl
         "steps_per_second": (run.global_step - started[1]) / max(wall, 1e-9),
         "store_bytes": dir_bytes(store_dir), "store_transitions": run.store.counts.transitions,
     }
-    run.store.close()
+    run.store.close()  # a mirror pushes its last generation first
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if run.bucket is not None:
+        run.bucket.upload(run.run_dir, "summary.json")
     tqdm.write(f"stopped at step {run.global_step}: " + json.dumps(summary))
     return summary
 
@@ -387,24 +415,25 @@ def finish(run: Run, solved_at: int | None, interrupted: bool, started: tuple[fl
 def main() -> int:
     args = parse_args(Args, description=__doc__)
     frame_stack = 4 if is_atari(args.env) else 1
-    run_dir = prepare_run_dir(Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-"
-                                   f"{args.seed}"), resume=args.resume, overwrite=args.overwrite)
+    run_dir, bucket = prepare_run(Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-"
+                                       f"{args.seed}"), resume=args.resume,
+                                  overwrite=args.overwrite, store=args.store)
+    again = resume_command(run_dir, store=args.store)
     stop = StopFlag()
     torch.manual_seed(args.seed)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     envs = make_envs(args)
-    run = open_run(args, run_dir, envs, frame_stack)
+    run = open_run(args, run_dir, envs, frame_stack, bucket)
     # A second Ctrl-C stops at once. The store is left unflushed: its committed transitions
     # stay those of the last checkpoint, which is where the run resumes.
-    on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "
-                                       f"{resume_command(run_dir)}")
+    on_interrupt(lambda: None, message=f"to continue from the last checkpoint: {again}")
     actors = Actors(envs, run, frame_stack)
     started = (time.time(), run.global_step)
     solved_at = train(run, actors, stop)
     envs.close()
     finish(run, solved_at, bool(stop), started)
-    return stop.exit_status(resume_command(run_dir))
+    return stop.exit_status(again)
 
 
 if __name__ == "__main__":

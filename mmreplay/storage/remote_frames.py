@@ -40,7 +40,7 @@ from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import MANIFEST, parse_spec
 from mmreplay.storage.objects import ObjectChangedError, Objects
 from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
-from mmreplay.storage.transfer import follow_bucket, pull
+from mmreplay.storage.transfer import follow_bucket, pull, pull_frames
 
 CONCURRENCY = 32  # requests in flight
 MAX_GAP = 16 << 10  # chunks of one shard this close are read in one request
@@ -270,14 +270,16 @@ REMOTE_CACHE_BYTES = 2 << 30  # fetched frame bytes a store read from a bucket k
 
 
 def open_remote(objects: Objects, root: Path, *,
-                budget_bytes: int | None = None) -> RemoteChunks:
+                budget_bytes: int | None = None) -> RemoteChunks | None:
     """Pull a bucket store's small files into `root` (an empty directory) and return the
-    fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups."""
+    fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups. A
+    format-1 store (a file per chunk, no shard index to read ranges through) comes down
+    whole instead, and there is no fetcher (None)."""
     manifest = pull(objects, root, frames=False)
     spec = parse_spec(manifest)
     if spec.shard_chunks == 1:
-        raise InvalidStoreError(f"{objects.url} is a format-1 store (a file per chunk); it "
-                                f"cannot be read from the bucket: mmreplay pull it first")
+        pull_frames(objects, root, manifest)
+        return None
     remote = RemoteChunks(objects, root, spec, after_fetch=_follower(objects, root),
                           budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
                           else budget_bytes)

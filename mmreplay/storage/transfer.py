@@ -5,7 +5,8 @@ The bucket holds the same keys as the directory (``zarr.json``, ``frames/...``, 
 plus two objects of its own: ``lease.json`` (which writer may push) and ``pushed.json``
 (the md5 of every frame file as last pushed). Which objects change:
 
-    zarr.json, frames/zarr.json    written once at create
+    zarr.json, frames/zarr.json    written once at create (frames/zarr.json again, with
+                                   zstd.dict, once a "zstd-dict" store trains its dictionary)
     steps/ prio/ tail/ *.gNNN.npy  immutable: a name is never rewritten (copy-on-write)
     frames/c.<env>.<shard>...      rewritten in place as the ring fills and wraps
     manifest.json                  the commit point: uploaded last
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
+import tempfile
 import time
 import uuid
 import zlib
@@ -52,6 +55,7 @@ from mmreplay.storage.manifest import (
 from mmreplay.storage.objects import ObjectMissingError, Objects, md5_hex
 from mmreplay.storage.safe_io import TMP_DIR, read_small, write_atomic
 from mmreplay.storage.shards import index_size, parse_index
+from mmreplay.storage.zstd_dict import DICT_FILE, read_dictionary
 
 LEASE = "lease.json"
 PUSHED = "pushed.json"
@@ -115,6 +119,13 @@ class Lease:
         raise StoreLockedError(f"{self.objects.url}: another writer took the lease "
                                f"({LEASE}); this one stops pushing")
 
+    def check_free(self) -> None:
+        """`StoreLockedError` if another writer holds the lease now (takes nothing)."""
+        current = self._read()
+        if current.get("writer") not in (None, self.writer_id) \
+                and current.get("expires", 0) >= time.time():
+            raise StoreLockedError(_locked_message(self.objects.url, current))
+
     def _read(self) -> dict[str, Any]:
         try:
             data = json.loads(self.objects.get(LEASE)[:4096])
@@ -158,6 +169,7 @@ class Pusher:
         self._md5: dict[str, tuple[tuple[int, int, int], str]] = {}  # local stat -> md5
         self._bucket_manifest: dict[str, Any] | None = None
         self._kept_seen: list[int] = []  # the directory's kept_from after frame files were read
+        self._pool: ThreadPoolExecutor | None = None  # kept between a mirror's pushes
         self.stats = _Counter()
 
     def push(self, *, take_over: bool = False) -> PushReport:
@@ -171,13 +183,16 @@ class Pusher:
             self._kept_seen = list(manifest["kept_from"])
             self._check_lineage(manifest)
             self._upload_named(manifest)
-        self._upload_meta()
+        self._upload_meta(manifest)
         self._upload_frames(manifest)
         deleted = self._publish(manifest)
         return PushReport(manifest["generation"], self.stats.objects, self.stats.bytes,
                           self.stats.skipped, deleted, time.monotonic() - start)
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         self.lease.release()
 
     # -- what the bucket holds ------------------------------------------------------------
@@ -222,11 +237,16 @@ class Pusher:
 
         self._put_all(((n, load(n)) for n in todo), md5=False)
 
-    def _upload_meta(self) -> None:
+    def _upload_meta(self, manifest: dict[str, Any]) -> None:
+        """The zarr metadata, and a "zstd-dict" store's dictionary once it has one (its
+        training rewrote frames/zarr.json, which then goes again)."""
         assert self._known is not None
-        for key in (ZARR_JSON, f"{FRAMES}/{ZARR_JSON}"):
-            if key not in self._known:
-                self._put_all([(key, read_small(self.root / key, key, 1 << 20))], md5=False)
+        keys = [k for k in (ZARR_JSON, f"{FRAMES}/{ZARR_JSON}") if k not in self._known]
+        if "dictionary" in manifest and DICT_FILE not in self._known:
+            read_dictionary(self.root, manifest["dictionary"])  # checked before it goes
+            keys = [ZARR_JSON, f"{FRAMES}/{ZARR_JSON}", DICT_FILE]
+        if keys:
+            self._put_all([(k, read_small(self.root / k, k, 1 << 20)) for k in keys], md5=False)
 
     def _upload_frames(self, manifest: dict[str, Any]) -> None:
         """Frame files whose md5 the bucket does not have, in rounds of `BATCH_BYTES`."""
@@ -285,8 +305,9 @@ class Pusher:
         def put(item: tuple[str, bytes]) -> None:
             self.objects.put(*item)
 
-        with ThreadPoolExecutor(self.concurrency) as pool:
-            list(pool.map(put, items))  # raises the first failure
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="mmreplay-push")
+        list(self._pool.map(put, items))  # raises the first failure
         for key, data in items:
             self._known[key] = md5_hex(data) if md5 else None
             self.stats.objects += 1
@@ -329,8 +350,6 @@ def raised_kept(manifest: dict[str, Any], kept_now: list[int]) -> list[int]:
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     """The sealed JSON `write_manifest` writes (through a scratch directory)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         write_manifest(Path(tmp), manifest, Path(tmp), durable=False)
         return (Path(tmp) / MANIFEST).read_bytes()
@@ -377,14 +396,70 @@ def pull(objects: Objects, dest: Path, *, frames: bool = True,
     raise AssertionError("unreachable")
 
 
+def working_copy(objects: Objects, local: Path, *, take_over: bool = False) -> None:
+    """Make `local` the working copy of the bucket store, for a writer that goes on
+    mirroring into the bucket: an absent or empty `local` gets the newest complete
+    generation (pulled into a sibling temp directory, then renamed, so an interrupted pull
+    leaves nothing behind); a `local` that already holds a store is kept, unless the bucket
+    holds a newer generation (another machine wrote there since), which is refused. A
+    prefix another writer holds is refused before anything is pulled (unless `take_over`;
+    the mirror then takes the lease)."""
+    if not take_over:
+        Lease(objects).check_free()
+    if (local / MANIFEST).exists():
+        if objects.head(MANIFEST) is None:
+            return  # an empty prefix: the first push fills it
+        bucket, mine = read_bucket_manifest(objects)["generation"], \
+            read_manifest(local)["generation"]
+        if bucket > mine:
+            raise StoreLockedError(
+                f"{objects.url} holds generation {bucket}, newer than the {mine} of {local}: "
+                f"another machine wrote there since; resume into an empty directory to bring "
+                f"the bucket's generation down")
+        return
+    if local.exists() and (not local.is_dir() or any(local.iterdir())):
+        raise InvalidStoreError(f"{local} holds files but no store; give an empty or new "
+                                f"directory for the working copy of {objects.url}")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{local.name}.", dir=local.parent))
+    try:
+        pull(objects, partial)
+        if local.exists():
+            local.rmdir()
+        os.rename(partial, local)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def _pull_once(objects: Objects, dest: Path, manifest: dict[str, Any], *, frames: bool,
                progress: Callable[[int], None] | None) -> dict[str, Any]:
     spec = parse_spec(manifest)
     (dest / FRAMES).mkdir(parents=True, exist_ok=True)
     (dest / TMP_DIR).mkdir(exist_ok=True)
     keys = [ZARR_JSON, f"{FRAMES}/{ZARR_JSON}", *manifest["files"]]
+    if "dictionary" in manifest:  # a "zstd-dict" store's dictionary (checked by the open)
+        keys.append(DICT_FILE)
     if frames:
         keys += [k for k in objects.list(FRAME_KEY_PREFIX)]
+    _fetch_all(objects, dest, manifest, keys, progress)
+    final = {**manifest, "kept_from": raised_kept(manifest, _kept_now(objects, manifest))}
+    write_manifest(dest, final, dest / TMP_DIR, durable=False)
+    check_store_files(dest, final, spec)
+    return final
+
+
+def pull_frames(objects: Objects, root: Path, manifest: dict[str, Any]) -> None:
+    """Every frame file of the bucket into `root`, pulled with ``frames=False`` from
+    `manifest`; `root`'s manifest then gives up the frames newer files overwrote."""
+    _fetch_all(objects, root, manifest, list(objects.list(FRAME_KEY_PREFIX)), None)
+    follow_bucket(objects, root)
+
+
+def _fetch_all(objects: Objects, dest: Path, manifest: dict[str, Any], keys: list[str],
+               progress: Callable[[int], None] | None) -> None:
+    """Download `keys` into `dest`, each checked: its size, the crc32 the manifest names,
+    a shard file's index."""
+    spec = parse_spec(manifest)
     limit = max(max_file_bytes(spec), MAX_MANIFEST_BYTES * 64)
 
     def fetch(key: str) -> int:
@@ -407,10 +482,6 @@ def _pull_once(objects: Objects, dest: Path, manifest: dict[str, Any], *, frames
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         list(pool.map(fetch, keys))
-    final = {**manifest, "kept_from": raised_kept(manifest, _kept_now(objects, manifest))}
-    write_manifest(dest, final, dest / TMP_DIR, durable=False)
-    check_store_files(dest, final, spec)
-    return final
 
 
 def _kept_now(objects: Objects, manifest: dict[str, Any]) -> list[int]:
