@@ -96,6 +96,7 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
+        self._seen = [math.inf, -math.inf]  # extremes of diff after admissions (see stats)
 
     # -- Reverb's constructors ----------------------------------------------------------
     @classmethod
@@ -156,6 +157,7 @@ class RateLimiter:
             if n > 0 and (self._closed or self._enabled and not self._can_insert()):
                 self._wait("insert", n, self._can_insert, timeout)
             self._inserts += n
+            self._note_diff()
             if self._waiters:
                 self._cond.notify_all()
 
@@ -165,6 +167,7 @@ class RateLimiter:
             if n > 0 and (self._closed or self._enabled and not self._can_sample()):
                 self._wait("sample", n, self._can_sample, timeout)
             self._samples += n
+            self._note_diff()
             if self._waiters:
                 self._cond.notify_all()
 
@@ -179,6 +182,13 @@ class RateLimiter:
         with self._cond:
             self._samples -= n
             self._wake()
+
+    def _note_diff(self) -> None:
+        """Under the lock, after an admission: widen the range of `diff` seen while limiting
+        and past min size (what "the error stayed in its band at every moment" checks)."""
+        if self._enabled and self._inserts >= self.min_size_to_sample:
+            diff = self._diff()
+            self._seen[0], self._seen[1] = min(self._seen[0], diff), max(self._seen[1], diff)
 
     def _diff(self) -> float:
         return self._inserts * self.samples_per_insert - self._samples - self._offset
@@ -308,8 +318,17 @@ class RateLimiter:
                 self._rebase()
 
     def stats(self) -> dict[str, Any]:
-        """`state` with what a person reads added (see `summary`)."""
-        return summary(self.state())
+        """`state` with what a person reads added (see `summary`), and the lowest and highest
+        error after any admission while limiting past min size (`error_low`, `error_high`;
+        None before; not committed, they cover this process's run)."""
+        with self._cond:
+            low, high = self._seen
+        out = summary(self.state())
+        offset = self.samples_per_insert * self.min_size_to_sample
+        seen = low <= high
+        out["error_low"] = low - offset if seen else None
+        out["error_high"] = high - offset if seen else None
+        return out
 
     def check_valid(self) -> None:
         """Internal invariants (tests call it after operations)."""

@@ -7,10 +7,16 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    batch) and the learner ~10x faster than the actors (each env step "takes" `env_ms`).
    After `min_size` steps: the achieved samples per insert over the run, and Reverb's
    error at every learner batch (min / max, against the band).
-2. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
-   blocks (`RateLimiter.min_size(1)`), alternated round by round in one run.
+2. The same two cases through Ray (`--sections ray`, module `bench_rate_limit_ray`): an
+   env actor sends `BlockWriter` blocks to the store actor, the learner draws
+   `RemoteBatches` from it; the limiter lives in the store actor and records the lowest and
+   highest error after every admission (`error_low`, `error_high`).
+3. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
+   blocks (`RateLimiter.min_size(1)`), on one store whose limiter is switched on and off
+   chunk by chunk (alternated, so the machine's drift falls on both).
 
-    python scripts/bench_rate_limit.py            # ~1.5 minutes
+    python scripts/bench_rate_limit.py                      # ~3 minutes, every section
+    python scripts/bench_rate_limit.py --sections overhead  # one section; the others are kept
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import tempfile
 import threading
 import time
@@ -48,8 +53,12 @@ class Args:
     """half width of the band around the target (Reverb's error_buffer)"""
     seconds: float = 15.0
     """length of each ratio case after min size"""
-    rounds: int = 9
-    """overhead rounds (each: without, then with the limiter)"""
+    rounds: int = 40
+    """overhead rounds (each: a chunk without, then one with the limiter, order alternated)"""
+    block_steps: int = 8
+    """steps per block of the Ray env actor"""
+    sections: str = "threads,ray,overhead"
+    """sections to run; the others keep their figures from `out`"""
     out: str = "data/bench/rate_limit.json"
     """where the figures go"""
 
@@ -134,23 +143,32 @@ def natural_rates(args: Args, root: Path) -> dict[str, float]:
 
 
 def overhead(args: Args, root: Path) -> dict[str, Any]:
-    """add steps/s and sample batches/s, without and with a never-blocking limiter."""
-    pool, rows = frames(256), {"without": [], "with": []}  # type: ignore[var-annotated]
+    """add steps/s and sample batches/s, without and with a never-blocking limiter, on one
+    store: chunks alternate between no limiter and `RateLimiter.min_size(1)` (which goes
+    first alternates too); the figure is the ratio of summed times."""
+    pool = frames(256)
+    store = make_store(root / "o", None)
+    adds_per_chunk, batches_per_chunk = 2000, 100
+    adds_per_s(store, pool, adds_per_chunk)  # warm up (and enough steps to sample)
+    add_t = {"without": 0.0, "with": 0.0}
+    sample_t = {"without": 0.0, "with": 0.0}
     for r in range(args.rounds):
-        for name in ("without", "with"):
-            limiter = RateLimiter.min_size(1) if name == "with" else None
-            store = make_store(root / f"o{r}{name}", limiter)
-            rows[name].append((adds_per_s(store, pool, 4000),
-                               batches_per_s(store, args.batch_size, 300)))
-            store.close()
+        order = ("without", "with") if r % 2 == 0 else ("with", "without")
+        for name in order:
+            store.set_rate_limiter(RateLimiter.min_size(1) if name == "with" else None)
+            add_t[name] += adds_per_chunk / adds_per_s(store, pool, adds_per_chunk)
+            sample_t[name] += batches_per_chunk / batches_per_s(store, args.batch_size,
+                                                               batches_per_chunk)
+    store.close()
     out: dict[str, Any] = {}
-    for name, values in rows.items():
-        out[f"ingest_steps_per_s_{name}"] = statistics.median(v[0] for v in values)
-        out[f"learner_batches_per_s_{name}"] = statistics.median(v[1] for v in values)
+    for name in ("without", "with"):
+        out[f"ingest_steps_per_s_{name}"] = args.rounds * adds_per_chunk / add_t[name]
+        out[f"learner_batches_per_s_{name}"] = args.rounds * batches_per_chunk / sample_t[name]
     out["ingest_overhead"] = 1 - out["ingest_steps_per_s_with"] / out["ingest_steps_per_s_without"]
     out["learner_overhead"] = 1 - (out["learner_batches_per_s_with"]
                                    / out["learner_batches_per_s_without"])
     out["rounds"] = args.rounds
+    out["adds_per_chunk"], out["batches_per_chunk"] = adds_per_chunk, batches_per_chunk
     out.update(call_costs(args, out))
     return out
 
@@ -175,26 +193,41 @@ def parse() -> Args:
     return Args(**vars(parser.parse_args()))
 
 
-def main() -> None:
-    args = parse()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+def run_sections(args: Args, root: Path, result: dict[str, Any]) -> None:
+    """The sections asked for, into `result` (the others stay as they were)."""
+    sections = set(args.sections.split(","))
+    if "threads" in sections:
         rates = natural_rates(args, root / "rates")
         # actors ~10x faster: the learner's batches cost what makes it 10x slower
         need = rates["env_steps_per_s"] * args.samples_per_insert / 10  # learner samples/s
         learner_ms = 1000 * args.batch_size / need
-        fast_actors = ratio_case(args, root / "a", env_ms=0.0, learner_ms=learner_ms)
+        result["natural_rates"] = rates
+        result["actors_10x_faster"] = ratio_case(args, root / "a", env_ms=0.0,
+                                                 learner_ms=learner_ms)
         # learner ~10x faster: each env step costs what makes the env 10x too slow
         env_rate = rates["learner_samples_per_s"] / args.samples_per_insert / 10
-        fast_learner = ratio_case(args, root / "b", env_ms=1000 / env_rate, learner_ms=0.0)
-        cost = overhead(args, root / "o")
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "note": "2 cores shared with other work: figures drift"},
-              "args": asdict(args), "natural_rates": rates,
-              "actors_10x_faster": fast_actors, "learner_10x_faster": fast_learner,
-              "never_blocking_overhead": cost}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        result["learner_10x_faster"] = ratio_case(args, root / "b", env_ms=1000 / env_rate,
+                                                  learner_ms=0.0)
+    if "ray" in sections:
+        from bench_rate_limit_ray import ray_section  # Ray only when asked for
+
+        result["ray"] = ray_section(args, root / "ray")
+    if "overhead" in sections:
+        result["never_blocking_overhead"] = overhead(args, root / "o")
+
+
+def main() -> None:
+    args = parse()
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_sections(args, Path(tmp), result)
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "load_average": os.getloadavg(),
+                         "note": "2 cores shared with other work: figures drift"}
+    result["args"] = asdict(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 
