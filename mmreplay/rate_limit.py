@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,7 +96,9 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
-        self._seen = [math.inf, -math.inf]  # extremes of diff after admissions (see stats)
+        # the lowest and highest diff after any admission while limiting past min size
+        # (what "the error stayed in its band at every moment" checks; see stats)
+        self._low, self._high = math.inf, -math.inf
 
     # -- Reverb's constructors ----------------------------------------------------------
     @classmethod
@@ -157,7 +159,12 @@ class RateLimiter:
             if n > 0 and (self._closed or self._enabled and not self._can_insert()):
                 self._wait("insert", n, self._can_insert, timeout)
             self._inserts += n
-            self._note_diff()
+            if self._enabled and self._inserts >= self.min_size_to_sample:
+                diff = self._diff()  # inserts raise diff: a new highest (or a first) value
+                if diff > self._high:
+                    self._high = diff
+                if diff < self._low:
+                    self._low = diff
             if self._waiters:
                 self._cond.notify_all()
 
@@ -167,7 +174,12 @@ class RateLimiter:
             if n > 0 and (self._closed or self._enabled and not self._can_sample()):
                 self._wait("sample", n, self._can_sample, timeout)
             self._samples += n
-            self._note_diff()
+            if self._enabled and self._inserts >= self.min_size_to_sample:
+                diff = self._diff()
+                if diff < self._low:
+                    self._low = diff
+                if diff > self._high:
+                    self._high = diff
             if self._waiters:
                 self._cond.notify_all()
 
@@ -182,13 +194,6 @@ class RateLimiter:
         with self._cond:
             self._samples -= n
             self._wake()
-
-    def _note_diff(self) -> None:
-        """Under the lock, after an admission: widen the range of `diff` seen while limiting
-        and past min size (what "the error stayed in its band at every moment" checks)."""
-        if self._enabled and self._inserts >= self.min_size_to_sample:
-            diff = self._diff()
-            self._seen[0], self._seen[1] = min(self._seen[0], diff), max(self._seen[1], diff)
 
     def _diff(self) -> float:
         return self._inserts * self.samples_per_insert - self._samples - self._offset
@@ -322,7 +327,7 @@ class RateLimiter:
         error after any admission while limiting past min size (`error_low`, `error_high`;
         None before; not committed, they cover this process's run)."""
         with self._cond:
-            low, high = self._seen
+            low, high = self._low, self._high
         out = summary(self.state())
         offset = self.samples_per_insert * self.min_size_to_sample
         seen = low <= high
@@ -397,15 +402,15 @@ class LimiterSlot:
         """Wait for `n` inserts, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            return contextlib.nullcontext()
-        return _admitted(limiter.await_insert, limiter.cancel_insert, n)
+            return _NOTHING
+        return _Admitted(limiter.await_insert, limiter.cancel_insert, n)
 
     def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
         """Wait for `n` samples, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            return contextlib.nullcontext()
-        return _admitted(limiter.await_sample, limiter.cancel_sample, n)
+            return _NOTHING
+        return _Admitted(limiter.await_sample, limiter.cancel_sample, n)
 
     def close(self) -> None:
         """Close the held limiter, waking its waiters."""
@@ -413,13 +418,23 @@ class LimiterSlot:
             self.limiter.close()
 
 
-@contextlib.contextmanager
-def _admitted(wait: Callable[[int], None], cancel: Callable[[int], None],
-              n: int) -> Iterator[None]:
-    """`wait(n)`, then the body; `cancel(n)` if the body raises (it was never counted)."""
-    wait(n)
-    try:
-        yield
-    except BaseException:
-        cancel(n)
-        raise
+class _Admitted:
+    """`wait(n)` on entering; `cancel(n)` if the body raises (it was never counted). A
+    plain class, not a generator context manager: this is on every `add` and `sample`."""
+
+    __slots__ = ("cancel", "n", "wait")
+
+    def __init__(self, wait: Callable[[int], None], cancel: Callable[[int], None],
+                 n: int) -> None:
+        self.wait, self.cancel, self.n = wait, cancel, n
+
+    def __enter__(self) -> None:
+        self.wait(self.n)
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if kind is not None:
+            self.cancel(self.n)
+        return False
+
+
+_NOTHING = contextlib.nullcontext()  # stateless: one for every call without a limiter

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import tempfile
 import threading
 import time
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay import ReplayStore
-from mmreplay.rate_limit import RateLimiter
+from mmreplay.rate_limit import LimiterSlot, RateLimiter
 
 OBS = (84, 84)
 
@@ -142,48 +143,63 @@ def natural_rates(args: Args, root: Path) -> dict[str, float]:
     return {"env_steps_per_s": env, "learner_samples_per_s": learner}
 
 
+ARMS = ("without", "with", "without_again")  # the last one: the noise floor (A/A)
+
+
 def overhead(args: Args, root: Path) -> dict[str, Any]:
-    """add steps/s and sample batches/s, without and with a never-blocking limiter, on one
-    store: chunks alternate between no limiter and `RateLimiter.min_size(1)` (which goes
-    first alternates too); the figure is the ratio of summed times."""
-    pool = frames(256)
+    """add steps/s and sample batches/s without and with a never-blocking limiter
+    (`RateLimiter.min_size(1)`) on one store whose limiter is switched chunk by chunk, the
+    arms in a seeded random order per round. A third arm repeats "without": its distance
+    to the first is the noise floor. Medians of per-chunk times (a shared machine stalls
+    a chunk now and then, for seconds). Samples are timed on the filled store with no adds
+    in between, so every chunk draws from the same store."""
+    pool, rng = frames(256), np.random.default_rng(0)
     store = make_store(root / "o", None)
-    adds_per_chunk, batches_per_chunk = 2000, 100
-    adds_per_s(store, pool, adds_per_chunk)  # warm up (and enough steps to sample)
-    add_t = {"without": 0.0, "with": 0.0}
-    sample_t = {"without": 0.0, "with": 0.0}
-    for r in range(args.rounds):
-        order = ("without", "with") if r % 2 == 0 else ("with", "without")
-        for name in order:
-            store.set_rate_limiter(RateLimiter.min_size(1) if name == "with" else None)
-            add_t[name] += adds_per_chunk / adds_per_s(store, pool, adds_per_chunk)
-            sample_t[name] += batches_per_chunk / batches_per_s(store, args.batch_size,
-                                                               batches_per_chunk)
+    limiter = RateLimiter.min_size(1)
+    adds_per_chunk, batches_per_chunk = 173, 10  # 173: prime, unaligned with frame chunks
+    adds_per_s(store, pool, 3000)  # warm up (and enough steps to sample)
+    chunks: dict[tuple[str, str], list[float]] = {}
+    for what, count in (("add", adds_per_chunk), ("sample", batches_per_chunk)):
+        for _ in range(args.rounds):
+            for name in rng.permutation(ARMS):
+                store.set_rate_limiter(limiter if name == "with" else None)
+                rate = adds_per_s(store, pool, count) if what == "add" else \
+                    batches_per_s(store, args.batch_size, count)
+                chunks.setdefault((what, str(name)), []).append(rate)
     store.close()
-    out: dict[str, Any] = {}
-    for name in ("without", "with"):
-        out[f"ingest_steps_per_s_{name}"] = args.rounds * adds_per_chunk / add_t[name]
-        out[f"learner_batches_per_s_{name}"] = args.rounds * batches_per_chunk / sample_t[name]
-    out["ingest_overhead"] = 1 - out["ingest_steps_per_s_with"] / out["ingest_steps_per_s_without"]
-    out["learner_overhead"] = 1 - (out["learner_batches_per_s_with"]
-                                   / out["learner_batches_per_s_without"])
-    out["rounds"] = args.rounds
-    out["adds_per_chunk"], out["batches_per_chunk"] = adds_per_chunk, batches_per_chunk
+    out: dict[str, Any] = {"rounds": args.rounds, "adds_per_chunk": adds_per_chunk,
+                           "batches_per_chunk": batches_per_chunk}
+    for what, key, unit in (("add", "ingest", "steps"), ("sample", "learner", "batches")):
+        rate = {name: statistics.median(chunks[what, name]) for name in ARMS}
+        for name in ARMS:
+            out[f"{key}_{unit}_per_s_{name}"] = rate[name]
+        out[f"{key}_overhead"] = 1 - rate["with"] / rate["without"]
+        out[f"{key}_noise_floor"] = 1 - rate["without_again"] / rate["without"]
     out.update(call_costs(args, out))
     return out
 
 
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
-    """The limiter's own cost per call when it admits at once, against the time of one
-    `add` and one `sample` (steadier than the rates above on a shared machine)."""
-    lim = RateLimiter.min_size(1)
-    lim.await_insert(1)
-    calls = 200_000
-    insert_s = timeit.timeit(lambda: lim.await_insert(1), number=calls) / calls
-    sample_s = timeit.timeit(lambda: lim.await_sample(args.batch_size), number=calls) / calls
-    return {"await_insert_us": insert_s * 1e6, "await_sample_us": sample_s * 1e6,
-            "await_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
-            "await_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
+    """What the store's admission path (`LimiterSlot`) costs per call with a limiter that
+    admits at once, less what it costs without one (best of 15 repeats: steadier than the
+    rates above on a shared machine), against the time of one `add` and one `sample`."""
+    with_limiter, without = LimiterSlot(), LimiterSlot()
+    with_limiter.limiter = RateLimiter.min_size(1)
+    with_limiter.limiter.await_insert(1)
+
+    def cost(slot: LimiterSlot, kind: str, n: int) -> float:
+        def call() -> None:
+            with getattr(slot, kind)(n):
+                pass
+        calls = 50_000
+        return min(timeit.repeat(call, number=calls, repeat=15)) / calls
+
+    insert_s = cost(with_limiter, "inserting", 1) - cost(without, "inserting", 1)
+    sample_s = cost(with_limiter, "sampling", args.batch_size) - cost(without, "sampling",
+                                                                      args.batch_size)
+    return {"admit_insert_us": insert_s * 1e6, "admit_sample_us": sample_s * 1e6,
+            "admit_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
+            "admit_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
 
 
 def parse() -> Args:
