@@ -6,7 +6,8 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    Two cases: actors ~10x faster than the learner (the learner "trains" `learner_ms` per
    batch) and the learner ~10x faster than the actors (each env step "takes" `env_ms`).
    After `min_size` steps: the achieved samples per insert over the run, and Reverb's
-   error at every learner batch (min / max, against the band).
+   error at every learner batch (`error_min` / `error_max`) and after every admission
+   (`error_low` / `error_high`, from `RateLimiter.stats`), against the band.
 2. The same two cases through Ray (`--sections ray`, module `bench_rate_limit_ray`): an
    env actor sends `BlockWriter` blocks to the store actor, the learner draws
    `RemoteBatches` from it; the limiter lives in the store actor and records the lowest and
@@ -102,7 +103,7 @@ def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> d
             errors.append(lim.stats()["error"])
             if learner_ms:
                 time.sleep(learner_ms / 1000)
-        end = lim.state()
+        end, end_stats = lim.state(), lim.stats()
         stop.set()
         lim.disable()  # let the env thread see `stop`
         thread.join(timeout=30)
@@ -114,6 +115,7 @@ def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> d
             "target": args.samples_per_insert, "achieved": achieved,
             "relative_error": achieved / args.samples_per_insert - 1,
             "error_min": min(errors), "error_max": max(errors),
+            "error_low": end_stats["error_low"], "error_high": end_stats["error_high"],
             "band": [-args.error_buffer, args.error_buffer],
             "insert_wait_s": end["insert_wait_s"], "sample_wait_s": end["sample_wait_s"]}
 
