@@ -155,12 +155,15 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        with self._lock:  # the fast path (admitted at once) takes no Condition call
-            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
+        with self._lock:  # the fast path (admitted at once): no Condition, no method call
+            spi, inserts = self.samples_per_insert, self._inserts
+            if n > 0 and (self._closed or self._enabled and not (  # not self._can_insert()
+                    inserts + 1 <= self.min_size_to_sample
+                    or inserts * spi - self._samples - self._offset + spi <= self.max_diff)):
                 self._wait("insert", n, self._can_insert, timeout)
-            self._inserts += n
-            if self._enabled and self._inserts >= self.min_size_to_sample:
-                diff = self._diff()  # inserts raise diff: a new highest (or a first) value
+            inserts = self._inserts = self._inserts + n
+            if self._enabled and inserts >= self.min_size_to_sample:
+                diff = inserts * spi - self._samples - self._offset  # self._diff()
                 if diff > self._high:
                     self._high = diff
                 if diff < self._low:
@@ -170,12 +173,16 @@ class RateLimiter:
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
-        with self._lock:
-            if n > 0 and (self._closed or self._enabled and not self._can_sample()):
+        with self._lock:  # as await_insert, with self._can_sample() written out
+            inserts, spi = self._inserts, self.samples_per_insert
+            if n > 0 and (self._closed or self._enabled and not (
+                    inserts >= self.min_size_to_sample
+                    and inserts * spi - self._samples - self._offset - 1 >= self.min_diff)):
                 self._wait("sample", n, self._can_sample, timeout)
-            self._samples += n
-            if self._enabled and self._inserts >= self.min_size_to_sample:
-                diff = self._diff()
+            samples = self._samples = self._samples + n
+            inserts = self._inserts
+            if self._enabled and inserts >= self.min_size_to_sample:
+                diff = inserts * spi - samples - self._offset
                 if diff < self._low:
                     self._low = diff
                 if diff > self._high:
