@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -96,6 +96,9 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
+        # the lowest and highest diff after any admission while limiting past min size
+        # (what "the error stayed in its band at every moment" checks; see stats)
+        self._low, self._high = math.inf, -math.inf
 
     # -- Reverb's constructors ----------------------------------------------------------
     @classmethod
@@ -152,19 +155,38 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        with self._lock:  # the fast path (admitted at once) takes no Condition call
-            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
+        with self._lock:  # the fast path (admitted at once): no Condition, no method call
+            spi, inserts = self.samples_per_insert, self._inserts
+            if n > 0 and (self._closed or self._enabled and not (  # not self._can_insert()
+                    inserts + 1 <= self.min_size_to_sample
+                    or inserts * spi - self._samples - self._offset + spi <= self.max_diff)):
                 self._wait("insert", n, self._can_insert, timeout)
-            self._inserts += n
+            inserts = self._inserts = self._inserts + n
+            if self._enabled and inserts >= self.min_size_to_sample:
+                diff = inserts * spi - self._samples - self._offset  # self._diff()
+                if diff > self._high:
+                    self._high = diff
+                if diff < self._low:
+                    self._low = diff
             if self._waiters:
                 self._cond.notify_all()
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
-        with self._lock:
-            if n > 0 and (self._closed or self._enabled and not self._can_sample()):
+        with self._lock:  # as await_insert, with self._can_sample() written out
+            inserts, spi = self._inserts, self.samples_per_insert
+            if n > 0 and (self._closed or self._enabled and not (
+                    inserts >= self.min_size_to_sample
+                    and inserts * spi - self._samples - self._offset - 1 >= self.min_diff)):
                 self._wait("sample", n, self._can_sample, timeout)
-            self._samples += n
+            samples = self._samples = self._samples + n
+            inserts = self._inserts
+            if self._enabled and inserts >= self.min_size_to_sample:
+                diff = inserts * spi - samples - self._offset
+                if diff < self._low:
+                    self._low = diff
+                if diff > self._high:
+                    self._high = diff
             if self._waiters:
                 self._cond.notify_all()
 
@@ -308,8 +330,17 @@ class RateLimiter:
                 self._rebase()
 
     def stats(self) -> dict[str, Any]:
-        """`state` with what a person reads added (see `summary`)."""
-        return summary(self.state())
+        """`state` with what a person reads added (see `summary`), and the lowest and highest
+        error after any admission while limiting past min size (`error_low`, `error_high`;
+        None before; not committed, they cover this process's run)."""
+        with self._cond:
+            low, high = self._low, self._high
+        out = summary(self.state())
+        offset = self.samples_per_insert * self.min_size_to_sample
+        seen = low <= high
+        out["error_low"] = low - offset if seen else None
+        out["error_high"] = high - offset if seen else None
+        return out
 
     def check_valid(self) -> None:
         """Internal invariants (tests call it after operations)."""
@@ -378,15 +409,15 @@ class LimiterSlot:
         """Wait for `n` inserts, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            return contextlib.nullcontext()
-        return _admitted(limiter.await_insert, limiter.cancel_insert, n)
+            return _NOTHING
+        return _Admitted(limiter.await_insert, limiter.cancel_insert, n)
 
     def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
         """Wait for `n` samples, then run the body (count given back if it raises)."""
         limiter = self.limiter
         if limiter is None:
-            return contextlib.nullcontext()
-        return _admitted(limiter.await_sample, limiter.cancel_sample, n)
+            return _NOTHING
+        return _Admitted(limiter.await_sample, limiter.cancel_sample, n)
 
     def close(self) -> None:
         """Close the held limiter, waking its waiters."""
@@ -394,13 +425,23 @@ class LimiterSlot:
             self.limiter.close()
 
 
-@contextlib.contextmanager
-def _admitted(wait: Callable[[int], None], cancel: Callable[[int], None],
-              n: int) -> Iterator[None]:
-    """`wait(n)`, then the body; `cancel(n)` if the body raises (it was never counted)."""
-    wait(n)
-    try:
-        yield
-    except BaseException:
-        cancel(n)
-        raise
+class _Admitted:
+    """`wait(n)` on entering; `cancel(n)` if the body raises (it was never counted). A
+    plain class, not a generator context manager: this is on every `add` and `sample`."""
+
+    __slots__ = ("cancel", "n", "wait")
+
+    def __init__(self, wait: Callable[[int], None], cancel: Callable[[int], None],
+                 n: int) -> None:
+        self.wait, self.cancel, self.n = wait, cancel, n
+
+    def __enter__(self) -> None:
+        self.wait(self.n)
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+        if kind is not None:
+            self.cancel(self.n)
+        return False
+
+
+_NOTHING = contextlib.nullcontext()  # stateless: one for every call without a limiter

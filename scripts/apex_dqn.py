@@ -148,7 +148,8 @@ def apex_epsilon(i: int, n: int) -> float:
 class EnvActor:
     """Steps a vector env with a fixed epsilon and writes every step through a BlockWriter."""
 
-    def __init__(self, args: Args, index: int, store: Any, env_ids: list[int]) -> None:
+    def __init__(self, args: Args, index: int, store: Any, env_ids: list[int],
+                 start_step: int = 0) -> None:
         torch.set_num_threads(args.torch_threads)
         self.args, self.epsilon = args, apex_epsilon(index, args.num_actors)
         self.atari = is_atari(args.env)
@@ -159,7 +160,9 @@ class EnvActor:
         k = 4 if self.atari else 1
         self.num_actions = int(self.envs.single_action_space.n)
         self.q = QNetwork((k, *space.shape), self.num_actions)
-        self.rng = np.random.default_rng([args.seed, index, int(time.time())])
+        # seeded by the run's seed, the actor and the step it starts at (a resumed run
+        # explores on from there instead of repeating its first steps)
+        self.rng = np.random.default_rng([args.seed, index, start_step])
         self.writer = BlockWriter(store, env_ids, block_steps=args.block_steps,
                                   max_in_flight=args.max_in_flight, compress=args.compress,
                                   insert_timeout_s=600.0)  # a rate limiter waits for the learner
@@ -319,7 +322,8 @@ class Feeder:
         remote_actor = ray.remote(num_cpus=args.actor_cpus)(EnvActor)
         self.actors = [remote_actor.remote(args, i, run.store,
                                            list(range(i * args.envs_per_actor,
-                                                      (i + 1) * args.envs_per_actor)))
+                                                      (i + 1) * args.envs_per_actor)),
+                                           run.global_step)
                        for i in range(args.num_actors)]
         self.run, self.running = run, {}
         self.acked: dict[Any, int] = {}

@@ -6,11 +6,18 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    Two cases: actors ~10x faster than the learner (the learner "trains" `learner_ms` per
    batch) and the learner ~10x faster than the actors (each env step "takes" `env_ms`).
    After `min_size` steps: the achieved samples per insert over the run, and Reverb's
-   error at every learner batch (min / max, against the band).
-2. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
-   blocks (`RateLimiter.min_size(1)`), alternated round by round in one run.
+   error at every learner batch (`error_min` / `error_max`) and after every admission
+   (`error_low` / `error_high`, from `RateLimiter.stats`), against the band.
+2. The same two cases through Ray (`--sections ray`, module `bench_rate_limit_ray`): an
+   env actor sends `BlockWriter` blocks to the store actor, the learner draws
+   `RemoteBatches` from it; the limiter lives in the store actor and records the lowest and
+   highest error after every admission (`error_low`, `error_high`).
+3. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
+   blocks (`RateLimiter.min_size(1)`), on one store whose limiter is switched on and off
+   chunk by chunk (alternated, so the machine's drift falls on both).
 
-    python scripts/bench_rate_limit.py            # ~1.5 minutes
+    python scripts/bench_rate_limit.py                      # ~3 minutes, every section
+    python scripts/bench_rate_limit.py --sections overhead  # one section; the others are kept
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay import ReplayStore
-from mmreplay.rate_limit import RateLimiter
+from mmreplay.rate_limit import LimiterSlot, RateLimiter
 
 OBS = (84, 84)
 
@@ -48,8 +55,12 @@ class Args:
     """half width of the band around the target (Reverb's error_buffer)"""
     seconds: float = 15.0
     """length of each ratio case after min size"""
-    rounds: int = 9
-    """overhead rounds (each: without, then with the limiter)"""
+    rounds: int = 40
+    """overhead rounds (each: a chunk without, then one with the limiter, order alternated)"""
+    block_steps: int = 8
+    """steps per block of the Ray env actor"""
+    sections: str = "threads,ray,overhead"
+    """sections to run; the others keep their figures from `out`"""
     out: str = "data/bench/rate_limit.json"
     """where the figures go"""
 
@@ -92,7 +103,7 @@ def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> d
             errors.append(lim.stats()["error"])
             if learner_ms:
                 time.sleep(learner_ms / 1000)
-        end = lim.state()
+        end, end_stats = lim.state(), lim.stats()
         stop.set()
         lim.disable()  # let the env thread see `stop`
         thread.join(timeout=30)
@@ -104,6 +115,7 @@ def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> d
             "target": args.samples_per_insert, "achieved": achieved,
             "relative_error": achieved / args.samples_per_insert - 1,
             "error_min": min(errors), "error_max": max(errors),
+            "error_low": end_stats["error_low"], "error_high": end_stats["error_high"],
             "band": [-args.error_buffer, args.error_buffer],
             "insert_wait_s": end["insert_wait_s"], "sample_wait_s": end["sample_wait_s"]}
 
@@ -133,39 +145,63 @@ def natural_rates(args: Args, root: Path) -> dict[str, float]:
     return {"env_steps_per_s": env, "learner_samples_per_s": learner}
 
 
+ARMS = ("without", "with", "without_again")  # the last one: the noise floor (A/A)
+
+
 def overhead(args: Args, root: Path) -> dict[str, Any]:
-    """add steps/s and sample batches/s, without and with a never-blocking limiter."""
-    pool, rows = frames(256), {"without": [], "with": []}  # type: ignore[var-annotated]
-    for r in range(args.rounds):
-        for name in ("without", "with"):
-            limiter = RateLimiter.min_size(1) if name == "with" else None
-            store = make_store(root / f"o{r}{name}", limiter)
-            rows[name].append((adds_per_s(store, pool, 4000),
-                               batches_per_s(store, args.batch_size, 300)))
-            store.close()
-    out: dict[str, Any] = {}
-    for name, values in rows.items():
-        out[f"ingest_steps_per_s_{name}"] = statistics.median(v[0] for v in values)
-        out[f"learner_batches_per_s_{name}"] = statistics.median(v[1] for v in values)
-    out["ingest_overhead"] = 1 - out["ingest_steps_per_s_with"] / out["ingest_steps_per_s_without"]
-    out["learner_overhead"] = 1 - (out["learner_batches_per_s_with"]
-                                   / out["learner_batches_per_s_without"])
-    out["rounds"] = args.rounds
+    """add steps/s and sample batches/s without and with a never-blocking limiter
+    (`RateLimiter.min_size(1)`) on one store whose limiter is switched chunk by chunk, the
+    arms in a seeded random order per round. A third arm repeats "without": its distance
+    to the first is the noise floor. Medians of per-chunk times (a shared machine stalls
+    a chunk now and then, for seconds). Samples are timed on the filled store with no adds
+    in between, so every chunk draws from the same store."""
+    pool, rng = frames(256), np.random.default_rng(0)
+    store = make_store(root / "o", None)
+    limiter = RateLimiter.min_size(1)
+    adds_per_chunk, batches_per_chunk = 173, 10  # 173: prime, unaligned with frame chunks
+    adds_per_s(store, pool, 3000)  # warm up (and enough steps to sample)
+    chunks: dict[tuple[str, str], list[float]] = {}
+    for what, count in (("add", adds_per_chunk), ("sample", batches_per_chunk)):
+        for _ in range(args.rounds):
+            for name in rng.permutation(ARMS):
+                store.set_rate_limiter(limiter if name == "with" else None)
+                rate = adds_per_s(store, pool, count) if what == "add" else \
+                    batches_per_s(store, args.batch_size, count)
+                chunks.setdefault((what, str(name)), []).append(rate)
+    store.close()
+    out: dict[str, Any] = {"rounds": args.rounds, "adds_per_chunk": adds_per_chunk,
+                           "batches_per_chunk": batches_per_chunk}
+    for what, key, unit in (("add", "ingest", "steps"), ("sample", "learner", "batches")):
+        rate = {name: statistics.median(chunks[what, name]) for name in ARMS}
+        for name in ARMS:
+            out[f"{key}_{unit}_per_s_{name}"] = rate[name]
+        out[f"{key}_overhead"] = 1 - rate["with"] / rate["without"]
+        out[f"{key}_noise_floor"] = 1 - rate["without_again"] / rate["without"]
     out.update(call_costs(args, out))
     return out
 
 
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
-    """The limiter's own cost per call when it admits at once, against the time of one
-    `add` and one `sample` (steadier than the rates above on a shared machine)."""
-    lim = RateLimiter.min_size(1)
-    lim.await_insert(1)
-    calls = 200_000
-    insert_s = timeit.timeit(lambda: lim.await_insert(1), number=calls) / calls
-    sample_s = timeit.timeit(lambda: lim.await_sample(args.batch_size), number=calls) / calls
-    return {"await_insert_us": insert_s * 1e6, "await_sample_us": sample_s * 1e6,
-            "await_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
-            "await_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
+    """What the store's admission path (`LimiterSlot`) costs per call with a limiter that
+    admits at once, less what it costs without one (best of 15 repeats: steadier than the
+    rates above on a shared machine), against the time of one `add` and one `sample`."""
+    with_limiter, without = LimiterSlot(), LimiterSlot()
+    with_limiter.limiter = RateLimiter.min_size(1)
+    with_limiter.limiter.await_insert(1)
+
+    def cost(slot: LimiterSlot, kind: str, n: int) -> float:
+        def call() -> None:
+            with getattr(slot, kind)(n):
+                pass
+        calls = 50_000
+        return min(timeit.repeat(call, number=calls, repeat=15)) / calls
+
+    insert_s = cost(with_limiter, "inserting", 1) - cost(without, "inserting", 1)
+    sample_s = cost(with_limiter, "sampling", args.batch_size) - cost(without, "sampling",
+                                                                      args.batch_size)
+    return {"admit_insert_us": insert_s * 1e6, "admit_sample_us": sample_s * 1e6,
+            "admit_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
+            "admit_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
 
 
 def parse() -> Args:
@@ -175,26 +211,41 @@ def parse() -> Args:
     return Args(**vars(parser.parse_args()))
 
 
-def main() -> None:
-    args = parse()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+def run_sections(args: Args, root: Path, result: dict[str, Any]) -> None:
+    """The sections asked for, into `result` (the others stay as they were)."""
+    sections = set(args.sections.split(","))
+    if "threads" in sections:
         rates = natural_rates(args, root / "rates")
         # actors ~10x faster: the learner's batches cost what makes it 10x slower
         need = rates["env_steps_per_s"] * args.samples_per_insert / 10  # learner samples/s
         learner_ms = 1000 * args.batch_size / need
-        fast_actors = ratio_case(args, root / "a", env_ms=0.0, learner_ms=learner_ms)
+        result["natural_rates"] = rates
+        result["actors_10x_faster"] = ratio_case(args, root / "a", env_ms=0.0,
+                                                 learner_ms=learner_ms)
         # learner ~10x faster: each env step costs what makes the env 10x too slow
         env_rate = rates["learner_samples_per_s"] / args.samples_per_insert / 10
-        fast_learner = ratio_case(args, root / "b", env_ms=1000 / env_rate, learner_ms=0.0)
-        cost = overhead(args, root / "o")
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "note": "2 cores shared with other work: figures drift"},
-              "args": asdict(args), "natural_rates": rates,
-              "actors_10x_faster": fast_actors, "learner_10x_faster": fast_learner,
-              "never_blocking_overhead": cost}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        result["learner_10x_faster"] = ratio_case(args, root / "b", env_ms=1000 / env_rate,
+                                                  learner_ms=0.0)
+    if "ray" in sections:
+        from bench_rate_limit_ray import ray_section  # Ray only when asked for
+
+        result["ray"] = ray_section(args, root / "ray")
+    if "overhead" in sections:
+        result["never_blocking_overhead"] = overhead(args, root / "o")
+
+
+def main() -> None:
+    args = parse()
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_sections(args, Path(tmp), result)
+    result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                         "load_average": os.getloadavg(),
+                         "note": "2 cores shared with other work: figures drift"}
+    result["args"] = asdict(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 

@@ -62,6 +62,8 @@ class Args:
     """rounds of every ingest measurement (interleaved; the best round of each is kept)"""
     seed: int = 0
     """seed of the recording and the stores"""
+    ingest_only: bool = False
+    """measure ingest only (no learner section)"""
     out: str = "data/bench/ray.json"
     """where the figures go (JSON)"""
 
@@ -111,13 +113,15 @@ class Feeder:
 
     def run(self) -> dict[str, float]:
         r, w = self.rows, self.writer
+        cpu = time.process_time()
         w.reset(r["frames"][0])
         for t in range(1, r["reward"].shape[0]):
             w.add(r["action"][t], r["reward"][t], r["frames"][t], r["terminated"][t],
                   r["truncated"][t], r["autoreset"][t])
         w.drain()
         return {"steps": w.stats.steps_acked, "bytes": w.stats.bytes_sent,
-                "blocks": w.stats.blocks_sent, "wait_s": w.stats.wait_s}
+                "blocks": w.stats.blocks_sent, "wait_s": w.stats.wait_s,
+                "cpu_s": time.process_time() - cpu}
 
 
 def ingest_ray(path: Path, rows_ref: Any, args: Args, actors: int,
@@ -130,10 +134,12 @@ def ingest_ray(path: Path, rows_ref: Any, args: Args, actors: int,
                              max(1, args.block_steps // per), args.max_in_flight, compress)
                for i in range(actors)]
     ray.get([f.__ray_ready__.remote() for f in feeders])
+    before = ray.get(store.take_times.remote())
     start = time.perf_counter()
     reports = ray.get([f.run.remote() for f in feeders])
     ray.get(store.flush.remote())
     seconds = time.perf_counter() - start
+    after = ray.get(store.take_times.remote())
     counts = ray.get(store.counts.remote())
     ray.get(store.close.remote())
     for f in [*feeders, store]:
@@ -145,7 +151,27 @@ def ingest_ray(path: Path, rows_ref: Any, args: Args, actors: int,
             "bytes_per_step": sum(r["bytes"] for r in reports) / steps,
             "block_steps": max(1, args.block_steps // per) * per, "block_bytes":
             sum(r["bytes"] for r in reports) / blocks,
-            "writer_wait_share": sum(r["wait_s"] for r in reports) / actors / seconds}
+            "writer_wait_share": sum(r["wait_s"] for r in reports) / actors / seconds,
+            "profile": store_profile(before, after, reports, seconds, steps)}
+
+
+def store_profile(before: dict[str, float], after: dict[str, float],
+                  reports: list[dict[str, float]], seconds: float,
+                  steps: int) -> dict[str, float]:
+    """The store actor's share of an ingest run: its writer thread's time in checking
+    (lz4 decoding included), applying and flushing blocks, per step and as a share of the
+    wall time; the CPU seconds of the store process and of the writers against the
+    `seconds` x cores the machine had."""
+    d = {k: after[k] - before[k] for k in after}
+    busy = d["check_s"] + d["apply_s"] + d["flush_s"]
+    writers_cpu = sum(r["cpu_s"] for r in reports)
+    return {"store_busy_share": busy / seconds,
+            "check_us_per_step": 1e6 * d["check_s"] / steps,
+            "apply_us_per_step": 1e6 * d["apply_s"] / steps,
+            "flush_us_per_step": 1e6 * d["flush_s"] / steps,
+            "store_cpu_share": d["process_cpu_s"] / seconds,
+            "writers_cpu_share": writers_cpu / seconds,
+            "cores_busy": (d["process_cpu_s"] + writers_cpu) / seconds}
 
 
 def ingest_rounds(tmp: Path, rows: dict[str, np.ndarray], rows_ref: Any,
@@ -271,10 +297,13 @@ def main() -> None:
                   f"{r['steps_per_s']:,.0f} steps/s ({r['share_of_in_process']:.0%}), "
                   f"block {r['block_steps']} steps / {r['block_bytes'] / 1024:,.0f} KiB, "
                   f"{r['bytes_per_step']:,.0f} B/step, writers blocked "
-                  f"{r['writer_wait_share']:.0%}")
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            results["learner"].append(learner_rows(tmp / "local", batch, False, args))
-        results["learner"].append(learner_rows(tmp / "local", 32, True, args))
+                  f"{r['writer_wait_share']:.0%}; store busy "
+                  f"{r['profile']['store_busy_share']:.0%}, cores busy "
+                  f"{r['profile']['cores_busy']:.2f}")
+        if not args.ingest_only:
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                results["learner"].append(learner_rows(tmp / "local", batch, False, args))
+            results["learner"].append(learner_rows(tmp / "local", 32, True, args))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         ray.shutdown()

@@ -79,6 +79,21 @@ def test_a_call_is_admitted_when_its_first_item_fits() -> None:
     assert lim.state()["samples"] == 32
 
 
+def test_stats_hold_the_error_range_seen_after_every_admission() -> None:
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 4, 2.0)  # band [2, 6], error in [-2, 2]
+    lim.await_insert(3)
+    assert lim.stats()["error_low"] is None  # below min size nothing is recorded
+    lim.await_insert(3)  # diff 6: error +2
+    lim.await_sample(5, timeout=0)  # diff 1: error -3, one batch past the lower edge
+    lim.await_insert(1)  # diff 2
+    stats = lim.stats()
+    assert (stats["error_low"], stats["error_high"]) == (-3.0, 2.0)
+    lim.disable()
+    lim.await_sample(50)  # not limiting: not recorded
+    assert (lim.stats()["error_low"], lim.stats()["error_high"]) == (-3.0, 2.0)
+    assert "error_low" not in lim.state()  # not committed: it covers this process's run
+
+
 def test_min_size_and_queue() -> None:
     lim = RateLimiter.min_size(3)
     for _ in range(3):

@@ -112,6 +112,10 @@ def test_ingest_equals_an_in_process_store(tmp_path: Path) -> None:
         assert writer.stats.steps_acked == writer.stats.steps_sent > 200
         assert writer.stats.blocks_failed == 0
     ray.get(actor.flush.remote())
+    times = ray.get(actor.take_times.remote())  # the ingest profile counts every block
+    assert times["blocks"] == sum(w.stats.blocks_sent for w in writers)
+    assert min(times["check_s"], times["apply_s"], times["flush_s"]) > 0
+    assert times["limiter_wait_s"] == 0 and times["process_cpu_s"] > 0
     local = ReplayStore.create(tmp_path / "local", **create_args())
     for _, block in sorted(taken, key=lambda x: x[0]):
         frames = block.frame_array()
@@ -333,6 +337,8 @@ def test_rate_limited_writers_and_learner_through_the_actor(tmp_path: Path) -> N
     assert not errors, errors
     stats = ray.get(actor.rate_limiter_stats.remote())
     assert -64 - 16 * 3 <= stats["error"] <= 64 + 8 * 4 * 2, stats
+    # at every admission: past the band by less than one call (a batch, a block of 8 x 4)
+    assert -64 - 15 <= stats["error_low"] <= stats["error_high"] <= 64 + 31 * 2, stats
     assert stats["insert_wait_s"] > 0 and stats["sample_wait_s"] > 0
     batches.close()
     ray.get(actor.flush.remote())

@@ -17,6 +17,7 @@ restart are kept. Only this module imports Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -144,6 +145,12 @@ class StoreActor:
     def flushed(self) -> tuple[str, int]:
         """(incarnation, seq): every block of this process up to `seq` is committed."""
         return self.incarnation, self.taker.flushed_seq
+
+    @ray.method(concurrency_group="stats")
+    def take_times(self) -> dict[str, float]:
+        """A profile of ingest: where the block writer thread's time went (`TakerTimes`)
+        and the CPU seconds of this whole process (Ray's own threads included)."""
+        return {**dataclasses.asdict(self.taker.times), "process_cpu_s": time.process_time()}
 
     @ray.method(concurrency_group="stats")
     def rate_limiter_stats(self) -> dict[str, Any] | None:
