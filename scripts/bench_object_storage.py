@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 from ale_frames import AleFrames, record_frames
-from bench import build_parser, machine_info, write_json
+from benchlib.harness import machine_info, write_json
+from common import build_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
