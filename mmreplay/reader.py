@@ -25,7 +25,7 @@ import numpy as np
 from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import Draw, Sampler
-from mmreplay.storage.frame_store import FrameStore
+from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
 from mmreplay.torch_batch import Batch, make_batch
 
@@ -126,7 +126,7 @@ class Reader:
         with the frame chunks the read will need (fetched meanwhile, without the lock)."""
         draw = self.draw(rng, size, beta)
         look = self.ring.lookup(draw.slots)
-        chunks = self.frames.disk_chunks(np.stack([look.obs_slots, look.next_obs_slots]))
+        chunks = disk_chunks(self.frames, np.stack([look.obs_slots, look.next_obs_slots]))
         return Planned(draw.slots, draw.weights, chunks)
 
     def assemble(self, planned: Planned, rng: np.random.Generator, size: int,

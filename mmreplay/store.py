@@ -280,12 +280,10 @@ class ReplayStore(BucketMethods):
                 beta: float = 0.4) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
-        A background thread keeps `prefetch` batches ready, so decoding overlaps
-        the learner's work. Set ``it.beta`` to anneal. Draws happen when the
-        thread makes them, so with concurrent ``add`` calls the exact sequence
-        depends on timing (use plain ``sample`` where bit-exact replays matter).
-        A store read from a bucket keeps `prefetch` batches in flight besides, their
-        chunks fetched at once; they are still drawn and delivered in order.
+        A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
+        fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
+        happen in order when the thread makes them, so with concurrent ``add`` calls the
+        sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
