@@ -71,6 +71,7 @@ class RemoteChunks:
         self._book = threading.Lock()  # guards _index, _held and the counters
         self.bytes_fetched = 0  # chunks and shard indexes
         self.chunk_bytes = 0  # chunks only: what the reads needed
+        self.index_bytes = 0  # shard indexes only (once per shard, on its first use)
         self.requests = 0
 
     @property
@@ -255,6 +256,7 @@ class RemoteChunks:
             os.pwrite(f.fileno(), tail, info.size - len(tail))
         with self._book:
             self._index[shard] = (index, info.etag)
+            self.index_bytes += len(tail)
         self._count(shard, len(tail))
 
     def _follow(self) -> None:
