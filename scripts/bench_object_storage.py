@@ -402,8 +402,9 @@ def main() -> None:
         server.start()
         os.environ.update(server.env())
         try:
-            if {"read", "cuts"} & set(phases) and "push" not in phases:
-                phases.insert(0, "push")  # they read the store the push phase builds
+            implied = {"read", "cuts"} & set(phases) and "push" not in phases
+            if implied:  # they read the store the push phase builds (its figures not kept)
+                phases.insert(0, "push")
             for name, run in (("mirror", lambda: mirror_figures(server, rec, tmp, args)),
                               ("push", lambda: push_figures(server, rec, tmp / "big", args)),
                               ("read", lambda: read_figures(server, tmp / "big", tmp, args)),
@@ -412,8 +413,10 @@ def main() -> None:
                 if name not in phases:
                     continue
                 t0 = time.perf_counter()
-                result[name] = {**run(), "args": asdict(args)}
-                print(f"{name} ({time.perf_counter() - t0:.0f} s): {result[name]}", flush=True)
+                figures = {**run(), "args": asdict(args)}
+                print(f"{name} ({time.perf_counter() - t0:.0f} s): {figures}", flush=True)
+                if not (implied and name == "push"):
+                    result[name] = figures
         finally:
             server.stop()
     print(f"wrote {write_json(result, Path(args.out_dir), 'object_storage.json')}")

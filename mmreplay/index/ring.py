@@ -367,8 +367,7 @@ class StepRing:
         alive, complete = ok.copy(), np.zeros_like(ok)
         last = self.written[env] - 1
         for j in range(self.spec.n_step):
-            u = t + j
-            us = u % self.slots_per_env
+            u, us = t + j, (t + j) % self.slots_per_env
             alive &= (u < last) & steps["has_step"][env, us] & (steps["episode"][env, us]
                                                                  == episode)
             done = alive & (steps["terminated"][env, us] | steps["truncated"][env, us])
