@@ -69,6 +69,7 @@ class RemoteChunks:
         self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
         self._cond = threading.Condition()  # guards _have, _inflight, eviction
         self._book = threading.Lock()  # guards _index, _held and the counters
+        self._following = threading.Lock()  # serializes `after_fetch`
         self.bytes_fetched = 0  # chunks and shard indexes
         self.chunk_bytes = 0  # chunks only: what the reads needed
         self.index_bytes = 0  # shard indexes only (once per shard, on its first use)
@@ -261,7 +262,8 @@ class RemoteChunks:
 
     def _follow(self) -> None:
         if self._after_fetch is not None:
-            self._after_fetch()
+            with self._following:  # one at a time: a slower one must not write an older
+                self._after_fetch()  # manifest over a newer one
 
     def _path(self, shard: Shard) -> Path:
         return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
