@@ -4,14 +4,28 @@
 store's ``sample``, which takes the store's lock) and keeps up to `prefetch`
 batches ready in a queue. Decoding chunks and building tensors then overlaps
 the learner's forward/backward pass, which releases the GIL inside torch.
-It knows nothing of frames, rings or samplers.
+
+`BatchPipeline` is the same iterator for a store whose frames arrive over a network (a
+bucket): a batch is drawn, fetched and assembled in three steps, and up to `prefetch`
+batches are between the first and the last at once, so their round trips overlap::
+
+    draw      (store's lock, in order, on the store's RNG)   b1  b2  b3 ...
+    fetch     (no lock, concurrently)                          b1..b3 in flight
+    assemble  (store's lock, in draw order)                  b1      b2  b3 ...
+
+Draws happen in order on one RNG and batches come out in that order, so without a
+writer the sequence equals that of plain ``sample`` calls. Neither knows frames, rings
+or samplers.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from mmreplay.errors import InvalidInputError
 from mmreplay.torch_batch import Batch
@@ -35,6 +49,7 @@ class BatchPrefetcher(Iterator[Batch]):
         self.beta = beta
         self._sample = sample
         self._batch_size = batch_size
+        self._prefetch = prefetch
         self._queue: queue.Queue[object] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         # more than one worker only pays where `sample` waits outside the store's lock (a
@@ -50,14 +65,18 @@ class BatchPrefetcher(Iterator[Batch]):
                 item: object = self._sample(self._batch_size, self.beta)
             except BaseException as exc:  # handed to the consumer, then stop
                 item = exc
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.05)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
+            if not self._put(item) or isinstance(item, BaseException):
                 return
+
+    def _put(self, item: object) -> bool:
+        """Queue `item` for the consumer; False once closed."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __next__(self) -> Batch:
         if self._stop.is_set():
@@ -85,3 +104,50 @@ class BatchPrefetcher(Iterator[Batch]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BatchPipeline(BatchPrefetcher):
+    """`BatchPrefetcher` with up to `prefetch` batches fetched at once (see the module doc).
+
+    ``draw(batch_size, beta)`` returns a plan (under the store's lock), ``fetch(plan)``
+    brings its frames near (no lock; several at once), ``assemble(plan, batch_size,
+    beta)`` makes the batch (under the lock). Up to `prefetch` plans are in flight and up
+    to `prefetch` finished batches wait in the queue.
+    """
+
+    def __init__(self, draw: Callable[[int, float], Any], fetch: Callable[[Any], None],
+                 assemble: Callable[[Any, int, float], Batch], batch_size: int, *,
+                 prefetch: int = 2, beta: float = 0.4) -> None:
+        self._draw, self._fetch, self._assemble = draw, fetch, assemble
+        self._fetchers = ThreadPoolExecutor(max(1, prefetch) if isinstance(prefetch, int)
+                                            else 1, thread_name_prefix="mmreplay-pipeline")
+        try:
+            super().__init__(self._unused, batch_size, prefetch=prefetch, beta=beta)
+        except BaseException:
+            self._fetchers.shutdown(wait=False)
+            raise
+
+    def _unused(self, batch_size: int, beta: float) -> Batch:
+        raise AssertionError("a pipeline draws, fetches and assembles instead")
+
+    def _run(self) -> None:
+        flight: deque[tuple[Any, float, Future[None]]] = deque()
+        try:
+            while not self._stop.is_set():
+                while len(flight) < self._prefetch:  # keep `prefetch` batches in flight
+                    beta = self.beta
+                    plan = self._draw(self._batch_size, beta)
+                    flight.append((plan, beta, self._fetchers.submit(self._fetch, plan)))
+                plan, beta, fetched = flight.popleft()
+                fetched.result()  # a fetch that failed for good raises here
+                if not self._put(self._assemble(plan, self._batch_size, beta)):
+                    return
+        except BaseException as exc:  # handed to the consumer, then stop
+            self._put(exc)
+        finally:
+            self._fetchers.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Stop the thread, drop batches not yet taken, cancel fetches not started."""
+        super().close()
+        self._fetchers.shutdown(wait=False, cancel_futures=True)  # the store's close waits

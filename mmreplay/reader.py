@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,13 +24,22 @@ import numpy as np
 
 from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
 from mmreplay.index.ring import StepRing
-from mmreplay.index.samplers import Sampler
-from mmreplay.storage.frame_store import FrameStore
+from mmreplay.index.samplers import Draw, Sampler
+from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
 from mmreplay.torch_batch import Batch, make_batch
 
 READER_RETRIES = 5
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A batch drawn ahead of its read (`Reader.plan`)."""
+
+    slots: np.ndarray  # flat slots drawn
+    weights: np.ndarray  # importance weights of the draw
+    chunks: np.ndarray  # keys of the frame chunks on disk its read decodes
 
 
 class Reader:
@@ -98,15 +108,33 @@ class Reader:
     def sample(self, rng: np.random.Generator, size: int, beta: float) -> Batch:
         """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
         def attempt() -> Batch | None:
-            self.refresh()
-            if self.sampler.count() == 0:
-                raise EmptyStoreError(
-                    "cannot sample: the store holds no sampleable transition yet")
-            draw = self.sampler.sample(rng, size, beta)
+            draw = self.draw(rng, size, beta)
             batch = self.batch(draw.slots, draw.weights)
             return batch if self.still_valid(draw.slots) else None
 
         return self.consistent(attempt)
+
+    def draw(self, rng: np.random.Generator, size: int, beta: float) -> Draw:
+        """The sampler's draw of `size` slots, after a refresh."""
+        self.refresh()
+        if self.sampler.count() == 0:
+            raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
+        return self.sampler.sample(rng, size, beta)
+
+    def plan(self, rng: np.random.Generator, size: int, beta: float) -> Planned:
+        """Draw a batch now, read its frames later (`assemble`): what `sample` draws next,
+        with the frame chunks the read will need (fetched meanwhile, without the lock)."""
+        draw = self.draw(rng, size, beta)
+        look = self.ring.lookup(draw.slots)
+        chunks = disk_chunks(self.frames, np.stack([look.obs_slots, look.next_obs_slots]))
+        return Planned(draw.slots, draw.weights, chunks)
+
+    def assemble(self, planned: Planned, rng: np.random.Generator, size: int,
+                 beta: float) -> Batch:
+        """The batch `planned` drew; drawn again (`sample`) if a writer gave up any of its
+        transitions since."""
+        batch = self.batch(planned.slots, planned.weights)
+        return batch if self.still_valid(planned.slots) else self.sample(rng, size, beta)
 
     def get(self, wanted: np.ndarray) -> Batch:
         """The sampleable transitions with these ids (see `ReplayStore.get`)."""

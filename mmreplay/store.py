@@ -41,10 +41,10 @@ from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
-from mmreplay.prefetch import BatchPrefetcher
+from mmreplay.prefetch import BatchPipeline, BatchPrefetcher
 from mmreplay.priorities import Priorities
 from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
-from mmreplay.reader import Reader
+from mmreplay.reader import Planned, Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
@@ -282,14 +282,15 @@ class ReplayStore(BucketMethods):
                 beta: float = 0.4) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
-        A background thread keeps `prefetch` batches ready, so decoding overlaps
-        the learner's work. Set ``it.beta`` to anneal. Draws happen when the
-        thread makes them, so with concurrent ``add`` calls the exact sequence
-        depends on timing (use plain ``sample`` where bit-exact replays matter).
+        A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
+        fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
+        happen in order when the thread makes them, so with concurrent ``add`` calls the
+        sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
         """
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
-        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
+        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta) \
+            if self.remote is None else _pipeline(self, batch_size, prefetch, beta)
         self._prefetchers.add(it)
         return it
 
@@ -520,6 +521,26 @@ def _close(store: ReplayStore) -> None:
             store._closed = True
             lock_fd, store._lock_fd = store._lock_fd, None
             _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
+
+
+def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -> BatchPipeline:
+    """`batches` of a store read from a bucket: up to `prefetch` batches' chunks fetched at
+    once, drawn and assembled in order under the lock (`BatchPipeline`)."""
+    remote = store.remote
+    assert remote is not None
+
+    def draw(size: int, b: float) -> Planned:
+        with store._lock:
+            _refuse_closed(store, "batches")
+            return store._reader.plan(store._rng, size, b)
+
+    def assemble(planned: Planned, size: int, b: float) -> Batch:
+        with store._lock:
+            _refuse_closed(store, "batches")
+            return store._reader.assemble(planned, store._rng, size, b)
+
+    return BatchPipeline(draw, lambda planned: remote.prefetch(planned.chunks), assemble,
+                         batch_size, prefetch=prefetch, beta=beta)
 
 
 def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:

@@ -3,6 +3,7 @@
     python scripts/bench_object_storage.py                      # 1M frames (~10 min)
     python scripts/bench_object_storage.py --frames 200000      # smaller
     python scripts/bench_object_storage.py --frames 20000 --add-steps 5000 --kills 2  # smoke
+    python scripts/bench_object_storage.py --only read,cuts     # the read side (~5 min)
 
 Figures (issue 20's targets; read by people, never asserted):
 
@@ -10,11 +11,14 @@ Figures (issue 20's targets; read by people, never asserted):
    store without a mirror (one run, rounds alternated), the mirror's lag in generations,
    and the CPU seconds of the training thread with and without the mirror.
 2. A `--frames` store pushed whole, then `--new-steps` more steps pushed: bytes uploaded.
-3. The store opened from the bucket: open + first batch; bytes fetched per batch with an
-   empty cache (on the wire, through a counting proxy) against the compressed chunks the
-   batch touches; warm-cache `sample(32)` against the same store on local disk; learner
-   wait in `batches(32, prefetch=8)` with `--rtt-ms` injected round trip.
-4. `--kills` server kills (SIGKILL) mid-push: generations lost, frames wrong.
+3. The store opened from the bucket: open + first batch, next to a local open; bytes
+   fetched per batch with an empty cache (on the wire, through a counting proxy) against
+   the compressed chunks the batch touches; warm-cache `sample(32)` against the same store
+   on local disk; learner wait in `batches(32, prefetch=8)` with `--rtt-ms` injected round
+   trip, next to the one-thread prefetcher and plain `sample`, per `--learner-step-ms`.
+4. `--cuts` reads with their connections cut mid-transfer: reads cut, failed after the
+   retries, wrong frames; the error once the server is gone for good.
+5. `--kills` server kills (SIGKILL) mid-push: generations lost, frames wrong.
 
 Frames are real Atari frames (`ale_frames`, Breakout, random policy) cycled. Writes
 `object_storage.json` under `--out-dir`.
@@ -42,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
+from mmreplay.errors import ObjectStoreError  # noqa: E402
+from mmreplay.prefetch import BatchPrefetcher  # noqa: E402
 
 
 @dataclass
@@ -66,10 +72,15 @@ class Args:
     """timed batches per latency figure"""
     rtt_ms: float = 30.0
     """round trip injected by the proxy for the prefetch figure"""
+    learner_step_ms: str = "5,100"
+    """learner steps (ms, comma-separated) of the learner-wait figure"""
+    cuts: int = 20
+    """reads from the bucket with their connections cut mid-transfer"""
     kills: int = 20
     """server kills mid-push (each restart of weed takes ~18 s)"""
-    only: str = "mirror,push,read,kills"
-    """phases to run (read needs push); the others keep their figures in the JSON"""
+    only: str = "mirror,push,read,cuts,kills"
+    """phases to run (read and cuts push the store first); the others keep their figures
+    in the JSON"""
     out_dir: str = "data/bench"
     """directory of object_storage.json"""
 
@@ -179,36 +190,70 @@ def push_figures(server: S3Server, rec: AleFrames, path: Path, args: Args) -> di
 
 def read_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[str, Any]:
     url = server.url("big")
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    with ReplayStore.open(url, "r", cache_dir=tmp) as direct:
-        direct.sample(args.batch_size)
-        out["open_and_first_batch_s_direct"] = time.perf_counter() - t0
+    out: dict[str, Any] = {"loadavg_1m_at_start": os.getloadavg()[0]}
+    out.update(open_figures(url, path, tmp, args))
     counting = FaultProxy(server.ports[3])
     try:
-        t0 = time.perf_counter()
         remote = ReplayStore.open(url, "r", cache_dir=tmp, cache_bytes=8 << 30,
                                   storage_options=server.options(counting.endpoint))
         remote.sample(args.batch_size)
-        out["open_and_first_batch_s_through_proxy"] = time.perf_counter() - t0
-        ratios = []
-        for _ in range(20):  # cold batches: every chunk new (the store is large)
-            wire, chunks = counting.bytes_down, remote.remote.chunk_bytes
-            remote.sample(args.batch_size)
-            ratios.append((counting.bytes_down - wire) / max(1, remote.remote.chunk_bytes
-                                                             - chunks))
-        out["cold_wire_bytes_over_chunk_bytes_median"] = statistics.median(ratios)
+        out.update(cold_figures(remote, counting, args))
         out.update(warm_figures(remote, path, args))
         remote.close()
     finally:
         counting.close()
     out.update(latency_figures(server, url, tmp, args))
+    out["loadavg_1m_at_end"] = os.getloadavg()[0]
     return out
+
+
+def cold_figures(remote: ReplayStore, counting: FaultProxy, args: Args) -> dict[str, Any]:
+    """20 batches right after the open (every chunk new: the store is large): bytes on
+    the wire per batch against the compressed chunks it touched, with and without the
+    shard indexes first read by that batch (8 KB per shard, once each)."""
+    ratios, without, requests = [], [], []
+    chunks = remote.remote
+    assert chunks is not None
+    for _ in range(20):
+        wire, used, index, asked = (counting.bytes_down, chunks.chunk_bytes,
+                                    chunks.index_bytes, chunks.requests)
+        remote.sample(args.batch_size)
+        touched = max(1, chunks.chunk_bytes - used)
+        ratios.append((counting.bytes_down - wire) / touched)
+        without.append((counting.bytes_down - wire - (chunks.index_bytes - index)) / touched)
+        requests.append(chunks.requests - asked)
+    return {"cold_wire_bytes_over_chunk_bytes_median": statistics.median(ratios),
+            "cold_wire_bytes_less_index_reads_over_chunk_bytes_median":
+                statistics.median(without),
+            "cold_requests_per_batch_median": statistics.median(requests)}
+
+
+def open_figures(url: str, path: Path, tmp: Path, args: Args) -> dict[str, Any]:
+    """open + first batch from the bucket, next to the same store on local disk
+    (alternated, 3 rounds; kernels compiled first, so neither pays for that)."""
+    with ReplayStore.open(path, "r") as local:
+        local.sample(args.batch_size)  # numba's compiled kernels loaded once
+    times: dict[str, list[float]] = {"bucket": [], "local": []}
+    fetched: list[int] = []
+    for _ in range(3):
+        for name, where in (("bucket", url), ("local", str(path))):
+            t0 = time.perf_counter()
+            store = ReplayStore.open(where, "r", **({"cache_dir": tmp} if name == "bucket"
+                                                    else {}))
+            store.sample(args.batch_size)
+            times[name].append(time.perf_counter() - t0)
+            if store.remote is not None:
+                fetched.append(store.remote.bytes_fetched)
+            store.close()
+    return {"open_and_first_batch_s_direct": statistics.median(times["bucket"]),
+            "open_and_first_batch_s_local_disk": statistics.median(times["local"]),
+            "open_and_first_batch_rounds": times,
+            "first_batch_frame_bytes_fetched": statistics.median(fetched)}
 
 
 def warm_figures(remote: ReplayStore, path: Path, args: Args) -> dict[str, Any]:
     """sample(32) once every chunk is in the cache, next to the local store."""
-    ids = remote.valid_ids()
+    ids = remote.valid_ids()[::4]  # a transition reads frames t-3..t+1: every frame
     t0 = time.perf_counter()
     for part in np.array_split(ids, max(1, ids.size // 20_000)):
         remote.get(part)  # fetch every chunk
@@ -227,24 +272,106 @@ def warm_figures(remote: ReplayStore, path: Path, args: Args) -> dict[str, Any]:
 
 
 def latency_figures(server: S3Server, url: str, tmp: Path, args: Args) -> dict[str, Any]:
-    """Learner wait in batches(32, prefetch=8) with an injected round trip."""
+    """Learner wait with an injected round trip: `batches(32, prefetch=8)` (the pipeline),
+    the one-thread prefetcher it replaced, and plain `sample`, alternated; for each
+    learner step of `--learner-step-ms`. Each run opens the store afresh (a cold cache)."""
     slow = FaultProxy(server.ports[3], latency_s=args.rtt_ms / 1e3)
+    out: dict[str, Any] = {"rtt_ms": args.rtt_ms}
     try:
-        with ReplayStore.open(url, "r", cache_dir=tmp,
-                              storage_options=server.options(slow.endpoint)) as remote:
-            it = remote.batches(args.batch_size, prefetch=8)
-            waits = []
-            for k in range(args.reps + 16):
-                t = time.perf_counter()
-                next(it)
-                if k >= 16:  # the pipeline is full
-                    waits.append(time.perf_counter() - t)
-                time.sleep(0.005)  # the learner's step
-            it.close()
+        for step_ms in (float(x) for x in args.learner_step_ms.split(",")):
+            for kind in ("pipeline", "one_thread", "sample"):
+                with ReplayStore.open(url, "r", cache_dir=tmp,
+                                      storage_options=server.options(slow.endpoint)) as remote:
+                    out[f"step_{step_ms:g}ms_{kind}"] = learner_waits(remote, kind, step_ms,
+                                                                      args)
     finally:
         slow.close()
-    return {"rtt_ms": args.rtt_ms, "learner_wait_ms_median": statistics.median(waits) * 1e3,
-            "learner_wait_ms_p90": float(np.percentile(waits, 90)) * 1e3}
+    five = out.get("step_5ms_pipeline")
+    if five is not None:
+        out["learner_wait_ms_median"] = five["wait_ms_median"]
+        out["learner_wait_ms_p90"] = five["wait_ms_p90"]
+    return out
+
+
+def learner_waits(remote: ReplayStore, kind: str, step_ms: float,
+                  args: Args) -> dict[str, float]:
+    """A learner that takes a batch, then works `step_ms`: its waits once 16 batches
+    went by (the pipeline is full), the batches/s it got and the requests/s it caused."""
+    if kind == "pipeline":
+        it: Any = remote.batches(args.batch_size, prefetch=8)
+    elif kind == "one_thread":  # what batches() did before: one sample() at a time
+        it = BatchPrefetcher(remote.sample, args.batch_size, prefetch=8)
+    else:
+        it = None
+    waits = []
+    asked, t0 = remote.remote.requests, time.perf_counter()
+    for k in range(args.reps + 16):
+        t = time.perf_counter()
+        next(it) if it is not None else remote.sample(args.batch_size)
+        if k >= 16:
+            waits.append(time.perf_counter() - t)
+        time.sleep(step_ms / 1e3)  # the learner's step
+    seconds = time.perf_counter() - t0
+    if it is not None:
+        it.close()
+    return {"wait_ms_median": statistics.median(waits) * 1e3,
+            "wait_ms_p90": float(np.percentile(waits, 90)) * 1e3,
+            "batches_per_s": (args.reps + 16) / seconds,
+            "requests_per_s": (remote.remote.requests - asked) / seconds}
+
+
+def cut_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[str, Any]:
+    """`--cuts` reads from the bucket, each with its connections cut mid-transfer (the
+    proxy aborts every open connection once 16 KB more came down): frames compared with
+    the local store's; then a server gone for good."""
+    url = server.url("big")
+    proxy = FaultProxy(server.ports[3])
+    cut = wrong = errors = checked = 0
+    error_lines: list[str] = []
+    rng = np.random.default_rng(1)
+    try:
+        with ReplayStore.open(path, "r") as local, \
+                ReplayStore.open(url, "r", cache_dir=tmp,
+                                 storage_options=server.options(proxy.endpoint)) as remote:
+            ids = local.valid_ids()
+            for _ in range(args.cuts):
+                part = rng.choice(ids, args.batch_size)  # cold: new chunks each time
+                proxy.cut_after_down = proxy.bytes_down + (16 << 10)
+                try:
+                    got = remote.get(part)
+                except ObjectStoreError as exc:  # retried, then a clear error
+                    errors += 1
+                    error_lines.append(str(exc)[:200])
+                    continue
+                finally:
+                    cut += proxy.cut_after_down is None
+                    proxy.cut_after_down = None
+                want = local.get(part)
+                checked += part.size
+                wrong += int(((np.asarray(got.obs) != np.asarray(want.obs)).any(axis=(1, 2, 3))
+                              | (np.asarray(got.next_obs) != np.asarray(want.next_obs)).any(
+                                  axis=(1, 2, 3))).sum())
+            gone = dead_server_error(server, url, tmp)
+    finally:
+        proxy.close()
+    return {"reads": args.cuts, "reads_cut": cut, "reads_failed_after_retries": errors,
+            "transitions_checked": checked, "wrong_frames": wrong,
+            "failed_read_errors": error_lines[:3], "server_gone_error": gone}
+
+
+def dead_server_error(server: S3Server, url: str, tmp: Path) -> str:
+    """The error a read gives once the server is unreachable for good (after retries)."""
+    dead = FaultProxy(server.ports[3])
+    remote = ReplayStore.open(url, "r", cache_dir=tmp, storage_options=server.options(
+        dead.endpoint))
+    dead.close()
+    try:
+        remote.sample(64)
+        return "no error (wrong: the server is gone)"
+    except ObjectStoreError as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        remote.close()
 
 
 def kill_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> dict[str, Any]:
@@ -314,15 +441,21 @@ def main() -> None:
         server.start()
         os.environ.update(server.env())
         try:
+            implied = {"read", "cuts"} & set(phases) and "push" not in phases
+            if implied:  # they read the store the push phase builds (its figures not kept)
+                phases.insert(0, "push")
             for name, run in (("mirror", lambda: mirror_figures(server, rec, tmp, args)),
                               ("push", lambda: push_figures(server, rec, tmp / "big", args)),
                               ("read", lambda: read_figures(server, tmp / "big", tmp, args)),
+                              ("cuts", lambda: cut_figures(server, tmp / "big", tmp, args)),
                               ("kills", lambda: kill_figures(server, rec, tmp, args))):
                 if name not in phases:
                     continue
                 t0 = time.perf_counter()
-                result[name] = {**run(), "args": asdict(args)}
-                print(f"{name} ({time.perf_counter() - t0:.0f} s): {result[name]}", flush=True)
+                figures = {**run(), "args": asdict(args)}
+                print(f"{name} ({time.perf_counter() - t0:.0f} s): {figures}", flush=True)
+                if not (implied and name == "push"):
+                    result[name] = figures
         finally:
             server.stop()
     print(f"wrote {write_json(result, Path(args.out_dir), 'object_storage.json')}")

@@ -341,8 +341,9 @@ def test_hostile_truncated_frame_object(pushed: str, tmp_path: Path) -> None:
         pull(objects, tmp_path / "p")
     assert cli(["pull", pushed, str(tmp_path / "q")]) == 2
     assert not (tmp_path / "q").exists()
-    with pytest.raises(InvalidStoreError, match="index"):  # indexes are read at open
-        ReplayStore.open(pushed, "r", cache_dir=tmp_path)
+    with ReplayStore.open(pushed, "r", cache_dir=tmp_path) as remote, \
+            pytest.raises(InvalidStoreError, match="index"):  # read on the shard's first use
+        remote.get(remote.valid_ids())
 
 
 def test_hostile_manifest_names_missing_object(pushed: str, tmp_path: Path) -> None:

@@ -360,16 +360,17 @@ class StepRing:
 
     def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
-        cols = self.steps[env, t % self.slots_per_env]
-        lower = np.maximum(t - self.spec.frame_stack + 1, t - cols["pos"])
-        ok = cols["has_step"] & (lower >= self.oldest[env])
+        steps, slot = self.steps, t % self.slots_per_env  # one field at a time: a gather
+        episode = steps["episode"][env, slot]  # of whole records copies every column
+        lower = np.maximum(t - self.spec.frame_stack + 1, t - steps["pos"][env, slot])
+        ok = steps["has_step"][env, slot] & (lower >= self.oldest[env])
         alive, complete = ok.copy(), np.zeros_like(ok)
+        last = self.written[env] - 1
         for j in range(self.spec.n_step):
-            u = t + j
-            uc = self.steps[env, u % self.slots_per_env]
-            alive &= (u < self.written[env] - 1) & uc["has_step"] & (
-                uc["episode"] == cols["episode"])
-            done = alive & (uc["terminated"] | uc["truncated"])
+            u, us = t + j, (t + j) % self.slots_per_env
+            alive &= (u < last) & steps["has_step"][env, us] & (steps["episode"][env, us]
+                                                                 == episode)
+            done = alive & (steps["terminated"][env, us] | steps["truncated"][env, us])
             complete |= done
             alive &= ~done
         return ok & (complete | alive)

@@ -540,3 +540,18 @@ def _load_rows(fs: FrameStore, table: ChunkTable, keys: np.ndarray) -> None:
         rows = np.array(disk, np.int64)
         fs._decode(rows, rows, table.rows)
         table.mark(rows)
+
+
+def disk_chunks(frames: FrameStore, flat_slots: np.ndarray) -> np.ndarray:
+    """The keys (``env * num_chunks + chunk``) of the chunks on disk that
+    ``frames.read(flat_slots)`` would decode (not the RAM tails nor the zero frame), once
+    each: what a store read from a bucket fetches ahead."""
+    flat = np.asarray(flat_slots, dtype=np.int64).reshape(-1)
+    keys = np.empty(flat.size, np.int64)
+    rows_of = np.empty(flat.size, np.int64)
+    spec = frames.spec
+    count = compiled().chunk_plan(flat, spec.slots_per_env, spec.chunk_frames,
+                                 frames.num_chunks, frames.next_slot, frames.tail_fill, keys,
+                                 rows_of)
+    unique = keys[:count]
+    return unique[unique < spec.num_envs * frames.num_chunks]

@@ -4,9 +4,10 @@ A store read from object storage keeps, in its cache directory, a *sparse* copy 
 shard file it has touched: the file has the object's size, its index (the last bytes,
 fetched once) and exactly the chunks a read has needed, written at their offsets; the
 rest is holes. `ShardFiles` maps these files as it maps local ones and asks `ensure`
-first, so a batch fetches only the inner chunks it touches: every shard's index is read
-at open, then a batch costs one round trip (a ranged request per run of nearby chunks,
-all concurrently)::
+first, so a batch fetches only the inner chunks it touches. The open lists the frame
+objects (one request) and reads no index: a shard's index is read the first time a read
+touches that shard (one request, kept), then a batch costs one round trip (a ranged
+request per run of nearby chunks, all concurrently)::
 
     bucket  frames/c.0.3.0.0  [chunk 0][chunk 1]...[chunk 511][index|crc]
     cache   frames/c.0.3.0.0  [ hole  ][chunk 1]...[  hole   ][index|crc]
@@ -38,11 +39,11 @@ from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import max_chunk_bytes
 from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import MANIFEST, parse_spec
-from mmreplay.storage.objects import ObjectChangedError, Objects
+from mmreplay.storage.objects import ObjectChangedError, ObjectMissingError, Objects
 from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
 from mmreplay.storage.transfer import follow_bucket, pull, pull_frames
 
-CONCURRENCY = 32  # requests in flight
+CONCURRENCY = 64  # requests in flight (several prefetched batches share them)
 MAX_GAP = 16 << 10  # chunks of one shard this close are read in one request
 Shard = tuple[int, int]  # (env, shard)
 
@@ -59,16 +60,19 @@ class RemoteChunks:
         self._max_chunk = max_chunk_bytes(spec)
         self._have = np.zeros(spec.num_envs * spec.num_chunks, bool)
         self._index: dict[Shard, tuple[np.ndarray, str | None]] = {}  # index, etag
+        self._reading: dict[Shard, threading.Event] = {}  # indexes being read now
         self._held: OrderedDict[Shard, int] = OrderedDict()  # shard -> bytes fetched, LRU
-        self._listed = sorted(objects.list(f"{FRAMES}/c."))
+        self._listed = objects.list(f"{FRAMES}/c.")  # sizes checked at open (`check_listing`)
         self._after_fetch = after_fetch
         self._forget: Callable[[int, int], None] = lambda env, shard: None
         self._pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="mmreplay-fetch")
         self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
         self._cond = threading.Condition()  # guards _have, _inflight, eviction
         self._book = threading.Lock()  # guards _index, _held and the counters
+        self._following = threading.Lock()  # serializes `after_fetch`
         self.bytes_fetched = 0  # chunks and shard indexes
         self.chunk_bytes = 0  # chunks only: what the reads needed
+        self.index_bytes = 0  # shard indexes only (once per shard, on its first use)
         self.requests = 0
 
     @property
@@ -108,12 +112,19 @@ class RemoteChunks:
                     self._evict(self._shards(keys))
                 self._touch(keys)
 
-    def fetch_indexes(self) -> None:
-        """Read the index of every shard file in the bucket now (one request each,
-        concurrently), so a read's chunks then cost one round trip."""
-        shards = [_shard_of(k) for k in self._listed]
-        self._pool_map(self._fetch_index, [s for s in shards if s not in self._index])
-        self._follow()
+    def prefetch(self, keys: np.ndarray) -> None:
+        """`ensure` from a thread that does not hold the reader's lock (a prefetcher):
+        fetches what is missing, never unmaps or evicts."""
+        self.ensure(keys, reader_locked=False)
+
+    def check_listing(self) -> None:
+        """Refuse a bucket whose frame objects are larger than a shard file can be (from
+        the listing: no object is read)."""
+        limit = max_shard_bytes(self._k, self._max_chunk)
+        for key, info in sorted(self._listed.items()):
+            if info.size > limit:
+                raise InvalidStoreError(f"{self.objects.url}/{key} is {info.size} bytes, more "
+                                        f"than a frame file can be ({limit})")
 
     def _fetch(self, missing: np.ndarray, *, may_unmap: bool) -> None:
         env, chunk = np.divmod(missing, self._num_chunks)
@@ -133,14 +144,34 @@ class RemoteChunks:
 
     def _fetch_shards(self, want: dict[Shard, list[int]]) -> set[Shard]:
         """Fetch indexes, then chunk runs; returns the shards found changed."""
-        new = [shard for shard in want if shard not in self._index]
-        self._pool_map(self._fetch_index, new)
-        if new:
+        if self._read_indexes(list(want)):
             self._follow()  # a newer file may hold frames the bucket gave up since
         runs = [(shard, run) for shard, positions in want.items()
                 for run in self._runs(shard, sorted(positions))]
         results = self._pool_map(lambda item: self._fetch_run(*item), runs)
         return {shard for (shard, _), ok in zip(runs, results, strict=True) if not ok}
+
+    def _read_indexes(self, shards: list[Shard]) -> bool:
+        """Read the indexes of `shards` not read yet, each by one thread (the first to
+        ask; the others wait for it); True if this call read any."""
+        read = False
+        while True:
+            with self._book:
+                todo = [s for s in shards if s not in self._index and s not in self._reading]
+                waits = [self._reading[s] for s in shards if s in self._reading]
+                for shard in todo:
+                    self._reading[shard] = threading.Event()
+            if not todo and not waits:
+                return read
+            try:
+                self._pool_map(self._fetch_index, todo)
+            finally:
+                with self._book:
+                    for shard in todo:
+                        self._reading.pop(shard).set()
+            read = read or bool(todo)
+            for event in waits:  # if that read failed, the next round reads it here
+                event.wait()
 
     def _runs(self, shard: Shard, positions: list[int]) -> list[list[int]]:
         """Positions grouped so each group is one ranged request (gaps under MAX_GAP)."""
@@ -211,7 +242,10 @@ class RemoteChunks:
         """Read a shard's index (its last bytes, one request) and create its sparse file."""
         key, n = self.key(*shard), index_size(self._k)
         where = f"{self.objects.url}/{key}"
-        tail, info = self.objects.get_suffix(key, n)
+        try:
+            tail, info = self.objects.get_suffix(key, n)
+        except ObjectMissingError:
+            raise InvalidStoreError(f"frame file {where} is absent from the bucket") from None
         self.requests += 1
         limit = max_shard_bytes(self._k, self._max_chunk)
         if info.size > limit:
@@ -223,11 +257,13 @@ class RemoteChunks:
             os.pwrite(f.fileno(), tail, info.size - len(tail))
         with self._book:
             self._index[shard] = (index, info.etag)
+            self.index_bytes += len(tail)
         self._count(shard, len(tail))
 
     def _follow(self) -> None:
         if self._after_fetch is not None:
-            self._after_fetch()
+            with self._following:  # one at a time: a slower one must not write an older
+                self._after_fetch()  # manifest over a newer one
 
     def _path(self, shard: Shard) -> Path:
         return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
@@ -254,12 +290,6 @@ class RemoteChunks:
                 self._drop(shard)
 
 
-def _shard_of(key: str) -> Shard:
-    """(env, shard) of a frame key ``frames/c.<env>.<shard>.0...``."""
-    parts = key.split("/")[-1].split(".")
-    return int(parts[1]), int(parts[2])
-
-
 def _crc_ok(data: bytes) -> bool:
     """A chunk ends with the crc32c of the bytes before it (the codec's last step)."""
     return len(data) >= 5 and google_crc32c.value(data[:-4]) == struct.unpack(
@@ -275,7 +305,7 @@ def open_remote(objects: Objects, root: Path, *,
     fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups. A
     format-1 store (a file per chunk, no shard index to read ranges through) comes down
     whole instead, and there is no fetcher (None)."""
-    manifest = pull(objects, root, frames=False)
+    manifest = pull(objects, root, frames=False, check=False)  # the open checks it
     spec = parse_spec(manifest)
     if spec.shard_chunks == 1:
         pull_frames(objects, root, manifest)
@@ -284,7 +314,7 @@ def open_remote(objects: Objects, root: Path, *,
                           budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
                           else budget_bytes)
     try:
-        remote.fetch_indexes()
+        remote.check_listing()
     except BaseException:
         remote.close()
         raise

@@ -375,9 +375,10 @@ PULL_RETRIES = 8
 
 
 def pull(objects: Objects, dest: Path, *, frames: bool = True,
-         progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+         progress: Callable[[int], None] | None = None, check: bool = True) -> dict[str, Any]:
     """Download the bucket's newest complete generation into `dest` (which must not exist
-    or be empty) and check it as an open would; returns its manifest.
+    or be empty) and check it as an open would (``check=False``: the caller opens it next,
+    which checks it); returns its manifest.
 
     A push racing the pull can delete step files of the manifest read first: then the pull
     starts again from the new manifest. Frame files newer than the manifest only hold
@@ -388,7 +389,8 @@ def pull(objects: Objects, dest: Path, *, frames: bool = True,
     for attempt in range(PULL_RETRIES):
         manifest = read_bucket_manifest(objects)
         try:
-            return _pull_once(objects, dest, manifest, frames=frames, progress=progress)
+            return _pull_once(objects, dest, manifest, frames=frames, progress=progress,
+                              check=check)
         except ObjectMissingError:
             if attempt + 1 == PULL_RETRIES or read_bucket_manifest(objects) == manifest:
                 raise InvalidStoreError(
@@ -432,7 +434,7 @@ def working_copy(objects: Objects, local: Path, *, take_over: bool = False) -> N
 
 
 def _pull_once(objects: Objects, dest: Path, manifest: dict[str, Any], *, frames: bool,
-               progress: Callable[[int], None] | None) -> dict[str, Any]:
+               progress: Callable[[int], None] | None, check: bool) -> dict[str, Any]:
     spec = parse_spec(manifest)
     (dest / FRAMES).mkdir(parents=True, exist_ok=True)
     (dest / TMP_DIR).mkdir(exist_ok=True)
@@ -444,7 +446,8 @@ def _pull_once(objects: Objects, dest: Path, manifest: dict[str, Any], *, frames
     _fetch_all(objects, dest, manifest, keys, progress)
     final = {**manifest, "kept_from": raised_kept(manifest, _kept_now(objects, manifest))}
     write_manifest(dest, final, dest / TMP_DIR, durable=False)
-    check_store_files(dest, final, spec)
+    if check:
+        check_store_files(dest, final, spec)
     return final
 
 
