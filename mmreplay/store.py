@@ -167,9 +167,8 @@ class ReplayStore(BucketMethods):
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
         then takes and every batch returns (e.g. a recurrent state, a log-probability).
         `mirror` (a URL) pushes every flush there in the background, with `storage_options`
-        (credentials, endpoint) where the AWS variables do not say (docs/object-storage.md).
-        `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
-        (bytes), or trains one from the first chunks (docs/compression.md).
+        where the AWS variables do not say (docs/object-storage.md). `rate_limiter`: see
+        `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=`` (docs/compression.md).
         """
         dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
