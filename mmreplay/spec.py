@@ -21,7 +21,7 @@ STACK_PADDINGS = ("zero", "first")
 # per store (docs/compression.md has the measurements).
 CODECS = ("lz4", "zstd", "zstd-dict")
 # codec: (lowest level, highest, default)
-CODEC_LEVELS = {"lz4": (1, 9, 9), "zstd": (-5, 22, 1), "zstd-dict": (1, 19, 1)}
+CODEC_LEVELS = {"lz4": (1, 9, 9), "zstd": (-5, 22, 1), "zstd-dict": (1, 19, 3)}
 DICT_FIELDS = ("dict_bytes", "dict_train_chunks")  # in a spec (format 4) only for "zstd-dict"
 DEFAULT_DICT_BYTES = 16 << 10
 DEFAULT_DICT_TRAIN_CHUNKS = 256

@@ -254,18 +254,24 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
 def test_bench_codec_smoke(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
     proc = run_script("bench_codec.py", "--games", "Pong", "--frames", "600",
-                      "--dict-train-chunks", "8", "--sizes", "1200", "--reps", "10",
+                      "--dict-train-chunks", "8", "--sample-plan", "Pong:1200",
+                      "--c4-sizes", "1200", "--push-steps", "300", "--reps", "10",
                       "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     pong = result["games"]["Pong"]
-    assert pong["gzip9_ratio"] > 1 and len(pong["codecs"]) == 9
+    assert pong["gzip9_ratio"] > 1 and len(pong["codecs"]) == 11
     for row in pong["codecs"].values():
         assert row["bytes"] > row["chunk_bytes"] > 0 and row["decode_us_per_chunk"] > 0
-    lz4, zd = pong["codecs"]["lz4 c8"], pong["codecs"]["zstd-dict c8 64K l1"]
-    assert lz4["codec"] == "lz4" and zd["dict_bytes"] == 64 << 10 and zd["codec_level"] == 1
-    row = result["sampling"]["1200"]
-    assert set(row) == {"lz4 c8", "zstd-dict c8", "zstd-dict c4"}
-    assert row["lz4 c8"]["sample_vs_lz4"] == 1.0
-    assert all(r["sample_median_ms"] > 0 and r["add_steps_per_s"] > 0 for r in row.values())
+    lz4, zd = pong["codecs"]["lz4 c8"], pong["codecs"]["zstd-dict c8 64K l5"]
+    assert lz4["codec"] == "lz4" and zd["dict_bytes"] == 64 << 10 and zd["codec_level"] == 5
+    row = result["sampling"]["Pong:1200"]
+    assert set(row) == {"lz4 c8", "zstd-dict c8 l1", "zstd-dict c8 l3", "zstd-dict c4 l1"}
+    assert row["lz4 c8"]["sample_vs_lz4"] == row["lz4 c8"]["sample_cpu_vs_lz4"] == 1.0
+    assert all(r["sample_median_ms"] > 0 and r["sample_cpu_median_ms"] > 0
+               and r["add_steps_per_s"] > 0 for r in row.values())
     assert "zstd-dict c8 64K l1" in result["targets"]
+    push = result["transport"]["Pong"]["push"]
+    assert set(push) == {"lz4 c8", "zstd-dict c8 l3"}
+    assert all(p["first_push_bytes"] > 0 and p["steps"] == 300 for p in push.values())
+    assert result["transport"]["Pong"]["ray_block_64"]["lz4"]["bytes_per_step"] > 0

@@ -320,3 +320,41 @@ def test_the_manifest_record_is_checked(tmp_path: Path, damaged: Path, edit: str
     seal(root, manifest)
     with pytest.raises(InvalidStoreError, match="dictionary"):
         ReplayStore.open(root, "r")
+
+
+def test_a_kept_zstd_context_decodes_as_a_fresh_one_also_from_threads_at_once() -> None:
+    """The codec keeps one ``ZSTD_DCtx`` across decodes; a second thread decoding at the same
+    time gets a fresh one, and every result equals the frames (a shared context would mix
+    two threads' chunks)."""
+    import threading
+
+    from mmreplay.spec import make_spec
+    from mmreplay.storage.codec import ChunkCodec
+    from mmreplay.storage.zstd_dict import train
+
+    rng = np.random.default_rng(3)
+    frames = rng.integers(0, 3, (64, 8, 84, 84), dtype=np.uint8).cumsum(axis=1, dtype=np.uint8)
+    spec = make_spec(capacity=1024, obs_shape=(84, 84), chunk_frames=8, codec="zstd-dict")
+    codec = ChunkCodec(spec, train(frames[:16].reshape(-1, 84, 84), 4096, 1))
+    chunks = [np.frombuffer(codec.encode(f), np.uint8) for f in frames]
+    src = np.array([c.ctypes.data for c in chunks], np.int64)
+    size = np.array([c.size for c in chunks], np.int64)
+    failures: list[str] = []
+
+    def decode_all(turns: int) -> None:
+        rows = np.empty((len(chunks), codec.nbytes), np.uint8)
+        for _ in range(turns):
+            rows[...] = 0
+            status = codec.decode_many(src, size, rows, np.arange(len(chunks)))
+            if status.any() or not np.array_equal(rows.reshape(frames.shape), frames):
+                failures.append("a decode differs")
+
+    decode_all(1)
+    kept = codec._dctx_address()
+    assert kept and codec._dctx_address() == kept  # made once, then reused
+    workers = [threading.Thread(target=decode_all, args=(20,)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not failures
