@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.kernels import compiled
+from mmreplay.kernels import compiled, records
 from mmreplay.spec import StoreSpec
 
 
@@ -261,6 +261,72 @@ class StepRing:
         rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
         self.running[env] = not (terminated or truncated)
         return slot
+
+    def record_block(self, env_of: np.ndarray, auto: np.ndarray, action: np.ndarray,
+                     reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+                     extras: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """Record events in order, as `begin_episodes` (``auto[j]``) or `record_step` one by
+        one would, in one compiled call; returns each event's new frame slot.
+
+        Every step's env must be running when its turn comes (the caller checked), and no
+        env may have `slots_per_env` events or more (`block_fits`). Rows of `action`,
+        `reward`, ... of auto events are ignored.
+        """
+        S, size = self.slots_per_env, env_of.size
+        new_flat, step_flat = np.empty(size, np.int64), np.empty(size, np.int64)
+        touched = self.written.copy()
+        spill_ids, spill_flat = np.empty(size, np.int64), np.empty(size, np.int64)
+        counters = np.array([self.next_id, self.next_episode], np.int64)
+        flat = self.steps.reshape(-1)
+        spills = records().record_events(
+            env_of, auto, terminated, truncated, reward.astype(np.float32, copy=False), S,
+            flat["pos"], flat["episode"], flat["id"], flat["has_step"], flat["terminated"],
+            flat["truncated"], flat["reward"], self.written, self.running, self.step_count,
+            self.ord_of_frame.reshape(-1), self.frame_of_ord.reshape(-1), self._id_loc,
+            counters, new_flat, step_flat, touched, spill_ids, spill_flat)
+        self.next_id, self.next_episode = int(counters[0]), int(counters[1])
+        self._write_block_records(flat, new_flat, step_flat, action, extras or {})
+        self._touch_block(touched)
+        if spills:
+            self._id_spill.update(zip(spill_ids[:spills].tolist(),
+                                      spill_flat[:spills].tolist(), strict=True))
+            if len(self._id_spill) >= self._spill_prune_at:
+                self._prune_spill()
+        return new_flat - env_of * S
+
+    def block_fits(self, env_of: np.ndarray) -> bool:
+        """Whether `record_block` takes these events: fewer than `slots_per_env` per env."""
+        return int(np.bincount(env_of, minlength=1).max()) < self.slots_per_env
+
+    def _write_block_records(self, flat: np.ndarray, new_flat: np.ndarray,
+                             step_flat: np.ndarray, action: np.ndarray,
+                             extras: dict[str, np.ndarray]) -> None:
+        """The sub-array fields the kernel leaves: blank new frames, then the steps' rows."""
+        steps = step_flat >= 0
+        where = step_flat[steps]
+        flat["action"][new_flat] = 0
+        flat["action"][where] = action[steps]
+        for name, rows in extras.items():
+            flat[EXTRA_PREFIX + name][new_flat] = 0
+            flat[EXTRA_PREFIX + name][where] = rows[steps]
+
+    def _touch_block(self, touched: np.ndarray) -> None:
+        """`_touch` of every frame from ``touched[e]`` to the last written, per env."""
+        np.minimum(self._dirty_lo, touched, out=self._dirty_lo)
+        for lo in self.watchers:
+            np.minimum(lo, touched, out=lo)
+        block = self.spec.block_slots
+        for e in np.flatnonzero(touched < self.written).tolist():
+            lo, hi = int(touched[e]), int(self.written[e])
+            if hi - lo >= self.slots_per_env:
+                self.dirty_blocks.update(range(-(-self.slots_per_env // block)))
+                continue
+            first, last = lo % self.slots_per_env // block, (hi - 1) % self.slots_per_env // block
+            if first <= last:
+                self.dirty_blocks.update(range(first, last + 1))
+            else:  # the frames wrap around the ring's end
+                self.dirty_blocks.update(range(first, -(-self.slots_per_env // block)))
+                self.dirty_blocks.update(range(0, last + 1))
 
     def _map_id(self, new_id: int, flat: int) -> None:
         """Point `new_id` at `flat`; an id still held whose entry it takes spills over."""
