@@ -14,9 +14,13 @@ imports mmreplay from that tree and measures, in that one process:
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, and the update
             alone, against cpprb's ``PrioritizedReplayBuffer`` (next_of + stack_compress)
             filled with the same stream
+    dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
+            same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
+            turns (`--dqn-rounds` each): env steps per second of ``learn``
 
-Figures are medians and 90th percentiles in microseconds per call, plus the ratio of medians
-to the baseline buffer of the same process, so a machine that drifts or is shared moves both
+Figures are medians, 90th percentiles and means in microseconds per call (a mean includes the
+rare calls that record a block of staged steps), plus the ratio of medians to the baseline
+buffer of the same process, so a machine that drifts or is shared moves both
 sides alike. Writes `--out` (JSON). Figures only: nothing is asserted.
 """
 
@@ -53,8 +57,14 @@ class Args:
     """calls per block when two buffers are timed in turns"""
     baseline: str = ""
     """a directory holding an older `mmreplay` package, measured after this checkout"""
-    sections: str = "sb3,per"
+    dqn_steps: int = 20_000
+    """env steps of each CartPole DQN run"""
+    dqn_rounds: int = 2
+    """CartPole DQN runs per buffer, in turns"""
+    sections: str = "sb3,per,dqn"
     """comma-separated sections to run"""
+    baseline_sections: str = ""
+    """sections to run on `--baseline` (default: `--sections`)"""
     seed: int = 0
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
@@ -64,7 +74,8 @@ class Args:
 # -- timing ------------------------------------------------------------------------------------
 def summary(seconds: list[float]) -> dict[str, float]:
     us = np.asarray(seconds) * 1e6
-    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
+    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
+            "mean_us": float(us.mean())}
 
 
 def interleaved(calls: dict[str, Callable[[int], object]], reps: int,
@@ -178,7 +189,43 @@ def per_section(args: Args) -> dict[str, Any]:
             "frames": args.frames}
 
 
-SECTIONS = {"sb3": sb3_section, "per": per_section}
+# -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
+def dqn_section(args: Args) -> dict[str, Any]:
+    import torch
+    from stable_baselines3 import DQN
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+
+    torch.set_num_threads(1)
+    hp = dict(policy="MlpPolicy", learning_rate=2.3e-3, batch_size=64, buffer_size=100_000,
+              learning_starts=1000, gamma=0.99, target_update_interval=10, train_freq=256,
+              gradient_steps=128, exploration_fraction=0.16, exploration_final_eps=0.04,
+              policy_kwargs=dict(net_arch=[256, 256]))  # rl-baselines3-zoo, CartPole-v1
+    rates: dict[str, list[float]] = {"sb3_ReplayBuffer": [], "mmreplay_sb3_adapter": []}
+    for round_ in range(args.dqn_rounds):
+        for name in rates:
+            extra: dict[str, Any] = {}
+            if name == "mmreplay_sb3_adapter":
+                path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + f"/dqn{round_}"
+                extra = dict(replay_buffer_class=FrameOnceReplayBuffer,
+                             replay_buffer_kwargs=dict(path=path))
+            model = DQN(env=make_vec_env("CartPole-v1", n_envs=1, seed=args.seed),
+                        seed=args.seed, device="cpu", **hp, **extra)
+            begin = time.perf_counter()
+            model.learn(args.dqn_steps)
+            rates[name].append(args.dqn_steps / (time.perf_counter() - begin))
+            if isinstance(model.replay_buffer, FrameOnceReplayBuffer):
+                model.replay_buffer.close()
+    result: dict[str, Any] = {name: {"steps_per_s_each": r, "steps_per_s_median":
+                                     float(np.median(r))} for name, r in rates.items()}
+    result["ratio_adapter_to_sb3"] = (result["mmreplay_sb3_adapter"]["steps_per_s_median"]
+                                      / result["sb3_ReplayBuffer"]["steps_per_s_median"])
+    result["steps"] = args.dqn_steps
+    return result
+
+
+SECTIONS = {"sb3": sb3_section, "per": per_section, "dqn": dqn_section}
 
 
 # -- one code tree per subprocess ----------------------------------------------------------------
@@ -207,7 +254,8 @@ def main() -> None:
     argv = sys.argv[1:]
     trees = {"this_checkout": run_tree(ROOT, argv)}
     if args.baseline:
-        trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv)
+        more = ["--sections", args.baseline_sections] if args.baseline_sections else []
+        trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv + more)
     report = {"command": "python scripts/bench_overhead.py " + " ".join(argv),
               "args": asdict(args), "machine": platform.platform(),
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "trees": trees,

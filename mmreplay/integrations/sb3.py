@@ -23,6 +23,11 @@ Episode edges, per env:
   ``obs`` must be zero-padded, so a rebuilt stack equals what SB3 passed, bit for bit;
   anything else is refused (`ValueError`) before the store changes.
 
+One env without stacking (small vector observations): ``add`` stages the step in RAM
+(`StepStage`) and the store records staged steps as one block before anything reads it
+(``sample``, ``get``, ``size``, the ``store`` attribute, pickling, ``close``, garbage
+collection) or when 256 are staged; ``sample`` hands SB3 tensors viewing the store's arrays.
+
 Pickling (``save_replay_buffer``) flushes the store and keeps only the path, the
 configuration and the per-env state above; unpickling reopens the store. Constructing
 the buffer on an existing store opens it (``DQN.load`` rebuilds the buffer through the
@@ -49,7 +54,7 @@ import torch
 from mmreplay import lifecycle
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
-from mmreplay.torch_batch import Batch
+from mmreplay.torch_batch import ArrayBatch, Batch
 
 try:
     from gymnasium import spaces
@@ -294,23 +299,13 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         self._last_next = np.zeros((n_envs, *self.obs_shape), self._obs_dtype)
         key = os.path.realpath(path)
         self._store = _acquire(key, lambda: self._open_or_create(path, create=create))
-        self._stage = self._make_stage()
+        self._stage = _make_stage(self)
         self._finalizer = weakref.finalize(self, _release, key, self._stage)
         try:
             self._check_store()
         except BaseException:
             self._finalizer()
             raise
-
-    def _make_stage(self) -> StepStage | None:
-        """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
-        if self.n_envs != 1 or self.layout.frame_stack != 1:
-            return None
-        capacity = int(min(STAGE_ROWS, max(self.buffer_size // 4, 1)))
-        return StepStage(self._store, self.obs_shape, self._obs_dtype, self.action_dim,
-                         self._action_dtype, capacity=capacity,
-                         timeouts=self.handle_timeout_termination, running=self._running,
-                         last_next=self._last_next)
 
     @property
     def store(self) -> ReplayStore:
@@ -453,7 +448,10 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""
         self.drain()
-        return self.samples(self._store.sample(batch_size), env)
+        if env is not None:  # VecNormalize: through `samples`
+            return self.samples(self._store.sample(batch_size), env)
+        arrays = self._store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
+        return _replay_samples(self, arrays)
 
     def get(self, ids: Any, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """The transitions with these store ids (ids count steps: ``k * n_envs + i`` is
@@ -518,6 +516,42 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             warnings.warn(f"the store at {self.path} changed since this buffer was saved: "
                           f"its running episodes end as truncated at the next step",
                           stacklevel=2)
+
+
+def _make_stage(buf: FrameOnceReplayBuffer) -> StepStage | None:
+    """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
+    if buf.n_envs != 1 or buf.layout.frame_stack != 1:
+        return None
+    capacity = int(min(STAGE_ROWS, max(buf.buffer_size // 4, 1)))
+    return StepStage(buf._store, buf.obs_shape, buf._obs_dtype, buf.action_dim,
+                     buf._action_dtype, capacity=capacity,
+                     timeouts=buf.handle_timeout_termination, running=buf._running,
+                     last_next=buf._last_next)
+
+
+def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
+    """`FrameOnceReplayBuffer.samples` of a store's `ArrayBatch` (no VecNormalize): each field
+    handed to torch without a copy (``obs``, ``next_obs``: views of one tensor of frames)."""
+    frames = batch.frames
+    if buf.layout.frame_stack == 1:
+        both = torch.from_numpy(frames.reshape(2, frames.shape[1], *buf.obs_shape))
+        obs, next_obs = both[0], both[1]
+    else:
+        both = torch.from_numpy(frames)
+        obs, next_obs = buf.layout.to_sb3(both[0]), buf.layout.to_sb3(both[1])
+    rewards = batch.reward.reshape(-1, 1)
+    discounts = None
+    if buf.n_steps > 1:
+        discounts = torch.from_numpy(
+            (buf.gamma ** batch.steps).astype(np.float32).reshape(-1, 1))
+    fields = dict(observations=obs, actions=torch.from_numpy(batch.action),
+                  next_observations=next_obs,
+                  dones=torch.from_numpy(batch.terminated.astype(np.float32)[:, None]),
+                  rewards=torch.from_numpy(rewards), discounts=discounts)
+    if buf.device.type != "cpu":
+        fields = {k: None if v is None else v.to(buf.device, non_blocking=True)
+                  for k, v in fields.items()}
+    return ReplayBufferSamples(**fields)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,31 @@ def _new_frame(e: int, S: int, pos: np.ndarray, episode: np.ndarray, ids: np.nda
 
 
 @numba.njit(nogil=True, cache=True)
+def _step(pf: int, new_id: int, term: bool, trunc: bool, reward: float, ids: np.ndarray,
+          has_step: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+          rewards: np.ndarray, id_loc: np.ndarray, spill_ids: np.ndarray,
+          spill_flat: np.ndarray, spills: int) -> bool:
+    """Fill the step record at flat slot `pf` and point id `new_id` at it; True if the id it
+    displaced from the id map was spilled (at index `spills`)."""
+    has_step[pf] = True
+    ids[pf] = new_id
+    terminated[pf] = term
+    truncated[pf] = trunc
+    rewards[pf] = reward
+    key = new_id % id_loc.size
+    old = id_loc[key]
+    spilled = False
+    if old >= 0:
+        held = ids[old]
+        if held >= 0 and held % id_loc.size == key and held != new_id:
+            spill_ids[spills] = held
+            spill_flat[spills] = old
+            spilled = True
+    id_loc[key] = pf
+    return spilled
+
+
+@numba.njit(nogil=True, cache=True)
 def record_events(env_of: np.ndarray, auto: np.ndarray, term: np.ndarray, trunc: np.ndarray,
                   reward: np.ndarray, S: int, pos: np.ndarray, episode: np.ndarray,
                   ids: np.ndarray, has_step: np.ndarray, terminated: np.ndarray,
@@ -58,7 +83,6 @@ def record_events(env_of: np.ndarray, auto: np.ndarray, term: np.ndarray, trunc:
     id-map entry a new id takes goes to ``spill_ids``/``spill_flat`` (the caller's table).
     """
     spills = 0
-    L = id_loc.size
     for j in range(env_of.size):
         e = env_of[j]
         if auto[j]:
@@ -78,24 +102,12 @@ def record_events(env_of: np.ndarray, auto: np.ndarray, term: np.ndarray, trunc:
             continue
         t = written[e] - 1
         pf = e * S + t % S
-        new_id = counters[0]
-        has_step[pf] = True
-        ids[pf] = new_id
-        terminated[pf] = term[j]
-        truncated[pf] = trunc[j]
-        rewards[pf] = reward[j]
+        if _step(pf, counters[0], term[j], trunc[j], reward[j], ids, has_step, terminated,
+                 truncated, rewards, id_loc, spill_ids, spill_flat, spills):
+            spills += 1
         frame_of_ord[e * S + step_count[e] % S] = t
         step_count[e] += 1
-        key = new_id % L
-        old = id_loc[key]
-        if old >= 0:
-            held = ids[old]
-            if held >= 0 and held % L == key and held != new_id:
-                spill_ids[spills] = held
-                spill_flat[spills] = old
-                spills += 1
-        id_loc[key] = pf
-        counters[0] = new_id + 1
+        counters[0] += 1
         touched[e] = min(touched[e], t)
         f = _new_frame(e, S, pos, episode, ids, has_step, terminated, truncated, rewards,
                        written, step_count, ord_of_frame, touched)

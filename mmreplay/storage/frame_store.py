@@ -267,31 +267,6 @@ class FrameStore:
         if offset + 1 == self.chunk_slots(chunk):
             self._write_chunk(env, chunk)
 
-    def append_run(self, env: int, slot: int, frames: np.ndarray) -> None:
-        """`append_one` of consecutive frames of `env` from `slot` on: copied a chunk's
-        piece at a time, each chunk written once full. A chunk write that raises does not
-        stop the run (the frames stay in order with the ring); the first error is raised
-        at the end."""
-        error: Exception | None = None
-        done, total = 0, len(frames)
-        while done < total:
-            chunk, offset = divmod(slot, self._chunk_len)
-            assert offset == self.tail_fill[env], "frames must arrive in slot order"
-            room = self.chunk_slots(chunk) - offset
-            take = min(total - done, room)
-            self.tail[env, offset:offset + take] = frames[done:done + take]
-            self.tail_fill[env] = offset + take
-            slot = (slot + take) % self.spec.slots_per_env
-            self.next_slot[env] = slot
-            done += take
-            if take == room:
-                try:
-                    self._write_chunk(env, chunk)
-                except Exception as exc:  # noqa: BLE001 - re-raised once the run is in place
-                    error = error or exc
-        if error is not None:
-            raise error
-
     def _write_chunk(self, env: int, chunk: int) -> None:
         frames = self.tail[env].copy()
         frames[self.tail_fill[env]:] = 0
@@ -477,6 +452,32 @@ class FrameStore:
             shard, j = divmod(chunk, self.spec.shard_chunks)
             return f"{self._shards.path(env, shard)} (chunk {j})"
         return self._chunk_file(env, chunk)
+
+def append_run(fs: FrameStore, env: int, slot: int, frames: np.ndarray) -> None:
+    """`FrameStore.append_one` of consecutive frames of `env` from `slot` on: copied a chunk's
+    piece at a time, each chunk written once full. A chunk write that raises does not
+    stop the run (the frames stay in order with the ring); the first error is raised
+    at the end."""
+    error: Exception | None = None
+    done, total = 0, len(frames)
+    while done < total:
+        chunk, offset = divmod(slot, fs._chunk_len)
+        assert offset == fs.tail_fill[env], "frames must arrive in slot order"
+        room = fs.chunk_slots(chunk) - offset
+        take = min(total - done, room)
+        fs.tail[env, offset:offset + take] = frames[done:done + take]
+        fs.tail_fill[env] = offset + take
+        slot = (slot + take) % fs.spec.slots_per_env
+        fs.next_slot[env] = slot
+        done += take
+        if take == room:
+            try:
+                fs._write_chunk(env, chunk)
+            except Exception as exc:  # noqa: BLE001 - re-raised once the run is in place
+                error = error or exc
+    if error is not None:
+        raise error
+
 
 def _address(data: bytes) -> int:
     """The address of a bytes object's buffer (the caller keeps `data` alive)."""
