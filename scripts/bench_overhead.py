@@ -9,7 +9,8 @@ imports mmreplay from that tree and measures, in that one process:
 
     sb3     a (4,)-float observation, one env, a Discrete(2) action: `FrameOnceReplayBuffer`
             ``add`` and ``sample(64)`` against SB3's own ``ReplayBuffer`` (same stream, calls
-            interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly
+            interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly;
+            ``add`` also timed per block of 512 calls, staged steps' recording included
     per     a prioritized store of `--frames` real Breakout frames (84x84, 4-stacks + next
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, and the update
             alone, against cpprb's ``PrioritizedReplayBuffer`` (next_of + stack_compress)
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 from common import parse_args, run_main
 
+ADD_BLOCK = 512  # adds per timed block in `add_blocks` (two of the adapter's stages)
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 
@@ -132,6 +134,7 @@ def sb3_section(args: Args) -> dict[str, Any]:
 
     add = interleaved({"mmreplay_sb3_adapter": sb3_add(ours), "sb3_ReplayBuffer": sb3_add(theirs),
                        "mmreplay_ReplayStore": store_add}, n, args.block)
+    blocks = add_blocks(args, space, act, obs, actions, reward, done)
     sample = interleaved({"mmreplay_sb3_adapter": lambda i: ours.sample(64),
                           "sb3_ReplayBuffer": lambda i: theirs.sample(64),
                           "mmreplay_ReplayStore": lambda i: store.sample(64)},
@@ -139,7 +142,35 @@ def sb3_section(args: Args) -> dict[str, Any]:
     ours.close()
     store.close()
     return {"add": with_ratios(add, "sb3_ReplayBuffer"),
+            "add_per_call_in_blocks": blocks,
             "sample64": with_ratios(sample, "sb3_ReplayBuffer")}
+
+
+def add_blocks(args: Args, space: Any, act: Any, obs: np.ndarray, actions: np.ndarray,
+               reward: np.ndarray, done: np.ndarray) -> dict[str, Any]:
+    """``add`` timed per block of `ADD_BLOCK` calls (fewer for short runs) (every cost of the calls included, the
+    adapter's recording of staged steps too), fresh buffers, blocks alternated; the first
+    block of each (kernel loading) is left out. Figures: per-call time of a block."""
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+
+    n = args.small_steps
+    block = min(ADD_BLOCK, max(n // 8, 1))
+    tmp = tempfile.mkdtemp(prefix="mmreplay-overhead-")
+    bufs = {"mmreplay_sb3_adapter": FrameOnceReplayBuffer(n + 10, space, act, device="cpu",
+                                                          path=f"{tmp}/blocks", seed=args.seed),
+            "sb3_ReplayBuffer": ReplayBuffer(n + 10, space, act, device="cpu")}
+    times: dict[str, list[float]] = {name: [] for name in bufs}
+    for lo in range(0, n - block + 1, block):
+        for name, buf in bufs.items():
+            begin = time.perf_counter()
+            for i in range(lo, lo + block):
+                buf.add(obs[i], obs[i + 1], actions[i], reward[i], done[i:i + 1], [{}])
+            times[name].append((time.perf_counter() - begin) / block)
+    bufs["mmreplay_sb3_adapter"].close()
+    figures = {name: summary(spent[1:]) for name, spent in times.items()}
+    return {"block": block, "figures": with_ratios(figures, "sb3_ReplayBuffer")}
 
 
 # -- per: prioritized sample + update with frames ----------------------------------------------
