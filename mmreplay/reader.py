@@ -14,6 +14,7 @@ it has nothing to follow. A read is retried at most `READER_RETRIES` times
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,12 +23,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
+from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError, UnknownIdError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import Draw, Sampler
 from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
-from mmreplay.torch_batch import Batch, make_batch
+from mmreplay.torch_batch import ArrayBatch, OutputBuffers, native
 
 READER_RETRIES = 5
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class Reader:
         self.sampler = sampler
         self.writable = writable
         self.manifest_key: tuple[int, int, int] | None = None  # (inode, mtime, size) seen last
+        self.frame_nbytes = math.prod(ring.spec.obs_shape) * np.dtype(ring.spec.obs_dtype).itemsize
+        self.pools = {False: OutputBuffers(), True: None}  # by pin_memory (made when asked)
 
     # -- keeping the index current -------------------------------------------------
     def refresh(self) -> None:
@@ -105,11 +108,12 @@ class Reader:
             return True
         return bool((self.ring.valid if valid is None else valid)[flat].all())
 
-    def sample(self, rng: np.random.Generator, size: int, beta: float) -> Batch:
+    def sample(self, rng: np.random.Generator, size: int, beta: float, *,
+               pin_memory: bool = False) -> ArrayBatch:
         """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
-        def attempt() -> Batch | None:
+        def attempt() -> ArrayBatch | None:
             draw = self.draw(rng, size, beta)
-            batch = self.batch(draw.slots, draw.weights)
+            batch = self.batch(draw.slots, draw.weights, pin_memory=pin_memory)
             return batch if self.still_valid(draw.slots) else None
 
         return self.consistent(attempt)
@@ -130,13 +134,13 @@ class Reader:
         return Planned(draw.slots, draw.weights, chunks)
 
     def assemble(self, planned: Planned, rng: np.random.Generator, size: int,
-                 beta: float) -> Batch:
+                 beta: float) -> ArrayBatch:
         """The batch `planned` drew; drawn again (`sample`) if a writer gave up any of its
         transitions since."""
         batch = self.batch(planned.slots, planned.weights)
         return batch if self.still_valid(planned.slots) else self.sample(rng, size, beta)
 
-    def get(self, wanted: np.ndarray) -> Batch:
+    def get(self, wanted: np.ndarray) -> ArrayBatch:
         """The sampleable transitions with these ids (see `ReplayStore.get`)."""
         self.refresh()
         flat, found = self.ring.flat_of_ids(wanted)
@@ -149,14 +153,33 @@ class Reader:
                                  "while they were read")
         return batch
 
-    def batch(self, flat: np.ndarray, weights: np.ndarray) -> Batch:
-        """The transitions at valid flat slots, frames read in one call."""
+    def batch(self, flat: np.ndarray, weights: np.ndarray, *,
+              pin_memory: bool = False) -> ArrayBatch:
+        """The transitions at valid flat slots, frames read in one call into a buffer of
+        the pool (`OutputBuffers`) when it has one for their size."""
         look = self.ring.lookup(flat)
-        frames = self.frames.read(np.stack([look.obs_slots, look.next_obs_slots]))
-        return make_batch(frames=frames, action=look.action, reward=look.reward,
-                          terminated=look.terminated, truncated=look.truncated,
-                          discount=look.discount, weights=weights, ids=look.ids,
-                          extras=look.extras, steps=look.steps)
+        slots = look.slots
+        frames = self.frames.read(slots, out=self.pool(pin_memory).take(
+            slots.size * self.frame_nbytes))
+        return ArrayBatch(frames=frames, action=native(look.action, look.action.dtype),
+                          reward=look.reward.astype(np.float32), terminated=look.terminated,
+                          truncated=look.truncated, discount=look.discount.astype(np.float32),
+                          weights=native(weights, np.float32), ids=native(look.ids, np.int64),
+                          steps=look.steps,
+                          extras={k: native(a, a.dtype) for k, a in look.extras.items()})
+
+    def pool(self, pin_memory: bool) -> OutputBuffers:
+        """The frame buffers of batches (page-locked ones with `pin_memory`)."""
+        pool = self.pools[pin_memory]
+        if pool is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                raise InvalidInputError(
+                    "pin_memory=True needs CUDA (torch.cuda.is_available() is False): "
+                    "page-locked buffers only speed up copies to a GPU")
+            pool = self.pools[pin_memory] = OutputBuffers(pin_memory=True)
+        return pool
 
     def ids(self, flat: np.ndarray) -> np.ndarray:
         """The transition ids at these flat slots, increasing."""

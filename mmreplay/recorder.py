@@ -15,9 +15,9 @@ import numpy as np
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing
+from mmreplay.index.ring import StepRing, block_fits, record_block
 from mmreplay.spec import StoreSpec
-from mmreplay.storage.frame_store import FrameStore
+from mmreplay.storage.frame_store import FrameStore, append_run
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,37 @@ class Recorder:
     def add_rows(self, rows: StepRows) -> None:
         """Every row of `rows`, checked at once before the first is recorded."""
         envs, act, rew, frames, term, trunc, auto, extras = self._checked_rows(rows)
-        running = self.ring.running[envs]
-        for t in range(rew.shape[0]):  # episode order of the whole block, before any write
-            self._check_running(envs, auto[t], running)
-            running = auto[t] | ~(term[t] | trunc[t])
+        # episode order of the whole block, before any write: row t's envs run before it
+        before = np.empty_like(auto)
+        before[0] = self.ring.running[envs]
+        before[1:] = auto[:-1] | ~(term[:-1] | trunc[:-1])
+        idle = ~auto & ~before
+        if idle.any():
+            t = int(np.flatnonzero(idle.any(axis=1))[0])
+            self._check_running(envs, auto[t], before[t])
+        env_of = np.tile(envs, rew.shape[0])
+        if block_fits(self.ring, env_of):
+            self.record_rows(envs, act, rew, frames, term, trunc, auto, extras)
+            return
         for t in range(rew.shape[0]):
             self.record(envs, act[t], rew[t], frames[t], term[t], trunc[t], auto[t],
                         {name: value[t] for name, value in extras.items()})
+
+    def record_rows(self, envs: np.ndarray, act: np.ndarray, rew: np.ndarray,
+                    frames: np.ndarray, term: np.ndarray, trunc: np.ndarray, auto: np.ndarray,
+                    extras: dict[str, np.ndarray]) -> None:
+        """Checked rows ``(rows, len(envs), ...)`` recorded as `record` would, row after row:
+        the ring in one compiled call, then each env's frames in one run."""
+        rows, count = rew.shape[0], envs.size
+        flat = rows * count
+        slots = record_block(
+            self.ring, np.tile(envs, rows), auto.reshape(flat),
+            act.reshape(flat, *act.shape[2:]), rew.reshape(flat), term.reshape(flat),
+            trunc.reshape(flat),
+            {k: v.reshape(flat, *v.shape[2:]) for k, v in extras.items()})
+        first = slots[:count]
+        for i, env in enumerate(envs.tolist()):
+            append_run(self.frames, env, int(first[i]), frames[:, i])
 
     def _checked_rows(self, rows: StepRows) -> tuple[Any, ...]:
         spec = self.spec

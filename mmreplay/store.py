@@ -71,7 +71,13 @@ from mmreplay.storage.remote_frames import RemoteChunks, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
 from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.zstd_dict import parse_dictionary
-from mmreplay.torch_batch import Batch, SequenceBatch, make_sequence_batch
+from mmreplay.torch_batch import (
+    ArrayBatch,
+    Batch,
+    SequenceBatch,
+    make_batch,
+    make_sequence_batch,
+)
 from mmreplay.views import StoreViews
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
@@ -266,30 +272,30 @@ class ReplayStore(BucketMethods):
 
     # -- reading ------------------------------------------------------------------
     def sample(self, batch_size: int, beta: float = 0.4) -> Batch:
-        """`batch_size` sampleable transitions, with replacement.
+        """`batch_size` sampleable transitions, with replacement. Uniform by default; with
+        ``sampler="prioritized"``/``"rank"`` the draw follows the priorities and
+        ``batch.weights`` are importance weights with exponent `beta`. With a rate limiter,
+        waits first until the writers let `batch_size` samples out."""
+        return make_batch(_sample_arrays(self, batch_size, beta, False))
 
-        Uniform by default; with ``sampler="prioritized"``/``"rank"`` the draw follows
-        the priorities and ``batch.weights`` are importance weights with exponent `beta`.
-        With a rate limiter, waits first until the writers let `batch_size` samples out.
-        """
-        with self._limits.sampling(_items(batch_size)), self._lock:
-            _refuse_closed(self, "sample")
-            size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            return self._reader.sample(self._rng, size, beta)
+    def sample_arrays(self, batch_size: int, beta: float = 0.4, *,
+                      pin_memory: bool = False) -> ArrayBatch:
+        """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`)."""
+        return _sample_arrays(self, batch_size, beta, pin_memory)
 
     def batches(self, batch_size: int, *, prefetch: int = 2,
-                beta: float = 0.4) -> BatchPrefetcher:
+                beta: float = 0.4, pin_memory: bool = False) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
         A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
         fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
         happen in order when the thread makes them, so with concurrent ``add`` calls the
         sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
+        ``pin_memory=True``: see `sample_arrays`.
         """
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
-        it = BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta) \
-            if self.remote is None else _pipeline(self, batch_size, prefetch, beta)
+        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory)
         self._prefetchers.add(it)
         return it
 
@@ -310,7 +316,7 @@ class ReplayStore(BucketMethods):
     @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
-        return self._reader.get(validate.transition_ids(ids))
+        return make_batch(self._reader.get(validate.transition_ids(ids)))
 
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
@@ -536,10 +542,35 @@ def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -
     def assemble(planned: Planned, size: int, b: float) -> Batch:
         with store._lock:
             _refuse_closed(store, "batches")
-            return store._reader.assemble(planned, store._rng, size, b)
+            return make_batch(store._reader.assemble(planned, store._rng, size, b))
 
     return BatchPipeline(draw, lambda planned: remote.prefetch(planned.chunks), assemble,
                          batch_size, prefetch=prefetch, beta=beta)
+
+
+def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
+                pin_memory: bool) -> BatchPrefetcher:
+    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline."""
+    if store.remote is not None:
+        if pin_memory:
+            raise InvalidInputError("batches(pin_memory=True) is for local stores; a bucket "
+                                    "store's pipeline assembles into pageable memory")
+        return _pipeline(store, batch_size, prefetch, beta)
+    return BatchPrefetcher(functools.partial(_sample_batch, store, pin_memory=pin_memory),
+                           batch_size, prefetch=prefetch, beta=beta)
+
+
+def _sample_batch(store: ReplayStore, batch_size: int, beta: float, *,
+                  pin_memory: bool) -> Batch:
+    return make_batch(_sample_arrays(store, batch_size, beta, pin_memory))
+
+
+def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
+                   pin_memory: bool) -> ArrayBatch:
+    with store._limits.sampling(_items(batch_size)), store._lock:
+        _refuse_closed(store, "sample")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
 
 
 def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:

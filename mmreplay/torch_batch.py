@@ -7,6 +7,7 @@ command and code that only records or inspects never pay its import (over a seco
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,42 +47,106 @@ class Batch:
         return int(self.ids.shape[0])
 
 
-def make_batch(*, frames: np.ndarray, action: np.ndarray, reward: np.ndarray,
-               terminated: np.ndarray, truncated: np.ndarray, discount: np.ndarray,
-               weights: np.ndarray, ids: np.ndarray,
-               extras: dict[str, np.ndarray] | None = None,
-               steps: np.ndarray | None = None) -> Batch:
-    """A `Batch` of CPU tensors.
+@dataclass(frozen=True)
+class ArrayBatch:
+    """A `Batch` as numpy arrays, in the dtypes its tensors have (`ReplayStore.sample_arrays`).
 
-    Every array is fresh, made for this batch by the caller: `frames` is a C-contiguous
-    ``(2, B, ...)`` array (obs, next_obs) and the small columns are taken over without a
-    copy where they already have the field's dtype in native order (else converted).
+    ``frames`` is one C-contiguous ``(2, B, frame_stack, *obs_shape)`` array; ``obs`` and
+    ``next_obs`` are its two halves. With a buffer pool (`OutputBuffers`) the frames may
+    live in a reused buffer: it is reused only once nothing views it any more.
     """
+
+    frames: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray      # float32 n-step return
+    terminated: np.ndarray  # bool
+    truncated: np.ndarray   # bool
+    discount: np.ndarray    # float32
+    weights: np.ndarray     # float32
+    ids: np.ndarray         # int64
+    steps: np.ndarray       # int64
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def obs(self) -> np.ndarray:
+        return self.frames[0]
+
+    @property
+    def next_obs(self) -> np.ndarray:
+        return self.frames[1]
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def make_batch(arrays: ArrayBatch) -> Batch:
+    """A `Batch` of CPU tensors viewing `arrays` (no copy: `torch.from_numpy` of each)."""
     import torch
 
-    both = torch.from_numpy(frames)
+    both = torch.from_numpy(arrays.frames)
+    tensor = torch.from_numpy
     return Batch(
-        obs=both[0],
-        action=_taken(action, action.dtype),
-        reward=_taken(reward, np.float32),
-        next_obs=both[1],
-        terminated=_taken(terminated, np.bool_),
-        truncated=_taken(truncated, np.bool_),
-        discount=_taken(discount, np.float32),
-        weights=_taken(weights, np.float32),
-        ids=_taken(ids, np.int64),
-        extras={name: _taken(a, a.dtype) for name, a in (extras or {}).items()},
-        steps=None if steps is None else _taken(steps, np.int64),
-    )
+        obs=both[0], action=tensor(arrays.action), reward=tensor(arrays.reward),
+        next_obs=both[1], terminated=tensor(arrays.terminated),
+        truncated=tensor(arrays.truncated), discount=tensor(arrays.discount),
+        weights=tensor(arrays.weights), ids=tensor(arrays.ids),
+        extras={name: tensor(a) for name, a in arrays.extras.items()},
+        steps=tensor(arrays.steps))
 
 
-def _taken(array: np.ndarray, dtype: np.dtype | type) -> torch.Tensor:
-    """A fresh array as a tensor: as it is if it has `dtype` (native order, C-contiguous),
-    else a converted copy."""
-    import torch
+def native(array: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """`array` as a C-contiguous, native-order array of `dtype` (itself when it is one)."""
+    want = np.dtype(dtype)
+    if array.dtype == want and want.isnative and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, dtype=want.newbyteorder("="))
 
-    native = np.dtype(dtype).newbyteorder("=")
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=native))
+
+class OutputBuffers:
+    """Byte buffers for batch frames, reused once no batch views them.
+
+    A batch's tensors view their buffer (`torch.from_numpy`), so a pooled buffer that only
+    the pool references is free. Small requests get fresh arrays (malloc's heap serves them
+    at once), unless the buffers are pinned: with ``pin_memory=True`` every buffer is
+    page-locked host memory (``torch.empty(..., pin_memory=True)``), so ``tensor.to("cuda",
+    non_blocking=True)`` copies without staging; that needs CUDA.
+    """
+
+    def __init__(self, *, pin_memory: bool = False, capacity: int = 4,
+                 min_bytes: int = 64 << 10) -> None:
+        self.pin_memory = pin_memory
+        self.capacity = capacity
+        self.min_bytes = 0 if pin_memory else min_bytes
+        self.buffers: list[np.ndarray] = []
+        self._free_refs = -1
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A free buffer of at least `nbytes` (pooled or new), or None for small ones."""
+        if nbytes < self.min_bytes:
+            return None
+        for buffer in self.buffers:
+            if buffer.size >= nbytes and sys.getrefcount(buffer) <= self._refs_when_free():
+                return buffer
+        buffer = self._allocate(nbytes)
+        self.buffers.append(buffer)
+        if len(self.buffers) > self.capacity:
+            self.buffers.pop(0)  # still viewed by a batch: its to free
+        return buffer
+
+    def _allocate(self, nbytes: int) -> np.ndarray:
+        if not self.pin_memory:
+            return np.empty(nbytes, np.uint8)
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    def _refs_when_free(self) -> int:
+        """References a buffer held only by the pool has, seen from the loop in `take`."""
+        if self._free_refs < 0:
+            probe = [np.empty(1, np.uint8)]
+            for buffer in probe:
+                self._free_refs = sys.getrefcount(buffer)
+        return self._free_refs
 
 
 def tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -9,14 +9,19 @@ imports mmreplay from that tree and measures, in that one process:
 
     sb3     a (4,)-float observation, one env, a Discrete(2) action: `FrameOnceReplayBuffer`
             ``add`` and ``sample(64)`` against SB3's own ``ReplayBuffer`` (same stream, calls
-            interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly
+            interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly;
+            ``add`` also timed per block of 512 calls, staged steps' recording included
     per     a prioritized store of `--frames` real Breakout frames (84x84, 4-stacks + next
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, and the update
             alone, against cpprb's ``PrioritizedReplayBuffer`` (next_of + stack_compress)
             filled with the same stream
+    dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
+            same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
+            turns (`--dqn-rounds` each): env steps per second of ``learn``
 
-Figures are medians and 90th percentiles in microseconds per call, plus the ratio of medians
-to the baseline buffer of the same process, so a machine that drifts or is shared moves both
+Figures are medians, 90th percentiles and means in microseconds per call (a mean includes the
+rare calls that record a block of staged steps), plus the ratio of medians to the baseline
+buffer of the same process, so a machine that drifts or is shared moves both
 sides alike. Writes `--out` (JSON). Figures only: nothing is asserted.
 """
 
@@ -37,6 +42,7 @@ from typing import Any
 import numpy as np
 from common import parse_args, run_main
 
+ADD_BLOCK = 512  # adds per timed block in `add_blocks` (two of the adapter's stages)
 SCRIPTS = Path(__file__).resolve().parent
 ROOT = SCRIPTS.parent
 
@@ -53,8 +59,14 @@ class Args:
     """calls per block when two buffers are timed in turns"""
     baseline: str = ""
     """a directory holding an older `mmreplay` package, measured after this checkout"""
-    sections: str = "sb3,per"
+    dqn_steps: int = 20_000
+    """env steps of each CartPole DQN run"""
+    dqn_rounds: int = 2
+    """CartPole DQN runs per buffer, in turns"""
+    sections: str = "sb3,per,dqn"
     """comma-separated sections to run"""
+    baseline_sections: str = ""
+    """sections to run on `--baseline` (default: `--sections`)"""
     seed: int = 0
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
@@ -64,7 +76,8 @@ class Args:
 # -- timing ------------------------------------------------------------------------------------
 def summary(seconds: list[float]) -> dict[str, float]:
     us = np.asarray(seconds) * 1e6
-    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90))}
+    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
+            "mean_us": float(us.mean())}
 
 
 def interleaved(calls: dict[str, Callable[[int], object]], reps: int,
@@ -121,6 +134,7 @@ def sb3_section(args: Args) -> dict[str, Any]:
 
     add = interleaved({"mmreplay_sb3_adapter": sb3_add(ours), "sb3_ReplayBuffer": sb3_add(theirs),
                        "mmreplay_ReplayStore": store_add}, n, args.block)
+    blocks = add_blocks(args, space, act, obs, actions, reward, done)
     sample = interleaved({"mmreplay_sb3_adapter": lambda i: ours.sample(64),
                           "sb3_ReplayBuffer": lambda i: theirs.sample(64),
                           "mmreplay_ReplayStore": lambda i: store.sample(64)},
@@ -128,7 +142,35 @@ def sb3_section(args: Args) -> dict[str, Any]:
     ours.close()
     store.close()
     return {"add": with_ratios(add, "sb3_ReplayBuffer"),
+            "add_per_call_in_blocks": blocks,
             "sample64": with_ratios(sample, "sb3_ReplayBuffer")}
+
+
+def add_blocks(args: Args, space: Any, act: Any, obs: np.ndarray, actions: np.ndarray,
+               reward: np.ndarray, done: np.ndarray) -> dict[str, Any]:
+    """``add`` timed per block of `ADD_BLOCK` calls (fewer for short runs) (every cost of the calls included, the
+    adapter's recording of staged steps too), fresh buffers, blocks alternated; the first
+    block of each (kernel loading) is left out. Figures: per-call time of a block."""
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+
+    n = args.small_steps
+    block = min(ADD_BLOCK, max(n // 8, 1))
+    tmp = tempfile.mkdtemp(prefix="mmreplay-overhead-")
+    bufs = {"mmreplay_sb3_adapter": FrameOnceReplayBuffer(n + 10, space, act, device="cpu",
+                                                          path=f"{tmp}/blocks", seed=args.seed),
+            "sb3_ReplayBuffer": ReplayBuffer(n + 10, space, act, device="cpu")}
+    times: dict[str, list[float]] = {name: [] for name in bufs}
+    for lo in range(0, n - block + 1, block):
+        for name, buf in bufs.items():
+            begin = time.perf_counter()
+            for i in range(lo, lo + block):
+                buf.add(obs[i], obs[i + 1], actions[i], reward[i], done[i:i + 1], [{}])
+            times[name].append((time.perf_counter() - begin) / block)
+    bufs["mmreplay_sb3_adapter"].close()
+    figures = {name: summary(spent[1:]) for name, spent in times.items()}
+    return {"block": block, "figures": with_ratios(figures, "sb3_ReplayBuffer")}
 
 
 # -- per: prioritized sample + update with frames ----------------------------------------------
@@ -178,7 +220,43 @@ def per_section(args: Args) -> dict[str, Any]:
             "frames": args.frames}
 
 
-SECTIONS = {"sb3": sb3_section, "per": per_section}
+# -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
+def dqn_section(args: Args) -> dict[str, Any]:
+    import torch
+    from stable_baselines3 import DQN
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
+
+    torch.set_num_threads(1)
+    hp = dict(policy="MlpPolicy", learning_rate=2.3e-3, batch_size=64, buffer_size=100_000,
+              learning_starts=1000, gamma=0.99, target_update_interval=10, train_freq=256,
+              gradient_steps=128, exploration_fraction=0.16, exploration_final_eps=0.04,
+              policy_kwargs=dict(net_arch=[256, 256]))  # rl-baselines3-zoo, CartPole-v1
+    rates: dict[str, list[float]] = {"sb3_ReplayBuffer": [], "mmreplay_sb3_adapter": []}
+    for round_ in range(args.dqn_rounds):
+        for name in rates:
+            extra: dict[str, Any] = {}
+            if name == "mmreplay_sb3_adapter":
+                path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + f"/dqn{round_}"
+                extra = dict(replay_buffer_class=FrameOnceReplayBuffer,
+                             replay_buffer_kwargs=dict(path=path))
+            model = DQN(env=make_vec_env("CartPole-v1", n_envs=1, seed=args.seed),
+                        seed=args.seed, device="cpu", **hp, **extra)
+            begin = time.perf_counter()
+            model.learn(args.dqn_steps)
+            rates[name].append(args.dqn_steps / (time.perf_counter() - begin))
+            if isinstance(model.replay_buffer, FrameOnceReplayBuffer):
+                model.replay_buffer.close()
+    result: dict[str, Any] = {name: {"steps_per_s_each": r, "steps_per_s_median":
+                                     float(np.median(r))} for name, r in rates.items()}
+    result["ratio_adapter_to_sb3"] = (result["mmreplay_sb3_adapter"]["steps_per_s_median"]
+                                      / result["sb3_ReplayBuffer"]["steps_per_s_median"])
+    result["steps"] = args.dqn_steps
+    return result
+
+
+SECTIONS = {"sb3": sb3_section, "per": per_section, "dqn": dqn_section}
 
 
 # -- one code tree per subprocess ----------------------------------------------------------------
@@ -207,7 +285,8 @@ def main() -> None:
     argv = sys.argv[1:]
     trees = {"this_checkout": run_tree(ROOT, argv)}
     if args.baseline:
-        trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv)
+        more = ["--sections", args.baseline_sections] if args.baseline_sections else []
+        trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv + more)
     report = {"command": "python scripts/bench_overhead.py " + " ".join(argv),
               "args": asdict(args), "machine": platform.platform(),
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "trees": trees,

@@ -239,14 +239,20 @@ def test_bench_sequences_smoke(tmp_path: Path) -> None:
 def test_bench_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = run_script("bench_overhead.py", "--frames", "2000", "--small-steps", "300",
-                      "--reps", "40", "--block", "10", "--out", str(out))
+                      "--reps", "40", "--block", "10", "--dqn-steps", "100", "--dqn-rounds",
+                      "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     tree = json.loads(out.read_text())["trees"]["this_checkout"]
     assert tree["mmreplay_from"] == str(ROOT / "mmreplay")
-    for figures in (*tree["sb3"].values(), tree["per"]["sample32_plus_update32"],
-                    tree["per"]["update32"]):
+    blocks = tree["sb3"]["add_per_call_in_blocks"]
+    assert blocks["block"] == 300 // 8
+    for figures in (tree["sb3"]["add"], tree["sb3"]["sample64"], blocks["figures"],
+                    tree["per"]["sample32_plus_update32"], tree["per"]["update32"]):
         for row in figures.values():
             assert 0 < row["median_us"] <= row["p90_us"]
+    dqn = tree["dqn"]
+    assert dqn["steps"] == 100 and dqn["ratio_adapter_to_sb3"] > 0
+    assert len(dqn["mmreplay_sb3_adapter"]["steps_per_s_each"]) == 1
     assert tree["sb3"]["add"]["sb3_ReplayBuffer"]["ratio_to_sb3_ReplayBuffer"] == 1.0
     assert "cpprb_PrioritizedReplayBuffer" in tree["per"]["update32"]
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.kernels import compiled
+from mmreplay.kernels import compiled, records
 from mmreplay.spec import StoreSpec
 
 
@@ -51,6 +51,9 @@ def step_dtype(spec: StoreSpec) -> np.dtype:
 
 
 EXTRA_PREFIX = "extra_"  # step-record field of a declared extra: ``extra_<name>``
+_NO_SLOTS = np.empty(0, np.int64)
+_NO_VALID = np.empty(0, bool)
+_NO_SLOTS.flags.writeable = _NO_VALID.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Lookup:
     steps: np.ndarray           # m: steps in the n-step window (fewer when the episode ends)
     ids: np.ndarray
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
+    slots: np.ndarray           # (2, B, k): obs_slots and next_obs_slots are its halves
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class StepRing:
         self._id_spill: dict[int, int] = {}
         self._spill_prune_at = 1024
         self._dirty_lo = np.zeros(self.num_envs, np.int64)   # first frame touched since refresh
-        self._refreshed_oldest = np.zeros(self.num_envs, np.int64)
+        self._refreshed_key = (b"", b"")  # (written, kept_from) at the last refresh
         self.dirty_blocks: set[int] = set()
         blank = np.zeros(1, self.steps.dtype)
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
@@ -195,7 +199,7 @@ class StepRing:
     def index_nbytes(self) -> int:
         """Bytes of the RAM index besides the step columns (mask, id map, cursors)."""
         arrays = (self.valid, self._id_loc, self.written, self.kept_from, self.running,
-                  self._dirty_lo, self._refreshed_oldest, self.ord_of_frame, self.frame_of_ord,
+                  self._dirty_lo, self.ord_of_frame, self.frame_of_ord,
                   self.step_count)
         return sum(a.nbytes for a in arrays)
 
@@ -303,15 +307,15 @@ class StepRing:
     # -- validity ---------------------------------------------------------------
     def refresh(self) -> tuple[np.ndarray, np.ndarray]:
         """Recompute validity where it may have changed; returns (flat slots, valid)."""
-        oldest = self.oldest
-        if (self._dirty_lo == self.written).all() and (oldest == self._refreshed_oldest).all():
-            return np.empty(0, np.int64), np.empty(0, bool)  # nothing changed
-        self._refreshed_oldest = oldest
+        key = (self.written.tobytes(), self.kept_from.tobytes())
+        if key == self._refreshed_key and self._dirty_lo.tobytes() == key[0]:
+            return _NO_SLOTS, _NO_VALID  # nothing written or given up since the last refresh
         env, frames = self._candidates()
         flat = env * self.slots_per_env + frames % self.slots_per_env
         ok = self.transition_valid(env, frames)
         self.valid[flat] = ok
         self._dirty_lo[:] = self.written
+        self._refreshed_key = key
         return flat, ok
 
     def _candidates(self) -> tuple[np.ndarray, np.ndarray]:
@@ -343,7 +347,7 @@ class StepRing:
                                   strict=True))
         self._spill_prune_at = max(1024, 2 * len(self._id_spill))
         self._dirty_lo[:] = self.written
-        self._refreshed_oldest = self.oldest
+        self._refreshed_key = (self.written.tobytes(), self.kept_from.tobytes())
         self._rebuild_ordinals()
 
     def _rebuild_ordinals(self) -> None:
@@ -364,8 +368,7 @@ class StepRing:
         episode = steps["episode"][env, slot]  # of whole records copies every column
         lower = np.maximum(t - self.spec.frame_stack + 1, t - steps["pos"][env, slot])
         ok = steps["has_step"][env, slot] & (lower >= self.oldest[env])
-        alive, complete = ok.copy(), np.zeros_like(ok)
-        last = self.written[env] - 1
+        alive, complete, last = ok.copy(), np.zeros_like(ok), self.written[env] - 1
         for j in range(self.spec.n_step):
             u, us = t + j, (t + j) % self.slots_per_env
             alive &= (u < last) & steps["has_step"][env, us] & (steps["episode"][env, us]
@@ -400,8 +403,8 @@ class StepRing:
         """Everything a batch needs for valid flat slots, computed by index (compiled)."""
         spec, size = self.spec, flat.size
         cols = self._flat_cols
-        obs = np.empty((size, spec.frame_stack), np.int64)
-        next_obs = np.empty((size, spec.frame_stack), np.int64)
+        both = np.empty((2, size, spec.frame_stack), np.int64)
+        obs, next_obs = both[0], both[1]
         ret, discount = np.empty(size), np.empty(size)
         term, trunc = np.empty(size, bool), np.empty(size, bool)
         compiled().lookup(flat, self.written, self.slots_per_env, spec.frame_stack, spec.n_step,
@@ -411,7 +414,8 @@ class StepRing:
         steps = (next_obs[:, -1] - obs[:, -1]) % self.slots_per_env  # frames t + m, t: one env
         return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
                       reward=ret, terminated=term, truncated=trunc, discount=discount,
-                      steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat))
+                      steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat),
+                      slots=both)
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
@@ -432,6 +436,74 @@ class StepRing:
         if (self.oldest > self.written).any() or (self.written < 0).any():
             raise RuntimeError(
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
+
+
+# -- blocks of events: what many begin_episodes / record_step calls do, in one call ------------
+def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: np.ndarray,
+                 reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+                 extras: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Record events in order, as `StepRing.begin_episodes` (``auto[j]``) or `StepRing.record_step`
+    one by one would, in one compiled call; returns each event's new frame slot.
+
+    Every step's env must be running when its turn comes (the caller checked), and no
+    env may have `slots_per_env` events or more (`block_fits`). Rows of `action`,
+    `reward`, ... of auto events are ignored.
+    """
+    S, size = ring.slots_per_env, env_of.size
+    new_flat, step_flat = np.empty(size, np.int64), np.empty(size, np.int64)
+    touched = ring.written.copy()
+    spill_ids, spill_flat = np.empty(size, np.int64), np.empty(size, np.int64)
+    counters = np.array([ring.next_id, ring.next_episode], np.int64)
+    flat = ring.steps.reshape(-1)
+    spills = records().record_events(
+        env_of, auto, terminated, truncated, reward.astype(np.float32, copy=False), S,
+        flat["pos"], flat["episode"], flat["id"], flat["has_step"], flat["terminated"],
+        flat["truncated"], flat["reward"], ring.written, ring.running, ring.step_count,
+        ring.ord_of_frame.reshape(-1), ring.frame_of_ord.reshape(-1), ring._id_loc,
+        counters, new_flat, step_flat, touched, spill_ids, spill_flat)
+    ring.next_id, ring.next_episode = int(counters[0]), int(counters[1])
+    _write_block_records(flat, new_flat, step_flat, action, extras or {})
+    _touch_block(ring, touched)
+    if spills:
+        ring._id_spill.update(zip(spill_ids[:spills].tolist(),
+                                  spill_flat[:spills].tolist(), strict=True))
+        if len(ring._id_spill) >= ring._spill_prune_at:
+            ring._prune_spill()
+    return new_flat - env_of * S
+
+def block_fits(ring: StepRing, env_of: np.ndarray) -> bool:
+    """Whether `record_block` takes these events: fewer than `slots_per_env` per env."""
+    return int(np.bincount(env_of, minlength=1).max()) < ring.slots_per_env
+
+def _write_block_records(flat: np.ndarray, new_flat: np.ndarray,
+                         step_flat: np.ndarray, action: np.ndarray,
+                         extras: dict[str, np.ndarray]) -> None:
+    """The sub-array fields the kernel leaves: blank new frames, then the steps' rows."""
+    steps = step_flat >= 0
+    where = step_flat[steps]
+    flat["action"][new_flat] = 0
+    flat["action"][where] = action[steps]
+    for name, rows in extras.items():
+        flat[EXTRA_PREFIX + name][new_flat] = 0
+        flat[EXTRA_PREFIX + name][where] = rows[steps]
+
+def _touch_block(ring: StepRing, touched: np.ndarray) -> None:
+    """`_touch` of every frame from ``touched[e]`` to the last written, per env."""
+    np.minimum(ring._dirty_lo, touched, out=ring._dirty_lo)
+    for lo in ring.watchers:
+        np.minimum(lo, touched, out=lo)
+    block = ring.spec.block_slots
+    for e in np.flatnonzero(touched < ring.written).tolist():
+        lo, hi = int(touched[e]), int(ring.written[e])
+        if hi - lo >= ring.slots_per_env:
+            ring.dirty_blocks.update(range(-(-ring.slots_per_env // block)))
+            continue
+        first, last = lo % ring.slots_per_env // block, (hi - 1) % ring.slots_per_env // block
+        if first <= last:
+            ring.dirty_blocks.update(range(first, last + 1))
+        else:  # the frames wrap around the ring's end
+            ring.dirty_blocks.update(range(first, -(-ring.slots_per_env // block)))
+            ring.dirty_blocks.update(range(0, last + 1))
 
 
 def id_map(ring: StepRing) -> IdMap:

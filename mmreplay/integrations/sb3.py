@@ -23,6 +23,11 @@ Episode edges, per env:
   ``obs`` must be zero-padded, so a rebuilt stack equals what SB3 passed, bit for bit;
   anything else is refused (`ValueError`) before the store changes.
 
+One env without stacking (small vector observations): ``add`` stages the step in RAM
+(`StepStage`) and the store records staged steps as one block before anything reads it
+(``sample``, ``get``, ``size``, the ``store`` attribute, pickling, ``close``, garbage
+collection) or when 256 are staged; ``sample`` hands SB3 tensors viewing the store's arrays.
+
 Pickling (``save_replay_buffer``) flushes the store and keeps only the path, the
 configuration and the per-env state above; unpickling reopens the store. Constructing
 the buffer on an existing store opens it (``DQN.load`` rebuilds the buffer through the
@@ -47,8 +52,9 @@ import numpy as np
 import torch
 
 from mmreplay import lifecycle
+from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
-from mmreplay.torch_batch import Batch
+from mmreplay.torch_batch import ArrayBatch, Batch
 
 try:
     from gymnasium import spaces
@@ -63,6 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
 STATE_VERSION = 1
+STAGE_ROWS = 256  # steps of a one-env, unstacked buffer staged in RAM at most (`StepStage`)
 _ALL_FOLLOW = np.ones(64, bool)  # `StackLayout.follows` without stacking: read-only rows
 _ALL_FOLLOW.flags.writeable = False
 
@@ -188,7 +195,16 @@ def _acquire(key: str, opener: Any) -> ReplayStore:
         return store
 
 
-def _release(key: str) -> None:
+def _release(key: str, stage: StepStage | None = None) -> None:
+    """Record a buffer's staged steps, then close the store once no buffer shares it."""
+    try:
+        if stage is not None and not stage.store.closed:
+            stage.drain()
+    finally:
+        _drop(key)
+
+
+def _drop(key: str) -> None:
     with _OPEN_LOCK:
         if key not in _OPEN:
             return
@@ -282,13 +298,26 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         self._running = np.zeros(n_envs, bool)
         self._last_next = np.zeros((n_envs, *self.obs_shape), self._obs_dtype)
         key = os.path.realpath(path)
-        self.store = _acquire(key, lambda: self._open_or_create(path, create=create))
-        self._finalizer = weakref.finalize(self, _release, key)
+        self._store = _acquire(key, lambda: self._open_or_create(path, create=create))
+        self._stage = _make_stage(self)
+        self._finalizer = weakref.finalize(self, _release, key, self._stage)
         try:
             self._check_store()
         except BaseException:
             self._finalizer()
             raise
+
+    @property
+    def store(self) -> ReplayStore:
+        """The `ReplayStore` behind the buffer, every step added so far recorded in it."""
+        self.drain()
+        return self._store
+
+    def drain(self) -> None:
+        """Record the steps staged in RAM (one unstacked env stages them, see
+        `StepStage`); every read of the store does it first."""
+        if self._stage is not None:
+            self._stage.drain()
 
     def _open_or_create(self, path: str, *, create: bool) -> ReplayStore:
         root = Path(path)
@@ -306,7 +335,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
 
     def _check_store(self) -> None:
         """The store (perhaps an existing one) is the one this buffer describes."""
-        spec = self.store.spec
+        spec = self._store.spec
         want = dict(num_envs=self.n_envs, frame_stack=self.layout.frame_stack,
                     n_step=self.n_steps, obs_shape=self.layout.frame_shape,
                     obs_dtype=self._obs_dtype, action_shape=(self.action_dim,),
@@ -333,6 +362,11 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray,
             reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
         """Record one step of every env (see the module docstring for episode edges)."""
+        stage = self._stage
+        if stage is not None:
+            if stage.take(obs, next_obs, action, reward, done, infos):
+                return
+            stage.drain()  # in order: the staged steps first
         step = self._checked_step(obs, next_obs, action, reward, done, infos)
         if self.n_envs == 1:
             self._add_one(step)
@@ -346,8 +380,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                     f"obs of env {int(stale[0])} starts an episode but its stack holds older "
                     f"frames: the buffer keeps the newest frame only, so an episode must start "
                     f"with a zero-padded stack (VecFrameStack reset)")
-            self.store.reset(self.layout.newest(step.obs[starts_at]), env_ids=starts_at)
-        self.store.add(step.action, step.reward, self.layout.newest(step.next_obs),
+            self._store.reset(self.layout.newest(step.obs[starts_at]), env_ids=starts_at)
+        self._store.add(step.action, step.reward, self.layout.newest(step.next_obs),
                        step.terminated, step.truncated)
         going = ~(step.terminated | step.truncated)
         self._running = going
@@ -362,9 +396,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                     "obs of env 0 starts an episode but its stack holds older frames: the "
                     "buffer keeps the newest frame only, so an episode must start with a "
                     "zero-padded stack (VecFrameStack reset)")
-            self.store.reset(layout.newest(obs)[0])
+            self._store.reset(layout.newest(obs)[0])
         ended = bool(step.terminated[0]) or bool(step.truncated[0])
-        self.store.add(step.action[0], step.reward[0], layout.newest(step.next_obs)[0],
+        self._store.add(step.action[0], step.reward[0], layout.newest(step.next_obs)[0],
                        bool(step.terminated[0]), bool(step.truncated[0]))
         self._running[0] = not ended
         if not ended:
@@ -408,16 +442,22 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         """Positions filled per env, as SB3's ``ReplayBuffer.size()``: one per ``add`` (where
         every env steps), at most ``buffer_size // n_envs``. ``len(buffer.store)`` is the
         number of transitions that can be sampled now."""
-        return min(self.store.counts.transitions // self.n_envs, self.buffer_size)
+        staged = 0 if self._stage is None else self._stage.size
+        return min((self._store.counts.transitions + staged) // self.n_envs, self.buffer_size)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""
-        return self.samples(self.store.sample(batch_size), env)
+        self.drain()
+        if env is not None:  # VecNormalize: through `samples`
+            return self.samples(self._store.sample(batch_size), env)
+        arrays = self._store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
+        return _replay_samples(self, arrays)
 
     def get(self, ids: Any, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """The transitions with these store ids (ids count steps: ``k * n_envs + i`` is
         env ``i``'s step in the k-th ``add``)."""
-        return self.samples(self.store.get(ids), env)
+        self.drain()
+        return self.samples(self._store.get(ids), env)
 
     def _get_samples(self, batch_inds: np.ndarray,
                      env: VecNormalize | None = None) -> ReplayBufferSamples:
@@ -453,8 +493,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     # -- pickling (save_replay_buffer / load_replay_buffer) ----------------------------
     def __getstate__(self) -> dict[str, Any]:
         """Path, configuration and per-env state only; the store is flushed first."""
-        self.store.flush()
-        counts = self.store.counts
+        self.drain()
+        self._store.flush()
+        counts = self._store.counts
         return dict(version=STATE_VERSION, path=self.path, config=dict(self._config),
                     observation_space=self.observation_space, action_space=self.action_space,
                     device=str(self.device), running=self._running.copy(),
@@ -467,14 +508,50 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                              f"expected {STATE_VERSION}")
         self._setup(state["path"], state["observation_space"], state["action_space"],
                     state["device"], state["config"], create=False)
-        counts = self.store.counts
+        counts = self._store.counts
         if (counts.frames_written, counts.transitions) == tuple(state["at"]):
-            self._running = np.asarray(state["running"], bool).copy()
-            self._last_next = np.asarray(state["last_next"], self._obs_dtype).copy()
+            self._running[:] = np.asarray(state["running"], bool)  # shared with the stage
+            self._last_next[:] = np.asarray(state["last_next"], self._obs_dtype)
         else:
             warnings.warn(f"the store at {self.path} changed since this buffer was saved: "
                           f"its running episodes end as truncated at the next step",
                           stacklevel=2)
+
+
+def _make_stage(buf: FrameOnceReplayBuffer) -> StepStage | None:
+    """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
+    if buf.n_envs != 1 or buf.layout.frame_stack != 1:
+        return None
+    capacity = int(min(STAGE_ROWS, max(buf.buffer_size // 4, 1)))
+    return StepStage(buf._store, buf.obs_shape, buf._obs_dtype, buf.action_dim,
+                     buf._action_dtype, capacity=capacity,
+                     timeouts=buf.handle_timeout_termination, running=buf._running,
+                     last_next=buf._last_next)
+
+
+def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
+    """`FrameOnceReplayBuffer.samples` of a store's `ArrayBatch` (no VecNormalize): each field
+    handed to torch without a copy (``obs``, ``next_obs``: views of one tensor of frames)."""
+    frames = batch.frames
+    if buf.layout.frame_stack == 1:
+        both = torch.from_numpy(frames.reshape(2, frames.shape[1], *buf.obs_shape))
+        obs, next_obs = both[0], both[1]
+    else:
+        both = torch.from_numpy(frames)
+        obs, next_obs = buf.layout.to_sb3(both[0]), buf.layout.to_sb3(both[1])
+    rewards = batch.reward.reshape(-1, 1)
+    discounts = None
+    if buf.n_steps > 1:
+        discounts = torch.from_numpy(
+            (buf.gamma ** batch.steps).astype(np.float32).reshape(-1, 1))
+    fields = dict(observations=obs, actions=torch.from_numpy(batch.action),
+                  next_observations=next_obs,
+                  dones=torch.from_numpy(batch.terminated.astype(np.float32)[:, None]),
+                  rewards=torch.from_numpy(rewards), discounts=discounts)
+    if buf.device.type != "cpu":
+        fields = {k: None if v is None else v.to(buf.device, non_blocking=True)
+                  for k, v in fields.items()}
+    return ReplayBufferSamples(**fields)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ sum-tree walks) with plain-array signatures: it knows no files, manifests or tor
 numba, its on-disk cache and the C symbols it binds, so it is imported on a store's first read
 or sparse priority update through `compiled()`, never by ``import mmreplay``: opening a store
 for ``mmreplay info`` never loads it. `priority_kernels` (masses and a whole priority update
-in one call) and `table_kernels` (reads from a table of every decoded chunk) are loaded the
-same way, through `priorities()` and `tables()`.
+in one call), `table_kernels` (reads from a table of every decoded chunk) and `record_kernels`
+(a block of recorded steps in one call) are loaded the same way, through `priorities()`,
+`tables()` and `records()`.
 """
 
 from __future__ import annotations
@@ -35,3 +36,9 @@ def priorities() -> ModuleType:
 def tables() -> ModuleType:
     """`mmreplay.kernels.table_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.table_kernels")
+
+
+@functools.cache
+def records() -> ModuleType:
+    """`mmreplay.kernels.record_kernels`, imported on the first call."""
+    return importlib.import_module("mmreplay.kernels.record_kernels")

@@ -453,6 +453,32 @@ class FrameStore:
             return f"{self._shards.path(env, shard)} (chunk {j})"
         return self._chunk_file(env, chunk)
 
+def append_run(fs: FrameStore, env: int, slot: int, frames: np.ndarray) -> None:
+    """`FrameStore.append_one` of consecutive frames of `env` from `slot` on: copied a chunk's
+    piece at a time, each chunk written once full. A chunk write that raises does not
+    stop the run (the frames stay in order with the ring); the first error is raised
+    at the end."""
+    error: Exception | None = None
+    done, total = 0, len(frames)
+    while done < total:
+        chunk, offset = divmod(slot, fs._chunk_len)
+        assert offset == fs.tail_fill[env], "frames must arrive in slot order"
+        room = fs.chunk_slots(chunk) - offset
+        take = min(total - done, room)
+        fs.tail[env, offset:offset + take] = frames[done:done + take]
+        fs.tail_fill[env] = offset + take
+        slot = (slot + take) % fs.spec.slots_per_env
+        fs.next_slot[env] = slot
+        done += take
+        if take == room:
+            try:
+                fs._write_chunk(env, chunk)
+            except Exception as exc:  # noqa: BLE001 - re-raised once the run is in place
+                error = error or exc
+    if error is not None:
+        raise error
+
+
 def _address(data: bytes) -> int:
     """The address of a bytes object's buffer (the caller keeps `data` alive)."""
     return int(np.frombuffer(data, np.uint8).ctypes.data)

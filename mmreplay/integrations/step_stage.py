@@ -1,0 +1,156 @@
+"""`StepStage`: the steps of a one-env buffer of small observations, held in RAM until a
+store records them as one block.
+
+An SB3-style ``add(obs, next_obs, action, reward, done, infos)`` of one unstacked env costs
+SB3's own buffer a few row copies; a store records a step through its checks, its ring and
+its frame store. The stage keeps the SB3 cost per ``add`` (checked row copies into
+preallocated arrays) and hands the store whole blocks (`ReplayStore.add_rows`: checked once,
+recorded by one compiled call)::
+
+    add -> take(): shape/dtype/finite checks, rows copied        (refused: nothing staged)
+    sample, get, size, pickling, close, a full stage -> drain():
+        episode starts found (not running, or obs != the previous next_obs)
+        rows: [o_0 of each start as an autoreset row] + one row per step -> store.add_rows
+
+What a drain recorded is in the store like any ``add``: a flush commits it. Rows still
+staged are not in the store yet: the buffer drains before anything reads the store (its
+``store`` attribute included) and when it is closed or garbage-collected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mmreplay.recorder import StepRows
+from mmreplay.store import ReplayStore
+
+# A drain of fewer rows records them call by call: a block's fixed cost is higher.
+SMALL_DRAIN = 4
+
+
+class StepStage:
+    """Steps of env 0 of a one-env, unstacked buffer, not yet recorded (see module doc).
+
+    `running` and `last_next` are the buffer's per-env state arrays, shared and updated in
+    place by `drain`: whether env 0's episode runs, and its last recorded ``next_obs``.
+    """
+
+    def __init__(self, store: ReplayStore, obs_shape: tuple[int, ...], obs_dtype: np.dtype,
+                 action_dim: int, action_dtype: np.dtype, *, capacity: int, timeouts: bool,
+                 running: np.ndarray, last_next: np.ndarray) -> None:
+        self.store = store
+        self.shape, self.dtype = (1, *obs_shape), np.dtype(obs_dtype)
+        self.floating = self.dtype.kind == "f"
+        self.action_dim, self.timeouts = action_dim, timeouts
+        self.capacity = capacity
+        self.pairs = np.zeros((capacity, 2, *self.shape), self.dtype)  # obs, next_obs
+        self.action = np.zeros((capacity, action_dim), action_dtype)
+        self.reward = np.zeros(capacity, np.float32)
+        self.terminated = np.zeros(capacity, bool)
+        self.truncated = np.zeros(capacity, bool)
+        self.size = 0
+        self.running, self.last_next = running, last_next
+
+    def take(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
+             infos: Any) -> bool:
+        """Stage one step if every argument is a plain array of the expected shape and
+        dtype with finite values; False (nothing staged) for anything else, which the
+        caller's full checks then explain. Drains when the stage is full."""
+        nd = np.ndarray
+        if not (type(obs) is nd and type(next_obs) is nd and type(action) is nd
+                and type(reward) is nd and type(done) is nd
+                and obs.shape == self.shape and next_obs.shape == self.shape
+                and obs.dtype == self.dtype and next_obs.dtype == self.dtype
+                and action.size == self.action_dim and action.dtype.kind in "biuf"
+                and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1
+                and len(infos) == 1
+                and type(infos[0]) is dict):
+            return False
+        k = self.size
+        pair = self.pairs[k]
+        pair[0] = obs
+        pair[1] = next_obs
+        rew = reward.item()
+        if not math.isfinite(rew) or (self.floating and not _finite(pair)):
+            return False
+        self.action[k] = action.reshape(self.action_dim)
+        self.reward[k] = rew
+        # as SB3's NStepReplayBuffer: a time-out ends the episode as truncated, done or not
+        if self.timeouts and infos[0].get("TimeLimit.truncated", False):
+            self.terminated[k], self.truncated[k] = False, True
+        else:
+            self.terminated[k], self.truncated[k] = done.item(), False
+        self.size = k + 1
+        if self.size == self.capacity:
+            self.drain()
+        return True
+
+    def drain(self) -> None:
+        """Record every staged step (episode starts first), then empty the stage."""
+        count = self.size
+        if not count:
+            return
+        try:
+            starts = self._starts(count)
+            if count < SMALL_DRAIN:
+                self._record_each(count, starts)
+            else:
+                self.store.add_rows(self._rows(count, starts))
+        finally:
+            self.size = 0
+        last = count - 1
+        ended = bool(self.terminated[last] or self.truncated[last])
+        self.running[0] = not ended
+        if not ended:
+            self.last_next[0] = self.pairs[last, 1, 0]
+
+    def _starts(self, count: int) -> np.ndarray:
+        """Per staged step: its obs starts an episode (none running, or not the previous
+        step's next_obs: a reset without a done flag ends the running episode)."""
+        width = math.prod(self.shape)
+        obs = self.pairs[:count, 0, 0].reshape(count, width)
+        before = np.empty_like(obs)
+        before[0] = self.last_next[0].reshape(width)
+        before[1:] = self.pairs[:count - 1, 1, 0].reshape(count - 1, width)
+        idle = np.empty(count, bool)
+        idle[0] = not self.running[0]
+        idle[1:] = self.terminated[:count - 1] | self.truncated[:count - 1]
+        return np.asarray(idle | (obs != before).any(axis=1))
+
+    def _record_each(self, count: int, starts: np.ndarray) -> None:
+        store = self.store
+        for j in range(count):
+            if starts[j]:
+                store.reset(self.pairs[j, 0])
+            store.add(self.action[j], float(self.reward[j]), self.pairs[j, 1],
+                      bool(self.terminated[j]), bool(self.truncated[j]))
+
+    def _rows(self, count: int, starts: np.ndarray) -> StepRows:
+        """The staged steps as rows of `ReplayStore.add_rows`: each start an autoreset row
+        (its o_0) before its step's row."""
+        step_row = np.arange(count) + np.cumsum(starts)
+        reset_row = step_row[starts] - 1
+        rows = count + int(starts.sum())
+        frames = np.empty((rows, *self.shape), self.dtype)
+        frames[step_row] = self.pairs[:count, 1]
+        frames[reset_row] = self.pairs[:count, 0][starts]
+        auto = np.zeros((rows, 1), bool)
+        auto[reset_row] = True
+        action = np.zeros((rows, 1, self.action_dim), self.action.dtype)
+        action[step_row, 0] = self.action[:count]
+        reward, term, trunc = (np.zeros((rows, 1), a.dtype) for a in
+                               (self.reward, self.terminated, self.truncated))
+        reward[step_row, 0] = self.reward[:count]
+        term[step_row, 0] = self.terminated[:count]
+        trunc[step_row, 0] = self.truncated[:count]
+        return StepRows(env_ids=None, action=action, reward=reward, next_obs=frames,
+                        terminated=term, truncated=trunc, autoreset=auto)
+
+
+def _finite(pair: np.ndarray) -> bool:
+    """Every value finite: a finite sum says so at once (a sum that overflows, or any NaN
+    or inf, makes the full check)."""
+    return math.isfinite(np.add.reduce(pair, axis=None)) or bool(np.isfinite(pair).all())
