@@ -87,14 +87,11 @@ class UniformSampler:
         return int(round(self._tree.total()))
 
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float = 0.0) -> Draw:
-        count = self.count()
-        # k = floor(u * count), u ~ U[0, 1): uniform over 0..count-1 to within count / 2^53
-        # (``rng.integers`` costs several times more per call); a product that rounds up to
-        # count is clipped. Then k + 0.5 < count == total.
-        k = np.floor(rng.random(batch_size) * count)
-        np.minimum(k, count - 1, out=k)
-        k += 0.5
-        slots = self._tree.find_checked(k)
+        # ``rng.integers`` keeps the draws of a seed (and of a saved RNG state) the same across
+        # versions: the golden stores pin them (tests/test_format.py), so a run resumed by a
+        # newer version draws what the old one would have.
+        k = rng.integers(0, self.count(), size=batch_size)
+        slots = self._tree.find_checked(k + 0.5)  # k + 0.5 < count == total
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
 
     def check_valid(self) -> None:
