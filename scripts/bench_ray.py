@@ -5,7 +5,7 @@
 Ingest: one store of `num_envs` envs (frame stack 4, n-step 3) fed the recorded Breakout stream
 (each env replays it from its own offset) by (a) `store.add` of every env in this process, and
 (b) 1, 2 and 4 Ray actors, each owning `num_envs / actors` envs and sending `BlockWriter`
-blocks (raw or lz4 frames) to a `StoreActor`. Every rate ends with a flush of the store.
+blocks (raw or zstd-1 frames) to a `StoreActor`. Every rate ends with a flush of the store.
 Learner: `sample(batch)` in this process against `RemoteBatches` (prefetch; raw or lz4 stacks;
 one or 4 batches per call) from a store actor on the same store: batches per second and the
 median wait for a batch, with nothing else to do and with a DQN gradient step per batch.
@@ -159,7 +159,7 @@ def store_profile(before: dict[str, float], after: dict[str, float],
                   reports: list[dict[str, float]], seconds: float,
                   steps: int) -> dict[str, float]:
     """The store actor's share of an ingest run: its writer thread's time in checking
-    (lz4 decoding included), applying and flushing blocks, per step and as a share of the
+    (zstd decoding included), applying and flushing blocks, per step and as a share of the
     wall time; the CPU seconds of the store process and of the writers against the
     `seconds` x cores the machine had."""
     d = {k: after[k] - before[k] for k in after}
@@ -293,7 +293,7 @@ def main() -> None:
               f"best of {args.repeats}")
         for r in results["ingest"]:
             r["share_of_in_process"] = r["steps_per_s"] / base
-            print(f"ray {r['actors']} actor(s) {'lz4' if r['compress'] else 'raw'}: "
+            print(f"ray {r['actors']} actor(s) {'zstd' if r['compress'] else 'raw'}: "
                   f"{r['steps_per_s']:,.0f} steps/s ({r['share_of_in_process']:.0%}), "
                   f"block {r['block_steps']} steps / {r['block_bytes'] / 1024:,.0f} KiB, "
                   f"{r['bytes_per_step']:,.0f} B/step, writers blocked "
