@@ -12,7 +12,6 @@ stacks and sequences share it, and each frame is copied straight into the batch.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from mmreplay.index.sequences import SequenceIndex, SequenceKey, SequenceWindows
 from mmreplay.reader import Reader
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.frame_store import FrameStore
+from mmreplay.torch_batch import OutputBuffers
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,10 @@ class SequenceReader:
         self._priority_of = priority_of
         self.indexes: dict[SequenceKey, SequenceIndex] = {}
         self._any_slot = np.ones(self.ring.valid.size, bool)
-        self._buffers = BufferPool()
+        # A sequence batch of pixels is large (32 x 80 4-stacks of 84x84: 73 MB), beyond what
+        # malloc keeps in its heap: a fresh array costs a page fault per 4 KiB on first touch,
+        # about as much as the gather itself, so such buffers are pooled and reused.
+        self._buffers = OutputBuffers(min_bytes=32 << 20)
 
     def index(self, key: SequenceKey) -> SequenceIndex:
         """The (refreshed) index of `key`, built on first use."""
@@ -136,43 +139,6 @@ class SequenceReader:
         for index in self.indexes.values():
             if index.priority_of is not None:
                 index.set_priorities(flat, priorities)
-
-
-class BufferPool:
-    """Frame buffers of sequence batches, reused once every batch viewing them is gone.
-
-    A sequence batch of pixels is large (32 x 80 4-stacks of 84x84: 73 MB), beyond what
-    glibc's malloc keeps in its heap, so a fresh array costs a page fault per 4 KiB on
-    first touch, about as much as the gather itself. A batch's tensors hold a reference to
-    their buffer; a pooled buffer that only the pool references is free for the next batch.
-    """
-
-    def __init__(self, capacity: int = 4, min_bytes: int = 32 << 20) -> None:
-        self.capacity = capacity
-        self.min_bytes = min_bytes  # smaller arrays come from malloc's heap already
-        self._free_refs = -1
-        self.buffers: list[np.ndarray] = []
-
-    def take(self, nbytes: int) -> np.ndarray | None:
-        """A free buffer of at least `nbytes` (pooled or new), or None for small ones."""
-        if nbytes < self.min_bytes:
-            return None
-        for buffer in self.buffers:
-            if buffer.size >= nbytes and sys.getrefcount(buffer) <= self._refs_when_free():
-                return buffer
-        buffer = np.empty(nbytes, np.uint8)
-        self.buffers.append(buffer)
-        if len(self.buffers) > self.capacity:
-            self.buffers.pop(0)  # still viewed by someone, or too small: theirs to free
-        return buffer
-
-    def _refs_when_free(self) -> int:
-        """References a buffer held only by the pool has, seen from the loop in `take`."""
-        if self._free_refs < 0:
-            probe = [np.empty(1, np.uint8)]
-            for buffer in probe:
-                self._free_refs = sys.getrefcount(buffer)
-        return self._free_refs
 
 
 def sequence_key(spec: StoreSpec, length: object, cross_episodes: object,

@@ -19,7 +19,12 @@ import pytest
 
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore, StoreLockedError
 from mmreplay.errors import ObjectStoreError
-from mmreplay.storage.objects import ObjectChangedError, ObjectMissingError, open_objects
+from mmreplay.storage.objects import (
+    ObjectChangedError,
+    ObjectMissingError,
+    Objects,
+    open_objects,
+)
 from mmreplay.storage.transfer import Lease, pull
 from mmreplay.tools.cli import main as cli
 
@@ -47,6 +52,14 @@ def fill(store: ReplayStore, steps: int, seed: int = 0) -> None:
             ids = store.valid_ids()[-8:]
             store.update_priorities(ids, rng.random(ids.size) + 0.1)
 
+
+
+def put_tree(objects: Objects, root: Path) -> None:
+    """Upload every plain file under `root` (a store directory, hostile or not) as it is,
+    leaving out the local lock files a bucket never holds."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.name not in ("lock", "readers"):
+            objects.put(path.relative_to(root).as_posix(), path.read_bytes())
 
 def make(path: Path, **kw: object) -> ReplayStore:
     return ReplayStore.create(path, capacity=3000, obs_shape=OBS, frame_stack=4, n_step=3,
@@ -405,10 +418,7 @@ def test_hostile_corpus_uploaded_to_a_bucket_is_refused(tmp_path: Path) -> None:
     for i, case in enumerate(chosen[::10]):
         env = make_case(case, bases, tmp_path / f"case{i}")
         url = f"file://{tmp_path}/bucket{i}"
-        objects = open_objects(url)
-        for path in sorted(env.root.rglob("*")):
-            if path.is_file() and not path.is_symlink() and path.name not in ("lock", "readers"):
-                objects.put(path.relative_to(env.root).as_posix(), path.read_bytes())
+        put_tree(open_objects(url), env.root)
         with pytest.raises(InvalidStoreError):
             ReplayStore.open(url, "r", cache_dir=tmp_path).close()
             pytest.fail(f"case {case.name} opened from the bucket")

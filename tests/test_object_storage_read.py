@@ -21,7 +21,7 @@ from mmreplay.tools.cli import main as cli
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")
 from s3_server import FaultProxy, S3Server  # noqa: E402
-from test_object_storage import fill, make  # noqa: E402
+from test_object_storage import fill, make, put_tree  # noqa: E402
 
 pytest_plugins = ["s3_server"]  # the fixtures s3, s3_proxy, s3_session
 
@@ -163,10 +163,7 @@ def test_hostile_corpus_in_an_s3_bucket(s3: S3Server, tmp_path: Path,
     for i, case in enumerate(chosen[::25]):
         env = make_case(case, bases, tmp_path / f"case{i}")
         url = s3.url(f"hostile-corpus-{uuid.uuid4().hex[:8]}")
-        objects = open_objects(url)
-        for path in sorted(env.root.rglob("*")):
-            if path.is_file() and not path.is_symlink() and path.name not in ("lock", "readers"):
-                objects.put(path.relative_to(env.root).as_posix(), path.read_bytes())
+        put_tree(open_objects(url), env.root)
         with pytest.raises(InvalidStoreError):
             ReplayStore.open(url, "r", cache_dir=tmp_path).close()
             pytest.fail(f"case {case.name} opened from the bucket")
