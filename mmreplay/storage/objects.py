@@ -16,7 +16,10 @@ crate). obstore is imported only when an ``s3://`` URL is opened, so ``import mm
 and local stores never load it. Credentials come from the standard AWS environment
 variables and an explicit ``storage_options`` mapping (which wins); they never appear in
 a repr, an error message or anything written: messages from the client are scrubbed of
-every secret value before they are raised.
+every secret value before they are raised, and a request the server refuses for its
+credentials (HTTP 401/403: a wrong key or secret, a signature that does not match) raises
+`ObjectAccessDeniedError`, which says so without quoting the server's answer (an S3 error
+body may echo the access key and the string that was signed).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ SECRET_OPTIONS = ("secret_access_key", "aws_secret_access_key", "session_token",
 SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 GET_RETRIES = 3  # whole-request retries on top of the client's own, for reads
 _KEY = re.compile(r"[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*")
+_DENIED = re.compile(r"\b(401 Unauthorized|403 Forbidden)\b|SignatureDoesNotMatch|"
+                     r"InvalidAccessKeyId|AccessDenied")
+_S3_CODE = re.compile(r"<Code>([A-Za-z]{1,64})</Code>")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class ObjectMissingError(ObjectStoreError, FileNotFoundError):
 
 class ObjectChangedError(ObjectStoreError):
     """The object was replaced since the etag a conditional read named."""
+
+
+class ObjectAccessDeniedError(ObjectStoreError, PermissionError):
+    """The server refused the request's credentials (HTTP 401/403); retrying cannot help."""
 
 
 def is_url(path: Any) -> bool:
@@ -285,9 +295,21 @@ class S3Objects(Objects):
             if isinstance(exc, ObjectStoreError):
                 raise
             text = " ".join(str(exc).split())
+            if isinstance(exc, (exceptions.PermissionDeniedError,
+                                exceptions.UnauthenticatedError)) or _DENIED.search(text):
+                raise ObjectAccessDeniedError(self._denied(what, key, text)) from None
             for secret in self._secrets:
                 text = text.replace(secret, "***")
             raise ObjectStoreError(f"{what} {self.url}/{key} failed: {text[:300]}") from None
+
+    def _denied(self, what: str, key: str, text: str) -> str:
+        """The message of a refused request: what was expected, what the server said (its
+        S3 error code only), where the credentials come from."""
+        code = _S3_CODE.search(text)
+        said = code.group(1) if code else ("HTTP 401" if "401" in text else "HTTP 403")
+        return (f"{what} {self.url}/{key}: access denied by the server ({said}): check the "
+                f"credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or storage_options "
+                f"access_key_id and secret_access_key) and that they give access to this bucket")
 
     def list(self, prefix: str = "") -> dict[str, ObjectInfo]:
         out: dict[str, ObjectInfo] = {}
@@ -320,7 +342,7 @@ class S3Objects(Objects):
             try:
                 with self._errors(what, key):
                     return read()
-            except ObjectMissingError:
+            except (ObjectMissingError, ObjectAccessDeniedError):
                 raise
             except ObjectStoreError:
                 if attempt + 1 == GET_RETRIES:
