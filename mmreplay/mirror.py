@@ -10,32 +10,47 @@ failed pushes with backoff. The training loop waits only when the mirror falls m
                        └─ push g7 (thread) ────────────┴─ push g8 ─ ...
 
 A lost lease (another writer took the prefix over) stops the mirror; the next `notify`
-or `wait` raises it.
+or `wait` raises it. A writer that restarts in a new process (a Ray store actor) passes
+the same `writer_id`, so it renews its own lease instead of waiting for it to expire.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmreplay.errors import InvalidStoreError, ObjectStoreError, StoreLockedError
 from mmreplay.storage.manifest import read_manifest
 from mmreplay.storage.objects import Objects
-from mmreplay.storage.transfer import LEASE_TTL_S, Pusher, PushReport
+from mmreplay.storage.transfer import LEASE_TTL_S, Lease, Pusher, PushReport
 
 MAX_LAG = 2  # generations the bucket may trail the directory before a flush waits
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 GIVE_UP_AFTER = 4  # consecutive failed pushes after which a waiting caller gets the error
 
 
+@dataclass(frozen=True)
+class MirrorInfo:
+    """Where a mirror stands: the newest generation in the bucket, how many committed
+    generations it trails by, the pushes made so far and the last push error (None when
+    the last push succeeded)."""
+
+    url: str
+    pushed: int
+    lag: int
+    pushes: int
+    error: str | None
+
+
 class Mirror:
     """Pushes every committed generation of `root` into `objects`, off the caller's thread."""
 
     def __init__(self, root: Path, objects: Objects, *, max_lag: int = MAX_LAG,
-                 take_over: bool = False) -> None:
+                 take_over: bool = False, writer_id: str | None = None) -> None:
         self.objects, self.max_lag = objects, max_lag
-        self._pusher = Pusher(root, objects)
+        self._pusher = Pusher(root, objects, lease=Lease(objects, writer_id=writer_id))
         self._pusher.lease.acquire(take_over=take_over)  # refuse a second writer now
         self._take_over = take_over
         self._cond = threading.Condition()
@@ -53,6 +68,12 @@ class Mirror:
     def lag(self) -> int:
         """Generations committed locally and not yet in the bucket."""
         return self._wanted - self.pushed
+
+    def info(self) -> MirrorInfo:
+        """A snapshot of `pushed`, `lag`, the number of pushes and the last error."""
+        with self._cond:
+            error = None if self.error is None else str(self.error)
+            return MirrorInfo(self.objects.url, self.pushed, self.lag, len(self.reports), error)
 
     def notify(self, generation: int, *, wait: bool = False) -> None:
         """A generation was committed; waits only while the mirror lags by > `max_lag`, or

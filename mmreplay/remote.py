@@ -48,16 +48,18 @@ class BucketMethods:
             pusher.close()
 
     def attach_mirror(self, url: str | None, storage_options: dict[str, str] | None = None,
-                      take_over: bool = False) -> Any:
+                      take_over: bool = False, *, writer_id: str | None = None) -> Any:
         """Start mirroring every flush into `url` (what ``mirror=`` at create/open does);
-        returns the store. A store that cannot mirror as asked is closed again."""
+        returns the store. A store that cannot mirror as asked is closed again.
+        `writer_id` names the writer in the prefix's lease (default: a new one), so that a
+        writer restarted elsewhere renews its own lease (see `Mirror`)."""
         if url is None:
             return self
         try:
             if not self.writable:
                 raise InvalidInputError("mirror= needs a writable open (mode='r+')")
             self.mirror = Mirror(self.path, open_objects(url, storage_options),
-                                 take_over=take_over)
+                                 take_over=take_over, writer_id=writer_id)
             self.mirror.notify(self.generation)
         except BaseException:
             self.close()

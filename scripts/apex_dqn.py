@@ -19,9 +19,10 @@ renames the checkpoint into place, so the store holds at least the transitions t
 counted (its scheduled flushes may add more: the replay keeps them). On ``--resume`` the store
 actor reopens the store at its last flush and the env actors start fresh episodes.
 
-``--store s3://bucket/prefix`` mirrors the run there: this process pushes the store actor's
-directory to ``PREFIX/store`` after each checkpoint's flush, then uploads the checkpoint beside
-it; ``--resume --store URL`` with an empty run directory (a machine that never saw the run)
+``--store s3://bucket/prefix`` mirrors the run there: the store actor mirrors every flush it
+makes (scheduled or timed) to ``PREFIX/store`` in the background, holding the prefix's writer
+lease; a checkpoint waits until its flush is in the bucket, then uploads the checkpoint beside
+it. ``--resume --store URL`` with an empty run directory (a machine that never saw the run)
 brings both down first (docs/object-storage.md).
 """
 
@@ -201,13 +202,12 @@ class EnvActor:
 
 
 def save_checkpoint(run_dir: Path, store: Any, state: dict[str, Any],
-                    bucket: RunBucket | None = None, mirror: Any = None) -> None:
+                    bucket: RunBucket | None = None) -> None:
     """Flush the store, then put the checkpoint in place (temp file + rename). With `bucket`
-    the flushed generation is pushed first (`mirror`), then the checkpoint goes up: the
-    bucket's store holds at least the transitions its checkpoint counted, as on disk."""
-    flushed = ray.get(store.flush.remote())
-    if mirror is not None:
-        mirror.notify(flushed.generation, wait=True)
+    the store actor's mirror has pushed the flush before it returns, then the checkpoint
+    goes up: the bucket's store holds at least the transitions its checkpoint counted, as
+    on disk."""
+    flushed = ray.get(store.flush.remote(wait_mirror=bucket is not None))
     pending = run_dir / "checkpoint.pt.pending"
     torch.save({**state, "transitions": flushed.transitions}, pending)
     os.replace(pending, run_dir / "checkpoint.pt")
@@ -251,12 +251,11 @@ class Run:
     updates: int = 0
     episodes: dict[str, list[Any]] = field(default_factory=lambda: {"step": [], "return": []})
     bucket: RunBucket | None = None  # `--store`: the run's copy in object storage
-    mirror: Any = None  # the `Mirror` of the store actor's directory into the bucket
 
     def checkpoint(self) -> None:
         save_checkpoint(self.run_dir, self.store, {
             **self.learner.state(), "global_step": self.global_step, "updates": self.updates,
-            "episodes": self.episodes, "args": asdict(self.args)}, self.bucket, self.mirror)
+            "episodes": self.episodes, "args": asdict(self.args)}, self.bucket)
 
     def record(self, report: dict[str, Any]) -> int:
         """Count an actor call's steps and episodes; returns the step count before it."""
@@ -276,9 +275,8 @@ class Run:
 
 def open_run(args: Args, run_dir: Path, bucket: RunBucket | None = None) -> Run:
     """A new run (store actor creating the store) or the one in `run_dir` resumed; with
-    `bucket` the store comes down from there into an empty `run_dir`, and is mirrored there
-    from this process (the store actor writes, `Mirror.sync` pushes each checkpoint's
-    commit)."""
+    `bucket` the store comes down from there into an empty `run_dir`, and the store actor
+    mirrors every flush back there (taking the prefix's writer lease as it starts)."""
     probe = make_env(args.env)
     obs_space, num_actions = probe.observation_space, int(probe.action_space.n)
     probe.close()
@@ -302,14 +300,14 @@ def open_run(args: Args, run_dir: Path, bucket: RunBucket | None = None) -> Run:
                       sampler="prioritized", alpha=args.alpha)
     run.store = start_store_actor(run_dir / "store", create,
                                   flush_every_steps=args.flush_every_steps,
-                                  rate_limiter=make_rate_limiter(args))
+                                  rate_limiter=make_rate_limiter(args),
+                                  mirror=None if bucket is None else bucket.store_url,
+                                  take_over=args.take_over)
+    run.bucket = bucket
     spec = ray.get(run.store.spec.remote())
     if spec.num_envs != args.num_actors * args.envs_per_actor:
         raise UsageError(f"the store has {spec.num_envs} envs; the arguments ask for "
                          f"{args.num_actors} x {args.envs_per_actor}")
-    if bucket is not None:  # the store actor has opened the store (spec answered)
-        run.bucket, run.mirror = bucket, bucket.mirror(run_dir, take_over=args.take_over)
-        run.mirror.sync()
     return run
 
 
@@ -452,6 +450,7 @@ def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches 
     progress.close()
     if batches is not None:
         batches.close()
+    mirrored = ray.get(run.store.mirror_info.remote())  # what the run pushed as it went
     run.checkpoint()
     counts = ray.get(run.store.counts.remote())
     start, start_step, start_updates = progress.start
@@ -467,12 +466,11 @@ def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches 
         "epsilons": [apex_epsilon(i, run.args.num_actors) for i in range(run.args.num_actors)],
         "store_transitions": counts.transitions, "interrupted": interrupted,
         "wall_seconds": wall, "rate_limiter": limited,
+        "mirror": None if mirrored is None else asdict(mirrored),
     }
-    ray.get(run.store.close.remote())
+    ray.get(run.store.close.remote())  # with a mirror: pushes the last commit, frees the lease
     (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if run.bucket is not None:
-        run.mirror.sync()
-        run.mirror.close()  # pushes the store's last commit
         run.bucket.upload(run.run_dir, "summary.json")
     tqdm.write(f"stopped at step {run.global_step}: " + json.dumps(summary))
     return summary

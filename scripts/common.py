@@ -217,14 +217,6 @@ class RunBucket:
 
         working_copy(open_objects(self.store_url), run_dir / "store", take_over=take_over)
 
-    def mirror(self, run_dir: Path, *, take_over: bool = False) -> Any:
-        """A `Mirror` of ``run_dir/store`` into ``PREFIX/store``, for a store written by
-        another process (the Ray store actor): `Mirror.sync` after each of its commits."""
-        from mmreplay.mirror import Mirror
-        from mmreplay.storage.objects import open_objects
-
-        return Mirror(run_dir / "store", open_objects(self.store_url), take_over=take_over)
-
 
 @dataclass
 class StoreArgs:

@@ -21,7 +21,7 @@ import pytest
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore, StoreLockedError
 from mmreplay.errors import ObjectStoreError
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import pull
+from mmreplay.storage.transfer import Lease, pull, read_bucket_manifest
 from mmreplay.tools.cli import main as cli
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -170,6 +170,28 @@ def test_second_writer_refused_by_mirror_push_and_resume(s3: S3Server, tmp_path:
         assert taken.generation == first.generation
 
 
+def test_a_writer_restarted_with_its_writer_id_renews_its_own_lease(tmp_path: Path) -> None:
+    """What a Ray store actor and its restarts do (file:// bucket): a lease taken for a
+    writer id (by `start_store_actor`, or a process that died holding it) is renewed by a
+    mirror with that id, while any other writer is refused. `Mirror.info` says where the
+    mirror stands."""
+    url = f"file://{tmp_path}/bucket"
+    Lease(open_objects(url), writer_id="run-7").acquire()
+    with make(tmp_path / "a") as store:
+        fill(store, 100)
+    with pytest.raises(StoreLockedError, match="another writer"):
+        ReplayStore.open(tmp_path / "a", "r+", mirror=url)
+    with ReplayStore.open(tmp_path / "a", "r+") as store:
+        store.attach_mirror(url, writer_id="run-7")  # no take_over needed
+        fill(store, 50, seed=2)
+        store.flush(wait_mirror=True)
+        info = store.mirror.info()
+        assert (info.url, info.pushed, info.lag, info.error) == (url, store.generation, 0, None)
+        assert info.pushes >= 1
+        assert json.loads(open_objects(url).get("lease.json"))["writer"] == "run-7"
+    assert open_objects(url).head("lease.json") is None  # released at close
+
+
 # -- credentials --------------------------------------------------------------------------
 def test_credentials_never_in_errors_logs_or_objects(s3: S3Server, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
@@ -292,17 +314,25 @@ def test_train_dqn_resumes_from_the_bucket_exactly_as_locally(s3: S3Server,
 
 def test_apex_dqn_resumes_from_the_bucket_on_a_new_machine(s3: S3Server,
                                                            tmp_path: Path) -> None:
+    """The store actor mirrors its scheduled flushes (the first run checkpoints only at its
+    end, yet the bucket got several generations while it trained); a new machine resumes."""
     pytest.importorskip("ray", reason="needs the ray extra: pip install 'mmreplay[ray]'")
     url = s3.url(prefix("apex"))
     tiny = ["--env", "CartPole-v1", "--num-actors", "2", "--learning-starts", "300",
             "--buffer-size", "4000", "--batch-size", "16", "--actor-steps", "64",
-            "--block-steps", "16", "--checkpoint-every", "1000", "--learning-rate", "1e-3",
-            "--object-store-mb", "100", "--flush-every-steps", "500"]
-    script("apex_dqn.py", *tiny, "--total-timesteps", "1500", "--run-dir",
-           str(tmp_path / "A"), "--store", url)
+            "--block-steps", "16", "--learning-rate", "1e-3",
+            "--object-store-mb", "100", "--flush-every-steps", "400"]
+    script("apex_dqn.py", *tiny, "--total-timesteps", "1500", "--checkpoint-every", "100000",
+           "--run-dir", str(tmp_path / "A"), "--store", url)
     first = json.loads(open_objects(url).get("summary.json"))
-    again = script("apex_dqn.py", *tiny, "--total-timesteps", "2500", "--run-dir",
-                   str(tmp_path / "B"), "--store", url, "--resume")
+    mirrored = first["mirror"]  # as the actors stopped, before the run's only checkpoint
+    assert mirrored["pushes"] >= 3 and mirrored["error"] is None, mirrored
+    assert mirrored["url"] == f"{url}/store"
+    with ReplayStore.open(tmp_path / "A" / "store", "r") as a:  # every flush was pushed
+        assert read_bucket_manifest(open_objects(f"{url}/store"))["generation"] == a.generation
+    assert open_objects(f"{url}/store").head("lease.json") is None  # let go at the end
+    again = script("apex_dqn.py", *tiny, "--total-timesteps", "2500", "--checkpoint-every",
+                   "1000", "--run-dir", str(tmp_path / "B"), "--store", url, "--resume")
     assert f"resumed at step {first['global_step']} ({first['updates']} updates" \
         in again.stdout + again.stderr
     with ReplayStore.open(tmp_path / "A" / "store", "r") as a, \

@@ -13,6 +13,12 @@ moment while the old process exits). Blocks are never re-sent: a block whose cal
 is dropped, so nothing is ever duplicated, and every writer then starts fresh episodes
 (see `mmreplay.integrations.blocks`). Steps in blocks committed by a flush before the
 restart are kept. Only this module imports Ray.
+
+With ``mirror=URL`` the store actor mirrors every flush it makes (scheduled, timed or
+asked for) into object storage in the background (`mmreplay.mirror`); ``flush(wait_mirror=
+True)`` returns once the flush is in the bucket. `start_store_actor` takes the prefix's
+writer lease before the actor starts (a second writer is refused there, in the caller)
+and hands the actor its writer id, which a restarted actor renews.
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ from mmreplay.integrations.blocks import (
 )
 from mmreplay.integrations.ray_learner import RemoteBatches, to_batch
 from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wait_for_actor
+from mmreplay.mirror import MirrorInfo
 from mmreplay.rate_limit import RateLimiter
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.manifest import MANIFEST
+from mmreplay.storage.objects import open_objects
+from mmreplay.storage.transfer import Lease
 from mmreplay.store import ReplayStore, StoreCounts
 
 
@@ -90,13 +99,19 @@ class StoreActor:
     thread flushes `flush_every_s` after the first unflushed step even when no block
     arrives.
     `rate_limiter` is a `RateLimiter.config()` dict (the limiter takes the store's
-    committed counters, so a restarted actor keeps the ratio).
+    committed counters, so a restarted actor keeps the ratio). `mirror` (a URL, with
+    `storage_options`, `take_over` and the lease's `writer_id`) mirrors every flush there
+    (`ReplayStore.attach_mirror`); a restarted actor never takes a lease over.
     """
 
     def __init__(self, path: str, create: dict[str, Any] | None = None, *,
                  flush_every_steps: int = 10_000, flush_every_s: float = 30.0,
-                 lock_wait_s: float = 10.0, rate_limiter: dict[str, Any] | None = None) -> None:
+                 lock_wait_s: float = 10.0, rate_limiter: dict[str, Any] | None = None,
+                 mirror: str | None = None, storage_options: dict[str, str] | None = None,
+                 take_over: bool = False, writer_id: str | None = None) -> None:
         self.store = open_or_create(path, create, lock_wait_s=lock_wait_s)
+        take_over = take_over and not ray.get_runtime_context().was_current_actor_reconstructed
+        self.store.attach_mirror(mirror, storage_options, take_over, writer_id=writer_id)
         if rate_limiter is not None:
             self.store.set_rate_limiter(RateLimiter.from_config(rate_limiter))
         self.incarnation = uuid.uuid4().hex
@@ -129,10 +144,21 @@ class StoreActor:
         return self.store.update_priorities(ids, priorities)
 
     @ray.method(concurrency_group="flush")
-    def flush(self) -> FlushInfo:
+    def flush(self, wait_mirror: bool = False) -> FlushInfo:
         """Commit now; says what was committed (see `BlockAck` for `seq`). Runs in its own
-        thread: a block waiting on the rate limiter must not hold a checkpoint up."""
-        return self.taker.flush()
+        thread: a block waiting on the rate limiter must not hold a checkpoint up. With a
+        mirror and `wait_mirror`, returns once the commit is in the bucket (blocks keep
+        arriving meanwhile: the wait holds no lock)."""
+        info = self.taker.flush()
+        if wait_mirror and self.store.mirror is not None:
+            self.store.mirror.wait()
+        return info
+
+    @ray.method(concurrency_group="stats")
+    def mirror_info(self) -> MirrorInfo | None:
+        """Where the mirror stands (`Mirror.info`); None without ``mirror=``."""
+        mirror = self.store.mirror
+        return None if mirror is None else mirror.info()
 
     def spec(self) -> StoreSpec:
         return self.store.spec
@@ -181,13 +207,26 @@ class StoreActor:
 def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | None = None, *,
                       flush_every_steps: int = 10_000, flush_every_s: float = 30.0,
                       max_restarts: int = -1, node_id: str | None = None,
-                      name: str | None = None,
-                      rate_limiter: RateLimiter | None = None) -> Any:
+                      name: str | None = None, rate_limiter: RateLimiter | None = None,
+                      mirror: str | None = None, storage_options: dict[str, str] | None = None,
+                      take_over: bool = False) -> Any:
     """Start a `StoreActor` pinned to `node_id` (default: this process's node, whose disk
     holds `path`); ``num_cpus=0`` so it takes no CPU slot from env actors. The actor
-    builds its own copy of `rate_limiter` (its parameters travel, not the object)."""
+    builds its own copy of `rate_limiter` (its parameters travel, not the object).
+
+    `mirror` (a URL) mirrors every flush of the actor there. The prefix's writer lease is
+    taken here first (`StoreLockedError` here if another writer holds it, unless
+    `take_over`), for a writer id the actor and its restarts then renew. The actor reads
+    credentials from the AWS variables of its node; `storage_options` travel with the
+    actor's arguments (docs/object-storage.md).
+    """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    writer_id = None
+    if mirror is not None:
+        writer_id = uuid.uuid4().hex
+        Lease(open_objects(mirror, storage_options), writer_id=writer_id).acquire(
+            take_over=take_over)
     node = node_id or ray.get_runtime_context().get_node_id()
     cls = ray.remote(concurrency_groups={"stats": 1, "learner": 1, "flush": 1})(  # type: ignore[call-overload]
         StoreActor)
@@ -196,7 +235,8 @@ def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | Non
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(str(Path(path).resolve()), create, flush_every_steps=flush_every_steps,
              flush_every_s=flush_every_s,
-             rate_limiter=None if rate_limiter is None else rate_limiter.config())
+             rate_limiter=None if rate_limiter is None else rate_limiter.config(),
+             mirror=mirror, storage_options=storage_options, writer_id=writer_id)
 
 
 @dataclass
