@@ -331,8 +331,16 @@ def test_apex_dqn_resumes_from_the_bucket_on_a_new_machine(s3: S3Server,
     with ReplayStore.open(tmp_path / "A" / "store", "r") as a:  # every flush was pushed
         assert read_bucket_manifest(open_objects(f"{url}/store"))["generation"] == a.generation
     assert open_objects(f"{url}/store").head("lease.json") is None  # let go at the end
+    Lease(open_objects(f"{url}/store")).acquire()  # a writer on another machine (or a dead one)
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "apex_dqn.py"), *tiny,
+                              "--run-dir", str(tmp_path / "B"), "--store", url, "--resume"],
+                             capture_output=True, text=True, check=False, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert refused.returncode == 2 and "another writer" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "B" / "store").exists()  # refused before anything was pulled
     again = script("apex_dqn.py", *tiny, "--total-timesteps", "2500", "--checkpoint-every",
-                   "1000", "--run-dir", str(tmp_path / "B"), "--store", url, "--resume")
+                   "1000", "--run-dir", str(tmp_path / "B"), "--store", url, "--resume",
+                   "--take-over")
     assert f"resumed at step {first['global_step']} ({first['updates']} updates" \
         in again.stdout + again.stderr
     with ReplayStore.open(tmp_path / "A" / "store", "r") as a, \

@@ -218,7 +218,7 @@ def start_store_actor(path: str | os.PathLike[str], create: dict[str, Any] | Non
     taken here first (`StoreLockedError` here if another writer holds it, unless
     `take_over`), for a writer id the actor and its restarts then renew. The actor reads
     credentials from the AWS variables of its node; `storage_options` travel with the
-    actor's arguments (docs/object-storage.md).
+    actor's arguments (docs/guides/ray.md).
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
