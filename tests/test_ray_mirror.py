@@ -83,6 +83,7 @@ def test_timed_flushes_reach_the_bucket_and_the_lease_survives_restarts(
         seen.append(wait_for_generation(url, options, seen[-1]))
     info = ray.get(actor.mirror_info.remote())
     assert info.pushes >= 4 and info.error is None and info.url == url
+    print(f"bucket generations seen without a push: {seen}; mirror: {info}")
     with pytest.raises(StoreLockedError, match="another writer"):  # one writer per prefix
         start_store_actor(tmp_path / "other", create_args(), mirror=url,
                           storage_options=options)
