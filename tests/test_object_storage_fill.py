@@ -145,18 +145,25 @@ def test_close_stops_the_filler(pushed: tuple[Path, str], s3: S3Server,
 
 
 def test_filler_keeps_no_damaged_file(pushed: tuple[Path, str], tmp_path: Path) -> None:
-    """A frame file whose chunk bytes are damaged in the bucket (its index intact) is not
-    kept by the filler; a read of its frames then fails as without the filler."""
+    """Frame files damaged in the bucket (a chunk's bytes; an index) are not kept by the
+    filler, which goes on with the others; a read of their frames then fails as without
+    the filler."""
     path, url = pushed
     objects = open_objects(url)
-    key = sorted(objects.list("frames/c."))[0]
+    files, _ = frame_bytes(url)
+    key, other = sorted(objects.list("frames/c."))[:2]
     data = bytearray(objects.get(key))
     data[100] ^= 0xFF  # inside chunk 0: its crc32c fails
     objects.put(key, bytes(data))
+    bad_index = bytearray(objects.get(other))
+    bad_index[-10] ^= 0xFF  # the index fails its checksum: skipped, the filler goes on
+    objects.put(other, bytes(bad_index))
     with ReplayStore.open(url, "r", cache_dir=tmp_path, cache_fill=True) as remote:
         chunks = remote.remote
         assert chunks is not None and chunks.filler is not None and chunks.filler.wait(60)
-        assert chunks.filler.skipped == 1 and chunks.pending_shards() == [((0, 0), len(data))]
+        assert chunks.filler.error is None
+        assert (chunks.filler.skipped, chunks.filler.filled) == (2, files - 2)
+        assert chunks.pending_shards() == [((0, 0), len(data)), ((0, 1), len(bad_index))]
         with ReplayStore.open(path, "r") as local:
             first = local.valid_ids()[:8]
             with pytest.raises(InvalidStoreError, match="crc32c|damaged"):

@@ -13,10 +13,10 @@ miss meanwhile::
             while   cached bytes + the file's size <= cache_bytes
 
 A filled file is checked as the reads check theirs (its index, every chunk's crc32c) and kept
-only if it is the version whose index the reads use; its bytes and requests are counted
-apart (``fill_bytes``, ``fill_requests``). The filler stops at the first file that does not
-fit (it never evicts), at the first request that fails (the reads then raise their own clear
-error), and when the store closes.
+only if it is the version whose index the reads use (a damaged file is skipped); its bytes
+and requests are counted apart (``fill_bytes``, ``fill_requests``). The filler stops at the
+first file that does not fit (it never evicts), at the first request that fails (the reads
+then raise their own clear error), and when the store closes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from typing import Protocol
 
-from mmreplay.errors import MmreplayError
+from mmreplay.errors import InvalidStoreError, MmreplayError
 
 Shard = tuple[int, int]  # (env, shard)
 
@@ -101,6 +101,8 @@ class CacheFiller:
         while (item := self._next()) is not None:
             try:
                 kept = self._chunks.fill_shard(*item)
+            except InvalidStoreError:  # a damaged file: the reads raise on it, if they need it
+                kept = False
             except (MmreplayError, OSError) as exc:  # the reads raise their own error
                 self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
                 self._stop.set()
