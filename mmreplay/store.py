@@ -67,7 +67,7 @@ from mmreplay.storage.manifest import (
     read_manifest,
 )
 from mmreplay.storage.objects import is_url, open_objects
-from mmreplay.storage.remote_frames import RemoteChunks, open_remote
+from mmreplay.storage.remote_frames import RemoteChunks, fill_on_batches, open_remote
 from mmreplay.storage.safe_io import TMP_DIR
 from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.zstd_dict import parse_dictionary
@@ -193,23 +193,23 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None, local: Any = None) -> Any:
+             rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None
+             ) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
-        is allocated, and a store whose spec needs more than `max_ram_bytes` is refused.
-        Any problem raises `InvalidStoreError`.
+        is allocated; a spec needing more than `max_ram_bytes` is refused (`InvalidStoreError`).
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
-        `cache_bytes`); `mirror` as in `create`; ``mode="r+"`` with `local` (a directory)
-        pulls it there and mirrors back (docs/object-storage.md). `rate_limiter`: r+ only.
+        `cache_bytes`, whole files in the background: `cache_fill`); `mirror` as in `create`;
+        ``mode="r+"`` with `local` pulls it there and mirrors back (docs/object-storage.md).
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         path, mirror = _working_copy(path, mode, mirror, local, storage_options, take_over)
-        _check_open_args(path, mode, rate_limiter)
+        _check_open_args(path, mode, rate_limiter, cache_fill)
         if is_url(path):
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
-                             max_ram_bytes)
+                             max_ram_bytes, cache_fill)
         store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
         if rate_limiter is not None:
             store.set_rate_limiter(rate_limiter)
@@ -480,11 +480,17 @@ def _working_copy(path: Any, mode: str, mirror: str | None, local: Any,
     return Path(local), str(path)
 
 
-def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None) -> None:
+def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None,
+                     cache_fill: Any = None) -> None:
     if mode not in ("r", "r+"):
         raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
     if rate_limiter is not None and (mode == "r" or is_url(path)):
         raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
+    if cache_fill is not None and not isinstance(cache_fill, bool):
+        raise InvalidInputError(f"cache_fill is True, False or None, got {cache_fill!r:.60}")
+    if cache_fill is not None and not is_url(path):
+        raise InvalidInputError("cache_fill is for a store read from a bucket (a URL path, "
+                                "mode='r')")
 
 
 def _set_sequence_priorities(store: ReplayStore, ids: Any, td_errors: Any, eta: float) -> int:
@@ -533,6 +539,7 @@ def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -
     once, drawn and assembled in order under the lock (`BatchPipeline`)."""
     remote = store.remote
     assert remote is not None
+    fill_on_batches(remote)  # ``cache_fill=None``: the filler, if the store fits the cache
 
     def draw(size: int, b: float) -> Planned:
         with store._lock:
@@ -688,7 +695,8 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
 
 def _open_url(cls: type[ReplayStore], url: str, mode: str,
               cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None,
-              storage_options: dict[str, str] | None, max_ram_bytes: int) -> ReplayStore:
+              storage_options: dict[str, str] | None, max_ram_bytes: int,
+              cache_fill: bool | None = None) -> ReplayStore:
     """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
     if mode != "r":
         raise InvalidInputError(
@@ -698,8 +706,10 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
     root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
     remote: RemoteChunks | None = None
     try:
-        remote = open_remote(objects, root, budget_bytes=cache_bytes)
+        remote = open_remote(objects, root, budget_bytes=cache_bytes, fill=cache_fill)
         store = _open_path(cls, root, "r", False, None, max_ram_bytes, remote=remote)
+        if remote is not None and cache_fill:
+            remote.start_filling()
     except BaseException:
         if remote is not None:
             remote.close()

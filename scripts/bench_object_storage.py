@@ -15,7 +15,9 @@ Figures (issue 20's targets; read by people, never asserted):
    fetched per batch with an empty cache (on the wire, through a counting proxy) against
    the compressed chunks the batch touches; warm-cache `sample(32)` against the same store
    on local disk; learner wait in `batches(32, prefetch=8)` with `--rtt-ms` injected round
-   trip, next to the one-thread prefetcher and plain `sample`, per `--learner-step-ms`.
+   trip (with the default cache filler: waits while it fills and after, apart; and without
+   it), next to the one-thread prefetcher and plain `sample`, per `--learner-step-ms`; the
+   cache filler alone: seconds to bring the whole store down, requests, bytes.
 4. `--cuts` reads with their connections cut mid-transfer: reads cut, failed after the
    retries, wrong frames; the error once the server is gone for good.
 5. `--kills` server kills (SIGKILL) mid-push: generations lost, frames wrong.
@@ -83,6 +85,9 @@ class Args:
     in the JSON"""
     out_dir: str = "data/bench"
     """directory of object_storage.json"""
+    store_dir: str = ""
+    """read and cuts only: the `--frames` store they read, kept here between runs (built and
+    filled the first time; later runs only push it); empty: built afresh in a temp dir"""
 
 
 def feed(store: ReplayStore, rec: AleFrames, steps: int, start: int = 0, *,
@@ -172,8 +177,12 @@ def mirror_figures(server: S3Server, rec: AleFrames, tmp: Path, args: Args) -> d
 
 
 def push_figures(server: S3Server, rec: AleFrames, path: Path, args: Args) -> dict[str, Any]:
-    """A `--frames` store pushed whole, then `--new-steps` more pushed incrementally."""
+    """A `--frames` store pushed whole, then `--new-steps` more pushed incrementally (a
+    store kept in `--store-dir` from an earlier run is only pushed)."""
     url = server.url("big")
+    if (path / "manifest.json").exists():
+        with ReplayStore.open(path, "r") as kept:
+            return {"pushed_bytes": kept.push(url).uploaded_bytes}
     with new_store(path, args.frames) as store:
         fill_s = feed(store, rec, args.frames, flush_every=100_000)
         first = store.push(url)
@@ -195,6 +204,7 @@ def read_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[st
     counting = FaultProxy(server.ports[3])
     try:
         remote = ReplayStore.open(url, "r", cache_dir=tmp, cache_bytes=8 << 30,
+                                  cache_fill=False,  # exact reads only: what a batch costs
                                   storage_options=server.options(counting.endpoint))
         remote.sample(args.batch_size)
         out.update(cold_figures(remote, counting, args))
@@ -202,6 +212,7 @@ def read_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[st
         remote.close()
     finally:
         counting.close()
+    out.update(fill_figures(server, url, tmp))
     out.update(latency_figures(server, url, tmp, args))
     out["loadavg_1m_at_end"] = os.getloadavg()[0]
     return out
@@ -271,16 +282,42 @@ def warm_figures(remote: ReplayStore, path: Path, args: Args) -> dict[str, Any]:
             "warm_sample_ms_bucket": bucket_ms, "warm_bucket_over_local": bucket_ms / local_ms}
 
 
+def fill_figures(server: S3Server, url: str, tmp: Path) -> dict[str, Any]:
+    """The cache filler alone, started right after an open (no reads): seconds until every
+    shard file is in the cache, its requests and bytes, and the bytes that came down the
+    counting proxy meanwhile against the bucket's frame bytes."""
+    counting = FaultProxy(server.ports[3])
+    try:
+        with ReplayStore.open(url, "r", cache_dir=tmp, cache_fill=False,
+                              storage_options=server.options(counting.endpoint)) as remote:
+            chunks = remote.remote
+            assert chunks is not None
+            wire, t0 = counting.bytes_down, time.perf_counter()
+            chunks.start_filling()
+            assert chunks.filler is not None
+            chunks.filler.wait()
+            seconds = time.perf_counter() - t0
+            listed = sum(info.size for info in chunks.listed.values())
+            return {"fill_s": seconds, "fill_requests": chunks.fill_requests,
+                    "fill_bytes": chunks.fill_bytes, "fill_files_kept": chunks.filler.filled,
+                    "fill_wire_bytes_over_store_bytes": (counting.bytes_down - wire) / listed,
+                    "store_frame_object_bytes": listed}
+    finally:
+        counting.close()
+
+
 def latency_figures(server: S3Server, url: str, tmp: Path, args: Args) -> dict[str, Any]:
-    """Learner wait with an injected round trip: `batches(32, prefetch=8)` (the pipeline),
-    the one-thread prefetcher it replaced, and plain `sample`, alternated; for each
-    learner step of `--learner-step-ms`. Each run opens the store afresh (a cold cache)."""
+    """Learner wait with an injected round trip: `batches(32, prefetch=8)` (the pipeline,
+    with its default cache filler and without it), the one-thread prefetcher it replaced,
+    and plain `sample`, alternated; for each learner step of `--learner-step-ms`. Each run
+    opens the store afresh (a cold cache)."""
     slow = FaultProxy(server.ports[3], latency_s=args.rtt_ms / 1e3)
     out: dict[str, Any] = {"rtt_ms": args.rtt_ms}
     try:
         for step_ms in (float(x) for x in args.learner_step_ms.split(",")):
-            for kind in ("pipeline", "one_thread", "sample"):
+            for kind in ("pipeline", "pipeline_no_fill", "one_thread", "sample"):
                 with ReplayStore.open(url, "r", cache_dir=tmp,
+                                      cache_fill=False if kind != "pipeline" else None,
                                       storage_options=server.options(slow.endpoint)) as remote:
                     out[f"step_{step_ms:g}ms_{kind}"] = learner_waits(remote, kind, step_ms,
                                                                       args)
@@ -290,34 +327,55 @@ def latency_figures(server: S3Server, url: str, tmp: Path, args: Args) -> dict[s
     if five is not None:
         out["learner_wait_ms_median"] = five["wait_ms_median"]
         out["learner_wait_ms_p90"] = five["wait_ms_p90"]
+        out["learner_wait_ms_median_while_filling"] = five["filling"]["wait_ms_median"]
     return out
 
 
 def learner_waits(remote: ReplayStore, kind: str, step_ms: float,
-                  args: Args) -> dict[str, float]:
+                  args: Args) -> dict[str, Any]:
     """A learner that takes a batch, then works `step_ms`: its waits once 16 batches
-    went by (the pipeline is full), the batches/s it got and the requests/s it caused."""
-    if kind == "pipeline":
+    went by (the pipeline is full), the batches/s it got and the requests/s it caused.
+    With the cache filler, the waits while it fills (warm-up) and `--reps` waits after it
+    finished are kept apart; the headline figures are those after."""
+    chunks = remote.remote
+    assert chunks is not None
+    if kind.startswith("pipeline"):
         it: Any = remote.batches(args.batch_size, prefetch=8)
     elif kind == "one_thread":  # what batches() did before: one sample() at a time
         it = BatchPrefetcher(remote.sample, args.batch_size, prefetch=8)
     else:
         it = None
-    waits = []
-    asked, t0 = remote.remote.requests, time.perf_counter()
-    for k in range(args.reps + 16):
+    filler = chunks.filler
+    waits: dict[str, list[float]] = {"filling": [], "after": []}
+    asked, t0, k = chunks.requests, time.perf_counter(), 0
+    while len(waits["after"]) < args.reps and k < 20 * args.reps:
+        filling = filler is not None and not filler.done
         t = time.perf_counter()
         next(it) if it is not None else remote.sample(args.batch_size)
         if k >= 16:
-            waits.append(time.perf_counter() - t)
+            waits["filling" if filling else "after"].append(time.perf_counter() - t)
         time.sleep(step_ms / 1e3)  # the learner's step
+        k += 1
     seconds = time.perf_counter() - t0
     if it is not None:
         it.close()
-    return {"wait_ms_median": statistics.median(waits) * 1e3,
-            "wait_ms_p90": float(np.percentile(waits, 90)) * 1e3,
-            "batches_per_s": (args.reps + 16) / seconds,
-            "requests_per_s": (remote.remote.requests - asked) / seconds}
+    out: dict[str, Any] = {**wait_stats(waits["after"]), "batches": k,
+                           "batches_per_s": k / seconds,
+                           "requests_per_s": (chunks.requests - asked) / seconds,
+                           "read_requests": chunks.requests - asked,
+                           "read_bytes": chunks.bytes_fetched}
+    if filler is not None:
+        out.update({"filling": wait_stats(waits["filling"]), "fill_requests":
+                    chunks.fill_requests, "fill_bytes": chunks.fill_bytes,
+                    "fill_error": filler.error})
+    return out
+
+
+def wait_stats(waits: list[float]) -> dict[str, float | int | None]:
+    if not waits:
+        return {"waits": 0, "wait_ms_median": None, "wait_ms_p90": None}
+    return {"waits": len(waits), "wait_ms_median": statistics.median(waits) * 1e3,
+            "wait_ms_p90": float(np.percentile(waits, 90)) * 1e3}
 
 
 def cut_figures(server: S3Server, path: Path, tmp: Path, args: Args) -> dict[str, Any]:
@@ -444,10 +502,11 @@ def main() -> None:
             implied = {"read", "cuts"} & set(phases) and "push" not in phases
             if implied:  # they read the store the push phase builds (its figures not kept)
                 phases.insert(0, "push")
+            big = Path(args.store_dir) if implied and args.store_dir else tmp / "big"
             for name, run in (("mirror", lambda: mirror_figures(server, rec, tmp, args)),
-                              ("push", lambda: push_figures(server, rec, tmp / "big", args)),
-                              ("read", lambda: read_figures(server, tmp / "big", tmp, args)),
-                              ("cuts", lambda: cut_figures(server, tmp / "big", tmp, args)),
+                              ("push", lambda: push_figures(server, rec, big, args)),
+                              ("read", lambda: read_figures(server, big, tmp, args)),
+                              ("cuts", lambda: cut_figures(server, big, tmp, args)),
                               ("kills", lambda: kill_figures(server, rec, tmp, args))):
                 if name not in phases:
                     continue

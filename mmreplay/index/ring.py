@@ -146,8 +146,8 @@ class StepRing:
         self.steps = np.zeros((self.num_envs, self.slots_per_env), step_dtype(spec))
         self.steps["id"] = -1
         # flat views of the step columns the read path uses (``steps`` is never replaced)
-        self._flat_cols = {name: self.steps.reshape(-1)[name]
-                           for name in ("pos", "reward", "terminated", "truncated", "action", "id")}
+        self._flat_cols = {name: self.steps.reshape(-1)[name] for name in (
+            "pos", "reward", "terminated", "truncated", "action", "id", "episode", "has_step")}
         self.written = np.zeros(self.num_envs, np.int64)     # frames ever written per env
         self.kept_from = np.zeros(self.num_envs, np.int64)   # extra lower bound (from a manifest)
         self.running = np.zeros(self.num_envs, bool)         # episode open: accepts steps
@@ -364,16 +364,16 @@ class StepRing:
 
     def transition_valid(self, env: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Validity of the transitions at kept frames `t` of `env` (see module doc)."""
-        steps, slot = self.steps, t % self.slots_per_env  # one field at a time: a gather
-        episode = steps["episode"][env, slot]  # of whole records copies every column
-        lower = np.maximum(t - self.spec.frame_stack + 1, t - steps["pos"][env, slot])
-        ok = steps["has_step"][env, slot] & (lower >= self.oldest[env])
+        col, row = self._flat_cols, env * self.slots_per_env  # a field at a time, 1-D
+        flat = row + t % self.slots_per_env  # gathers (a gather of records copies them all)
+        episode = col["episode"][flat]
+        lower = np.maximum(t - self.spec.frame_stack + 1, t - col["pos"][flat])
+        ok = col["has_step"][flat] & (lower >= self.oldest[env])
         alive, complete, last = ok.copy(), np.zeros_like(ok), self.written[env] - 1
         for j in range(self.spec.n_step):
-            u, us = t + j, (t + j) % self.slots_per_env
-            alive &= (u < last) & steps["has_step"][env, us] & (steps["episode"][env, us]
-                                                                 == episode)
-            done = alive & (steps["terminated"][env, us] | steps["truncated"][env, us])
+            u, us = t + j, flat if j == 0 else row + (t + j) % self.slots_per_env
+            alive &= (u < last) & col["has_step"][us] & (col["episode"][us] == episode)
+            done = alive & (col["terminated"][us] | col["truncated"][us])
             complete |= done
             alive &= ~done
         return ok & (complete | alive)

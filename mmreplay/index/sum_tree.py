@@ -229,6 +229,9 @@ class SumTree:
         if idx.size == 0:
             return
         if idx.size >= self.capacity:  # every leaf (a store loading): one O(N) numpy rebuild
+            if idx.size == self.capacity and _is_identity(idx):  # leaves in order: no scatter
+                self.set_all(vals)
+                return
             self._write_leaves(idx, vals)
             for level in reversed(self._levels):
                 self._rebuild(level)
@@ -348,3 +351,8 @@ def _check_equal(got: FloatArray, want: FloatArray, first: int, message: str) ->
     if bad.size:
         i = int(bad[0])
         raise RuntimeError(message.format(first + i, float(got[i]), float(want[i])))
+
+
+def _is_identity(idx: IntArray) -> bool:
+    """Whether `idx` is ``0, 1, ..., len - 1``."""
+    return bool(idx[0] == 0 and idx[-1] == idx.size - 1 and (np.diff(idx) == 1).all())

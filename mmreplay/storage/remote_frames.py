@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import google_crc32c
 import numpy as np
@@ -39,12 +39,21 @@ from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import max_chunk_bytes
 from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import MANIFEST, parse_spec
-from mmreplay.storage.objects import ObjectChangedError, ObjectMissingError, Objects
+from mmreplay.storage.objects import (
+    ObjectChangedError,
+    ObjectInfo,
+    ObjectMissingError,
+    Objects,
+)
 from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
 from mmreplay.storage.transfer import follow_bucket, pull, pull_frames
 
+if TYPE_CHECKING:
+    from mmreplay.storage.cache_fill import CacheFiller
+
 CONCURRENCY = 64  # requests in flight (several prefetched batches share them)
 MAX_GAP = 16 << 10  # chunks of one shard this close are read in one request
+FILL_THREADS = 4  # whole-shard requests the cache filler keeps in flight
 Shard = tuple[int, int]  # (env, shard)
 
 
@@ -53,6 +62,8 @@ class RemoteChunks:
 
     def __init__(self, objects: Objects, root: Path, spec: StoreSpec, *, budget_bytes: int,
                  after_fetch: Callable[[], None] | None = None) -> None:
+        """`after_fetch` is called after a newer shard index is read and before any chunk
+        of it counts as present; it must be safe to call from several threads (`Follower`)."""
         self.objects, self.spec, self.budget = objects, spec, budget_bytes
         self._dir = root / FRAMES
         self._suffix = ".0" * len(spec.obs_shape)
@@ -62,24 +73,102 @@ class RemoteChunks:
         self._index: dict[Shard, tuple[np.ndarray, str | None]] = {}  # index, etag
         self._reading: dict[Shard, threading.Event] = {}  # indexes being read now
         self._held: OrderedDict[Shard, int] = OrderedDict()  # shard -> bytes fetched, LRU
-        self._listed = objects.list(f"{FRAMES}/c.")  # sizes checked at open (`check_listing`)
+        self.listed = objects.list(f"{FRAMES}/c.")  # sizes checked at open (`check_listing`)
         self._after_fetch = after_fetch
         self._forget: Callable[[int, int], None] = lambda env, shard: None
         self._pool = ThreadPoolExecutor(CONCURRENCY, thread_name_prefix="mmreplay-fetch")
         self._inflight = np.zeros(spec.num_envs * spec.num_chunks, bool)
         self._cond = threading.Condition()  # guards _have, _inflight, eviction
         self._book = threading.Lock()  # guards _index, _held and the counters
-        self._following = threading.Lock()  # serializes `after_fetch`
         self.bytes_fetched = 0  # chunks and shard indexes
         self.chunk_bytes = 0  # chunks only: what the reads needed
         self.index_bytes = 0  # shard indexes only (once per shard, on its first use)
         self.requests = 0
+        self._whole: set[Shard] = set()  # shards the filler brought down whole
+        self.filler: CacheFiller | None = None  # whole shards fetched in the background
+        self.fill_bytes = 0  # the filler's, counted apart from the reads' (above)
+        self.fill_requests = 0
+        self.fill_mode: bool | None = None  # ``cache_fill`` (`fill_on_batches`)
 
     @property
     def cached_bytes(self) -> int:
         """Fetched bytes the cache directory holds now."""
         with self._book:
             return sum(self._held.values())
+
+    def start_filling(self, threads: int = FILL_THREADS) -> None:
+        """Start the cache filler (`CacheFiller`), once; `close` stops it."""
+        if self.filler is None:
+            self.filler = new_filler(self, threads)
+
+    def pending_shards(self) -> list[tuple[Shard, int]]:
+        """(shard, object size) of every listed frame file not yet brought down whole."""
+        return [(shard, size) for shard, size in listed_shards(self.listed)
+                if shard not in self._whole]
+
+    def fill_shard(self, shard: Shard, size: int) -> bool:
+        """Bring a whole frame file down in one request (what the filler does): checked as
+        the reads check (index, every chunk's crc32c), kept only if it is still the version
+        whose index the reads use (or none was read yet). False if it was not kept."""
+        where = f"{self.objects.url}/{self.key(*shard)}"
+        data, info = self.objects.get_suffix(self.key(*shard), size)
+        with self._book:
+            self.fill_requests += 1
+            self.fill_bytes += len(data)
+        if info.size != len(data):
+            return False  # replaced since the listing: the reads fetch what they need
+        index, present = checked_file(data, self._k, self._max_chunk, where)
+        if present is None:
+            return False
+        installed = self._install(shard, data, index, info.etag)
+        if installed is None:
+            return False
+        if installed is index:
+            self._follow()  # as after any newer index: frames given up since are dropped
+        return self._mark_whole(shard, present, installed, len(data))
+
+    def _install(self, shard: Shard, data: bytes, index: np.ndarray,
+                 etag: str | None) -> np.ndarray | None:
+        """Write a whole fetched file and install its index unless one was read; returns
+        the index the reads now use (`index` if it was installed here), None if the reads
+        know another version."""
+        while True:  # a read reading this index now: wait for it, then look again
+            with self._book:
+                busy, known = self._reading.get(shard), self._index.get(shard)
+                if busy is None:
+                    if known is not None and known[1] != etag:
+                        return None
+                    done = self._reading[shard] = threading.Event()  # the reads wait for it
+                    break
+            busy.wait()
+        try:
+            with self._cond:  # no eviction unlinks the file while it is written
+                write_whole(self._path(shard), data)
+            with self._book:
+                if known is None:
+                    self._index[shard] = (index, etag)
+        finally:
+            with self._book:
+                self._reading.pop(shard)
+            done.set()
+        return index if known is None else known[0]
+
+    def _mark_whole(self, shard: Shard, present: np.ndarray, index: np.ndarray,
+                    size: int) -> bool:
+        """Mark a filled shard's chunks present (if `index` is still the one the reads use:
+        not dropped, nor dropped and read again) and count the shard as the least recently
+        used: evicted first, before shards reads used."""
+        first = shard[0] * self._num_chunks + shard[1] * self._k
+        with self._cond:
+            known = self._index.get(shard)
+            if known is None or known[0] is not index:
+                return False  # dropped meanwhile
+            self._have[first + present] = True
+            with self._book:
+                self._whole.add(shard)
+                self._held[shard] = size
+                self._held.move_to_end(shard, last=False)
+        return True
 
     def key(self, env: int, shard: int) -> str:
         return f"{FRAMES}/c.{env}.{shard}{self._suffix}"
@@ -109,22 +198,13 @@ class RemoteChunks:
                 while (self._inflight[missing] & ~self._have[missing]).any():
                     self._cond.wait()
                 if reader_locked:
-                    self._evict(self._shards(keys))
+                    self._evict(shards_of(keys, self._num_chunks, self._k))
                 self._touch(keys)
 
     def prefetch(self, keys: np.ndarray) -> None:
         """`ensure` from a thread that does not hold the reader's lock (a prefetcher):
         fetches what is missing, never unmaps or evicts."""
         self.ensure(keys, reader_locked=False)
-
-    def check_listing(self) -> None:
-        """Refuse a bucket whose frame objects are larger than a shard file can be (from
-        the listing: no object is read)."""
-        limit = max_shard_bytes(self._k, self._max_chunk)
-        for key, info in sorted(self._listed.items()):
-            if info.size > limit:
-                raise InvalidStoreError(f"{self.objects.url}/{key} is {info.size} bytes, more "
-                                        f"than a frame file can be ({limit})")
 
     def _fetch(self, missing: np.ndarray, *, may_unmap: bool) -> None:
         env, chunk = np.divmod(missing, self._num_chunks)
@@ -147,7 +227,8 @@ class RemoteChunks:
         if self._read_indexes(list(want)):
             self._follow()  # a newer file may hold frames the bucket gave up since
         runs = [(shard, run) for shard, positions in want.items()
-                for run in self._runs(shard, sorted(positions))]
+                for run in chunk_runs(self._index[shard][0], sorted(positions),
+                                      f"{self.objects.url}/{self.key(*shard)}")]
         results = self._pool_map(lambda item: self._fetch_run(*item), runs)
         return {shard for (shard, _), ok in zip(runs, results, strict=True) if not ok}
 
@@ -173,21 +254,6 @@ class RemoteChunks:
             for event in waits:  # if that read failed, the next round reads it here
                 event.wait()
 
-    def _runs(self, shard: Shard, positions: list[int]) -> list[list[int]]:
-        """Positions grouped so each group is one ranged request (gaps under MAX_GAP)."""
-        index = self._index[shard][0]
-        where = f"{self.objects.url}/{self.key(*shard)}"
-        runs: list[list[int]] = []
-        for j in positions:
-            if index[j, 0] < 0:
-                raise InvalidStoreError(f"frame chunk {j} of {where} is absent")
-            prev = runs[-1][-1] if runs else None
-            if prev is not None and 0 <= index[j, 0] - index[prev].sum() <= MAX_GAP:
-                runs[-1].append(j)
-            else:
-                runs.append([j])
-        return runs
-
     def _fetch_run(self, shard: Shard, run: list[int]) -> bool:
         """One ranged read of chunks `run` of a shard, each checked; False if the object
         changed (or a chunk fails its checksum)."""
@@ -212,13 +278,9 @@ class RemoteChunks:
         self._count(shard, hi - lo, chunks=sum(len(p) for p in parts))
         return True
 
-    def _shards(self, keys: np.ndarray) -> set[Shard]:
-        env, chunk = np.divmod(np.unique(keys), self._num_chunks)
-        return set(zip(env.tolist(), (chunk // self._k).tolist(), strict=True))
-
     def _touch(self, keys: np.ndarray) -> None:
         with self._book:
-            for shard in self._shards(keys):
+            for shard in shards_of(keys, self._num_chunks, self._k):
                 if shard in self._held:
                     self._held.move_to_end(shard)
 
@@ -235,7 +297,9 @@ class RemoteChunks:
         return list(self._pool.map(fn, items))  # one pool: no threads started per batch
 
     def close(self) -> None:
-        """Stop the request threads."""
+        """Stop the filler and the request threads."""
+        if self.filler is not None:
+            self.filler.stop()
         self._pool.shutdown(wait=True)
 
     def _fetch_index(self, shard: Shard) -> None:
@@ -262,8 +326,7 @@ class RemoteChunks:
 
     def _follow(self) -> None:
         if self._after_fetch is not None:
-            with self._following:  # one at a time: a slower one must not write an older
-                self._after_fetch()  # manifest over a newer one
+            self._after_fetch()
 
     def _path(self, shard: Shard) -> Path:
         return self._dir / f"c.{shard[0]}.{shard[1]}{self._suffix}"
@@ -278,6 +341,7 @@ class RemoteChunks:
         with self._book:
             self._index.pop(shard, None)
             self._held.pop(shard, None)
+            self._whole.discard(shard)
 
     def _evict(self, keep: set[Shard]) -> None:
         """Drop least recently used shards (never those of this read, nor one being
@@ -290,6 +354,88 @@ class RemoteChunks:
                 self._drop(shard)
 
 
+def chunk_runs(index: np.ndarray, positions: list[int], where: str) -> list[list[int]]:
+    """Positions (sorted) of a shard's chunks grouped so each group is one ranged request
+    (gaps under MAX_GAP)."""
+    runs: list[list[int]] = []
+    for j in positions:
+        if index[j, 0] < 0:
+            raise InvalidStoreError(f"frame chunk {j} of {where} is absent")
+        prev = runs[-1][-1] if runs else None
+        if prev is not None and 0 <= index[j, 0] - index[prev].sum() <= MAX_GAP:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    return runs
+
+
+def check_listing(remote: RemoteChunks) -> None:
+    """Refuse a bucket whose frame objects are larger than a shard file can be (from the
+    listing at the open: no object is read)."""
+    limit = max_shard_bytes(remote.spec.shard_chunks, max_chunk_bytes(remote.spec))
+    for key, info in sorted(remote.listed.items()):
+        if info.size > limit:
+            raise InvalidStoreError(f"{remote.objects.url}/{key} is {info.size} bytes, more "
+                                    f"than a frame file can be ({limit})")
+
+
+def listed_shards(listed: dict[str, ObjectInfo]) -> list[tuple[Shard, int]]:
+    """((env, shard), size) of each frame object of a listing, in key order."""
+    out = []
+    for key, info in sorted(listed.items()):
+        env, shard = (int(x) for x in key[len(FRAMES) + 3:].split(".")[:2])
+        out.append(((env, shard), info.size))
+    return out
+
+
+def checked_file(data: bytes, k: int, max_chunk: int,
+                 where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A whole shard file's index and its present positions, checked as reads check them
+    (the index; every chunk's crc32c: positions None if one fails)."""
+    if len(data) > max_shard_bytes(k, max_chunk):
+        raise InvalidStoreError(f"{where} is {len(data)} bytes, more than a frame file "
+                                f"can be")
+    index = parse_index(data[-index_size(k):], len(data), k, max_chunk, where)
+    present = np.flatnonzero(index[:, 0] >= 0)
+    ok = all(_crc_ok(data[o:o + n]) for o, n in index[present].tolist())
+    return index, present if ok else None
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write a whole file over a sparse one (or a new one), never truncating it first: a
+    reader may have it mapped, and the bytes it holds are the same."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, len(data))
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def shards_of(keys: np.ndarray, num_chunks: int, k: int) -> set[Shard]:
+    """The (env, shard) files chunk keys (``env * num_chunks + chunk``) lie in."""
+    env, chunk = np.divmod(np.unique(keys), num_chunks)
+    return set(zip(env.tolist(), (chunk // k).tolist(), strict=True))
+
+
+def new_filler(remote: RemoteChunks, threads: int) -> CacheFiller:
+    """A started `CacheFiller` of `remote` (imported here: only a filling store loads it)."""
+    from mmreplay.storage.cache_fill import CacheFiller
+
+    filler = CacheFiller(remote, threads=threads)
+    filler.start()
+    return filler
+
+
+def fill_on_batches(remote: RemoteChunks) -> None:
+    """What ``cache_fill`` asks when a `batches` iterator starts: None (the default) starts
+    the filler if the whole store (every frame object listed at the open) fits in the cache
+    budget; True started it at the open; False never starts it."""
+    if remote.fill_mode is None and sum(i.size for i in remote.listed.values()) <= \
+            remote.budget:
+        remote.start_filling()
+
+
 def _crc_ok(data: bytes) -> bool:
     """A chunk ends with the crc32c of the bytes before it (the codec's last step)."""
     return len(data) >= 5 and google_crc32c.value(data[:-4]) == struct.unpack(
@@ -299,36 +445,58 @@ def _crc_ok(data: bytes) -> bool:
 REMOTE_CACHE_BYTES = 2 << 30  # fetched frame bytes a store read from a bucket keeps
 
 
-def open_remote(objects: Objects, root: Path, *,
-                budget_bytes: int | None = None) -> RemoteChunks | None:
+def open_remote(objects: Objects, root: Path, *, budget_bytes: int | None = None,
+                fill: bool | None = None) -> RemoteChunks | None:
     """Pull a bucket store's small files into `root` (an empty directory) and return the
     fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups. A
     format-1 store (a file per chunk, no shard index to read ranges through) comes down
-    whole instead, and there is no fetcher (None)."""
+    whole instead, and there is no fetcher (None). `fill`: ``cache_fill`` (`CacheFiller`)."""
     manifest = pull(objects, root, frames=False, check=False)  # the open checks it
     spec = parse_spec(manifest)
     if spec.shard_chunks == 1:
         pull_frames(objects, root, manifest)
         return None
-    remote = RemoteChunks(objects, root, spec, after_fetch=_follower(objects, root),
+    remote = RemoteChunks(objects, root, spec, after_fetch=Follower(objects, root),
                           budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
                           else budget_bytes)
+    remote.fill_mode = fill  # started by the store once it is open (`start_filling`)
     try:
-        remote.check_listing()
+        check_listing(remote)
     except BaseException:
         remote.close()
         raise
     return remote
 
 
-def _follower(objects: Objects, root: Path) -> Callable[[], None]:
-    """`follow_bucket`, skipped while the bucket's manifest keeps its etag (a HEAD)."""
-    seen: list[str | None] = [None]
+class Follower:
+    """`follow_bucket` for the reads of one store, called after each newer shard index.
 
-    def follow() -> None:
-        info = objects.head(MANIFEST)
-        if info is None or info.etag is None or info.etag != seen[0]:
-            follow_bucket(objects, root)
-            seen[0] = None if info is None else info.etag
+    It is skipped while the bucket's manifest keeps its etag (a HEAD); it runs one at a
+    time (a slower one must not write an older manifest over a newer one); and the callers
+    that asked while one ran share the next: a HEAD sent after a caller asked covers it,
+    so many shard files read at once (the cache filler) cost a few HEADs, not one each.
+    """
 
-    return follow
+    def __init__(self, objects: Objects, root: Path) -> None:
+        self.objects, self.root = objects, root
+        self._seen: str | None = None  # the manifest etag last followed
+        self._lock = threading.Lock()  # one follow at a time
+        self._count = threading.Lock()  # guards the two counters
+        self.asked = self._covered = 0  # calls so far; calls the last follow covered
+        self.heads = 0
+
+    def __call__(self) -> None:
+        with self._count:
+            self.asked += 1
+            ticket = self.asked
+        with self._lock:
+            if self._covered >= ticket:
+                return  # a follow that started after this call asked has ended
+            with self._count:
+                start = self.asked
+            info = self.objects.head(MANIFEST)
+            self.heads += 1
+            if info is None or info.etag is None or info.etag != self._seen:
+                follow_bucket(self.objects, self.root)
+                self._seen = None if info is None else info.etag
+            self._covered = start

@@ -290,8 +290,33 @@ def check_npy_header(f: Readable, size: int, name: str, dtype: np.dtype,
     return offset
 
 
+_HEADERS: dict[bytes, tuple[Any, bool, np.dtype]] = {}  # raw header -> parsed (a store's
+# step blocks share a handful of headers: an open of 1M steps parses ~500 of them)
+
+
 def _read_npy_header(f: Readable, name: str) -> tuple[Any, bool, np.dtype]:
-    head = io.BytesIO(f.read(MAX_NPY_HEADER + 64))
+    raw = f.read(MAX_NPY_HEADER + 64)
+    end = _npy_header_end(raw)
+    parsed = _HEADERS.get(raw[:end]) if end else None
+    if parsed is not None:
+        f.seek(end)  # the readers here start at offset 0 (a file, or BytesIO of its head)
+        return parsed
+    parsed = _parse_npy_header(io.BytesIO(raw), f, name)
+    if end and f.tell() == end and len(_HEADERS) < 256:
+        _HEADERS[raw[:end]] = parsed
+    return parsed
+
+
+def _npy_header_end(raw: bytes) -> int:
+    """Where a .npy header ends, from its magic and length field (0 if they are not there)."""
+    if len(raw) < 12 or raw[:6] != b"\x93NUMPY" or raw[6:8] not in (b"\x01\x00", b"\x02\x00"):
+        return 0
+    end = (10 + int.from_bytes(raw[8:10], "little")) if raw[6] == 1 else \
+        (12 + int.from_bytes(raw[8:12], "little"))
+    return end if end <= len(raw) else 0
+
+
+def _parse_npy_header(head: io.BytesIO, f: Readable, name: str) -> tuple[Any, bool, np.dtype]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # headers that need Python 2 repair are refused

@@ -60,7 +60,8 @@ from mmreplay.storage.zstd_dict import DICT_FILE, read_dictionary
 LEASE = "lease.json"
 PUSHED = "pushed.json"
 LEASE_TTL_S = 120.0  # a writer that has not pushed for this long may be taken over
-CONCURRENCY = 8
+CONCURRENCY = 8  # uploads in flight
+FETCH_CONCURRENCY = 32  # downloads in flight (an open from a bucket: ~250 step blocks per 1M steps)
 BATCH_BYTES = 64 << 20  # frame files read into RAM, then uploaded, per round
 FRAME_KEY_PREFIX = f"{FRAMES}/c."
 
@@ -483,7 +484,7 @@ def _fetch_all(objects: Objects, dest: Path, manifest: dict[str, Any], keys: lis
             progress(len(data))
         return len(data)
 
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
+    with ThreadPoolExecutor(min(FETCH_CONCURRENCY, max(1, len(keys)))) as pool:
         list(pool.map(fetch, keys))
 
 
