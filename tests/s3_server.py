@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -304,13 +305,7 @@ class FaultProxy:
 @pytest.fixture(scope="session")
 def s3_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """One SeaweedFS server for the whole session (tests use their own prefixes)."""
-    weed = require_weed()
-    server = S3Server(weed, tmp_path_factory.mktemp("weed") / "data")
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _serve(tmp_path_factory, "weed")
 
 
 @pytest.fixture
@@ -323,10 +318,15 @@ def s3(s3_session: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 @pytest.fixture(scope="session")
 def s3_auth_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A server that checks signatures, for the whole session; its secret is random."""
-    weed = require_weed()
-    server = S3Server(weed, tmp_path_factory.mktemp("weed-auth") / "data", auth=True,
+    yield from _serve(tmp_path_factory, "weed-auth", auth=True,
                       access_key=f"MMREPLAYAUTH{uuid.uuid4().hex[:8].upper()}",
                       secret_key=f"auth-secret-{uuid.uuid4().hex}")
+
+
+def _serve(tmp_path_factory: pytest.TempPathFactory, name: str,
+           **options: Any) -> Iterator[S3Server]:
+    """Start a server in a new temp dir `name`, yield it, always stop it."""
+    server = S3Server(require_weed(), tmp_path_factory.mktemp(name) / "data", **options)
     try:
         server.start()
         yield server

@@ -16,7 +16,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -33,18 +32,11 @@ from mmreplay.storage.transfer import read_bucket_manifest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")
 from s3_server import S3Server  # noqa: E402
-from test_ray import Ledger, Stream, assert_same_store, create_args  # noqa: E402
+
+# cluster: test_ray's module-scoped Ray cluster (autouse), started for this module too
+from test_ray import Ledger, Stream, assert_same_store, cluster, create_args  # noqa: E402, F401
 
 pytest_plugins = ["s3_server"]  # the fixtures s3, s3_session
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cluster() -> Any:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
-             configure_logging=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
 
 
 def bucket_generation(url: str, options: dict[str, str]) -> int:
