@@ -182,23 +182,31 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
 
 
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
-    """What the store's admission path (`LimiterSlot`) costs per call with a limiter that
-    admits at once, less what it costs without one (best of 15 repeats: steadier than the
-    rates above on a shared machine), against the time of one `add` and one `sample`."""
+    """What admission costs per call with a limiter that admits at once, less what it
+    costs without one (best of 15 repeats: steadier than the rates above on a shared
+    machine), against the time of one `add` and one `sample`. Inserts: what `add` does
+    (`await_insert` on the slot's limiter, if any); samples: the `LimiterSlot.sampling`
+    context manager that `sample` enters."""
     with_limiter, without = LimiterSlot(), LimiterSlot()
     with_limiter.limiter = RateLimiter.min_size(1)
     with_limiter.limiter.await_insert(1)
 
-    def cost(slot: LimiterSlot, kind: str, n: int) -> float:
-        def call() -> None:
-            with getattr(slot, kind)(n):
-                pass
-        calls = 50_000
-        return min(timeit.repeat(call, number=calls, repeat=15)) / calls
+    def insert(slot: LimiterSlot) -> None:
+        limiter = slot.limiter
+        if limiter is not None:
+            limiter.await_insert(1)
 
-    insert_s = cost(with_limiter, "inserting", 1) - cost(without, "inserting", 1)
-    sample_s = cost(with_limiter, "sampling", args.batch_size) - cost(without, "sampling",
-                                                                      args.batch_size)
+    def sample(slot: LimiterSlot) -> None:
+        with slot.sampling(args.batch_size):
+            pass
+
+    def cost(call: Any, slot: LimiterSlot) -> float:
+        calls = 50_000
+        return min(timeit.repeat(lambda: call(slot), number=calls, repeat=15)) / calls
+
+    insert_s = cost(insert, with_limiter) - cost(insert, without)
+    sample_s = cost(sample, with_limiter) - cost(sample, without)
+    with_limiter.limiter.state()  # folds the queued lock-free inserts
     return {"admit_insert_us": insert_s * 1e6, "admit_sample_us": sample_s * 1e6,
             "admit_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
             "admit_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
