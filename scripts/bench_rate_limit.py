@@ -184,8 +184,17 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
         out[f"{key}_overhead"] = 1 - rate["with"] / rate["without"]
         out[f"{key}_overhead_band"] = 1 - rate["with_band"] / rate["without"]
         out[f"{key}_noise_floor"] = 1 - rate["without_again"] / rate["without"]
+        for name, label in (("with", "overhead"), ("with_band", "overhead_band"),
+                            ("without_again", "noise_floor")):
+            out[f"{key}_{label}_paired"] = paired(chunks[what, name], chunks[what, "without"])
     out.update(call_costs(args, out))
     return out
+
+
+def paired(arm: list[float], base: list[float]) -> float:
+    """The median over rounds of ``1 - arm / base``, each round's chunks side by side
+    (steadier than the ratio of medians when the machine's load drifts between rounds)."""
+    return statistics.median(1 - a / b for a, b in zip(arm, base, strict=True))
 
 
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
