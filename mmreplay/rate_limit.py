@@ -70,7 +70,8 @@ def _count(name: str, value: Any, *, low: int = 0) -> int:
 
 
 class RateLimiter:
-    """Reverb's rate limiter (see the module docstring); thread-safe, one lock.
+    """Reverb's rate limiter (see the module docstring); thread-safe, one lock (that the
+    inserts of a limiter with no upper edge, like `min_size`'s, skip).
 
     `samples_per_insert` > 0, `min_size_to_sample` >= 1, and the band
     ``max_diff - min_diff`` must be at least ``2 * max(1, samples_per_insert)``:
@@ -94,8 +95,7 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
-        # inserts admitted without the lock, not yet in _inserts (see await_insert, _fold)
-        self._pending = _InsertQueue()
+        self._pending = _InsertQueue()  # inserts admitted without the lock, not yet counted
         self._free = self.max_diff >= _NO_EDGE  # insert admission needs no lock (not closed)
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
