@@ -26,7 +26,10 @@ waiter (`RateLimiterClosedError`), `disable`/`enable` switch limiting off and on
 time (preloading: counts go on, and enabling moves the band's reference so that the
 run resumes at its edge instead of paying back the preload). `state` is a flat dict of
 JSON numbers that the store commits with its manifest, and `restore` takes it back.
-This module knows no store, frames or files.
+
+A limiter with no upper edge (`min_size`) never makes an insert wait, so `await_insert`
+counts it without the lock: it appends `n` to a queue that every locked operation folds
+into the counters first (see `_fold`). This module knows no store, frames or files.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +52,8 @@ CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff
 COUNTER_KEYS = ("inserts", "samples", "offset", "insert_wait_s", "sample_wait_s",
                 "inserts_blocked", "samples_blocked")
 _DEFAULT: Any = object()  # "the limiter's own timeout_s"
+_NO_EDGE = sys.float_info.max  # a max_diff this high is never reached: inserts never wait
+_FOLD_AT = 256  # lock-free inserts queued before the inserting thread folds them in
 
 
 def _number(name: str, value: Any, *, low: float = -math.inf) -> float:
@@ -64,7 +70,8 @@ def _count(name: str, value: Any, *, low: int = 0) -> int:
 
 
 class RateLimiter:
-    """Reverb's rate limiter (see the module docstring); thread-safe, one lock.
+    """Reverb's rate limiter (see the module docstring); thread-safe, one lock (that the
+    inserts of a limiter with no upper edge, like `min_size`'s, skip).
 
     `samples_per_insert` > 0, `min_size_to_sample` >= 1, and the band
     ``max_diff - min_diff`` must be at least ``2 * max(1, samples_per_insert)``:
@@ -78,15 +85,7 @@ class RateLimiter:
         self.min_size_to_sample = _count("min_size_to_sample", min_size_to_sample, low=1)
         self.min_diff = _number("min_diff", min_diff)
         self.max_diff = _number("max_diff", max_diff)
-        if self.samples_per_insert == 0:
-            raise InvalidInputError("samples_per_insert must be > 0 (use min_size to only "
-                                    "hold samples back until the store has enough steps)")
-        width = 2 * max(1.0, self.samples_per_insert)
-        if self.max_diff - self.min_diff < width:
-            raise InvalidInputError(
-                f"max_diff - min_diff = {self.max_diff - self.min_diff:g} must be >= "
-                f"2 * max(1, samples_per_insert) = {width:g}: a narrower band lets a waiting "
-                f"insert and a waiting sample block each other forever")
+        _check_band(self.samples_per_insert, self.min_diff, self.max_diff)
         self.timeout_s = None if timeout_s is None else _number("timeout_s", timeout_s, low=0)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -96,6 +95,8 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
+        self._pending = _InsertQueue()  # inserts admitted without the lock, not yet counted
+        self._free = self.max_diff >= _NO_EDGE  # insert admission needs no lock (not closed)
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
         self._low, self._high = math.inf, -math.inf
@@ -108,21 +109,7 @@ class RateLimiter:
         """Reverb's ``SampleToInsertRatio``: a number `error_buffer` is a band of that half
         width around ``samples_per_insert * min_size_to_sample``; a pair is used as is."""
         spi = _number("samples_per_insert", samples_per_insert, low=0.0)
-        offset = spi * _count("min_size_to_sample", min_size_to_sample, low=1)
-        if isinstance(error_buffer, tuple):
-            min_diff, max_diff = (_number("error_buffer", v) for v in error_buffer)
-        else:
-            half = _number("error_buffer", error_buffer, low=0.0)
-            min_diff, max_diff = offset - half, offset + half
-        if min_diff > offset:
-            raise InvalidInputError(
-                f"min_diff {min_diff:g} > samples_per_insert * min_size_to_sample = "
-                f"{offset:g}: samples would block for good once min_size_to_sample steps "
-                f"are in")
-        if max_diff < offset:
-            warnings.warn(f"max_diff {max_diff:g} < samples_per_insert * min_size_to_sample "
-                          f"= {offset:g}: inserts block once min_size_to_sample steps are in "
-                          f"until a concurrent learner samples", stacklevel=2)
+        min_diff, max_diff = _ratio_band(spi, min_size_to_sample, error_buffer)
         return cls(spi, min_size_to_sample, min_diff, max_diff, timeout_s=timeout_s)
 
     @classmethod
@@ -155,7 +142,17 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        with self._lock:  # the fast path (admitted at once): no Condition, no method call
+        if self._free:  # nothing to wait for: counted without the lock
+            pending = self._pending
+            pending.append(n)  # atomic; only _fold takes counts out, under the lock
+            # a waiter registers (under the lock) before it folds: if it registered after
+            # the test below, its fold sees this count; else the test sees it and wakes it
+            if self._waiters or len(pending) >= _FOLD_AT:
+                self._settle()
+            return
+        with self._lock:  # the locked fast path (admitted at once): no Condition, no call
+            if self._pending:
+                self._fold()
             spi, inserts = self.samples_per_insert, self._inserts
             if n > 0 and (self._closed or self._enabled and not (  # not self._can_insert()
                     inserts + 1 <= self.min_size_to_sample
@@ -174,6 +171,8 @@ class RateLimiter:
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
         with self._lock:  # as await_insert, with self._can_sample() written out
+            if self._pending:
+                self._fold()
             inserts, spi = self._inserts, self.samples_per_insert
             if n > 0 and (self._closed or self._enabled and not (
                     inserts >= self.min_size_to_sample
@@ -193,14 +192,31 @@ class RateLimiter:
     def cancel_insert(self, n: int) -> None:
         """Take back `n` counted inserts that did not happen (the store refused them)."""
         with self._cond:
+            self._fold()
             self._inserts -= n
             self._wake()
 
     def cancel_sample(self, n: int) -> None:
         """Take back `n` counted samples that were not drawn."""
         with self._cond:
+            self._fold()
             self._samples -= n
             self._wake()
+
+    def _settle(self) -> None:
+        """Fold the lock-free inserts in and wake the waiters (they may go now)."""
+        with self._cond:
+            self._fold()
+            self._wake()
+
+    def _fold(self) -> None:
+        """Under the lock: count the queued lock-free inserts, and widen the error range by
+        the lowest and highest diff they made."""
+        first, self._inserts = self._pending.take(self._inserts, self.min_size_to_sample)
+        if first is not None and self._enabled:
+            spi, base = self.samples_per_insert, self._samples + self._offset
+            self._low = min(self._low, first * spi - base)
+            self._high = max(self._high, self._inserts * spi - base)
 
     def _diff(self) -> float:
         return self._inserts * self.samples_per_insert - self._samples - self._offset
@@ -218,35 +234,29 @@ class RateLimiter:
         limit = self.timeout_s if timeout is _DEFAULT else timeout
         if self._closed:
             raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
-        if not self._enabled or can():
-            return
-        start = time.monotonic()
-        self._waiters += 1
-        self._blocked[kind] += 1
+        self._waiters += 1  # before the fold: a lock-free insert from now on wakes us
         try:
-            while True:
-                left = None if limit is None else start + limit - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RateLimitTimeoutError(self._timeout_message(kind, n, limit))
-                self._cond.wait(left)
-                if self._closed:
-                    raise RateLimiterClosedError(f"the rate limiter was closed while a {kind} "
-                                                 f"of {n} waited")
-                if not self._enabled or can():
-                    return
+            self._fold()
+            if not self._enabled or can():
+                return
+            start = time.monotonic()
+            self._blocked[kind] += 1
+            try:
+                while True:
+                    left = None if limit is None else start + limit - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise RateLimitTimeoutError(_timeout_message(self, kind, n, limit))
+                    self._cond.wait(left)
+                    if self._closed:
+                        raise RateLimiterClosedError(f"the rate limiter was closed while a "
+                                                     f"{kind} of {n} waited")
+                    self._fold()
+                    if not self._enabled or can():
+                        return
+            finally:
+                self._wait_s[kind] += time.monotonic() - start
         finally:
             self._waiters -= 1
-            self._wait_s[kind] += time.monotonic() - start
-
-    def _timeout_message(self, kind: str, n: int, limit: float | None) -> str:
-        other = "the learner is not sampling" if kind == "insert" else \
-            "the writers are not inserting"
-        article = "an" if kind == "insert" else "a"
-        return (f"rate limiter: {article} {kind} of {n} waited {limit} s ({other}): inserts "
-                f"{self._inserts}, samples {self._samples}, samples_per_insert "
-                f"{self.samples_per_insert:g}, diff {self._diff():g} in band "
-                f"[{self.min_diff:g}, {self.max_diff:g}], min_size_to_sample "
-                f"{self.min_size_to_sample}; raise timeout_s or check the other side")
 
     def _wake(self) -> None:
         if self._waiters:
@@ -256,6 +266,7 @@ class RateLimiter:
     def disable(self) -> None:
         """Stop limiting (nothing waits; counts go on), e.g. while preloading offline data."""
         with self._cond:
+            self._fold()
             self._enabled = False
             self._wake()
 
@@ -263,6 +274,7 @@ class RateLimiter:
         """Limit again, from where the counts are: if `diff` left the band meanwhile, the
         band's reference moves so that it sits at the nearest edge (`rebase`)."""
         with self._cond:
+            self._fold()
             self._enabled = True
             self._rebase()
             self._wake()
@@ -282,7 +294,8 @@ class RateLimiter:
     def close(self) -> None:
         """Shut down: every waiter, now and later, raises `RateLimiterClosedError`."""
         with self._cond:
-            self._closed = True
+            self._fold()
+            self._closed, self._free = True, False
             self._cond.notify_all()
 
     @property
@@ -293,6 +306,7 @@ class RateLimiter:
     def state(self) -> dict[str, Any]:
         """Config and counters as a flat dict of JSON numbers (what a store commits)."""
         with self._cond:
+            self._fold()
             return {**{k: v for k, v in self.config().items() if k != "timeout_s"},
                     "inserts": self._inserts, "samples": self._samples,
                     "offset": self._offset, "insert_wait_s": self._wait_s["insert"],
@@ -304,11 +318,9 @@ class RateLimiter:
         """Take counters back from a `state` dict (not ``enabled``: this limiter's own switch
         stands). If it was saved with other parameters, `diff` is moved into this limiter's
         band (`rebase`); else it is kept exactly."""
-        counts = {k: _count(k, state[k]) for k in ("inserts", "samples", "inserts_blocked",
-                                                   "samples_blocked") if k in state}
-        floats = {k: _number(k, state[k], low=0.0 if k != "offset" else -math.inf)
-                  for k in ("offset", "insert_wait_s", "sample_wait_s") if k in state}
+        counts, floats = _counters(state)
         with self._cond:
+            self._fold()  # queued inserts are replaced with the rest
             self._inserts = counts.get("inserts", 0)
             self._samples = counts.get("samples", 0)
             self._blocked = {"insert": counts.get("inserts_blocked", 0),
@@ -334,6 +346,7 @@ class RateLimiter:
         error after any admission while limiting past min size (`error_low`, `error_high`;
         None before; not committed, they cover this process's run)."""
         with self._cond:
+            self._fold()
             low, high = self._low, self._high
         out = summary(self.state())
         offset = self.samples_per_insert * self.min_size_to_sample
@@ -345,6 +358,8 @@ class RateLimiter:
     def check_valid(self) -> None:
         """Internal invariants (tests call it after operations)."""
         with self._cond:
+            self._fold()
+            assert not self._free or not self._closed
             assert self._inserts >= 0 and self._samples >= 0, (self._inserts, self._samples)
             assert self._waiters >= 0 and min(self._wait_s.values()) >= 0
 
@@ -352,6 +367,77 @@ class RateLimiter:
         return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, "
                 f"min_size_to_sample={self.min_size_to_sample}, min_diff={self.min_diff:g}, "
                 f"max_diff={self.max_diff:g})")
+
+
+class _InsertQueue(deque[int]):
+    """Counts of inserts admitted without the limiter's lock: any thread appends (atomic),
+    only `take` removes, under the lock, so each count is added exactly once."""
+
+    def take(self, inserts: int, min_size: int) -> tuple[int | None, int]:
+        """(`inserts` after the first count that brought it to `min_size` or past, None if
+        none did; `inserts` plus every count, taken out). Diff grows with inserts: these
+        two are where the queued inserts made it lowest and highest past min size."""
+        first, popleft = None, self.popleft
+        while self and first is None:
+            inserts += popleft()
+            if inserts >= min_size:
+                first = inserts
+        while self:
+            inserts += popleft()
+        return first, inserts
+
+
+def _check_band(spi: float, min_diff: float, max_diff: float) -> None:
+    if spi == 0:
+        raise InvalidInputError("samples_per_insert must be > 0 (use min_size to only "
+                                "hold samples back until the store has enough steps)")
+    width = 2 * max(1.0, spi)
+    if max_diff - min_diff < width:
+        raise InvalidInputError(
+            f"max_diff - min_diff = {max_diff - min_diff:g} must be >= "
+            f"2 * max(1, samples_per_insert) = {width:g}: a narrower band lets a waiting "
+            f"insert and a waiting sample block each other forever")
+
+
+def _ratio_band(spi: float, min_size_to_sample: int,
+                error_buffer: float | tuple[float, float]) -> tuple[float, float]:
+    """`sample_to_insert_ratio`'s (min_diff, max_diff), checked."""
+    offset = spi * _count("min_size_to_sample", min_size_to_sample, low=1)
+    if isinstance(error_buffer, tuple):
+        min_diff, max_diff = (_number("error_buffer", v) for v in error_buffer)
+    else:
+        half = _number("error_buffer", error_buffer, low=0.0)
+        min_diff, max_diff = offset - half, offset + half
+    if min_diff > offset:
+        raise InvalidInputError(
+            f"min_diff {min_diff:g} > samples_per_insert * min_size_to_sample = "
+            f"{offset:g}: samples would block for good once min_size_to_sample steps "
+            f"are in")
+    if max_diff < offset:
+        warnings.warn(f"max_diff {max_diff:g} < samples_per_insert * min_size_to_sample "
+                      f"= {offset:g}: inserts block once min_size_to_sample steps are in "
+                      f"until a concurrent learner samples", stacklevel=3)
+    return min_diff, max_diff
+
+
+def _counters(state: dict[str, Any]) -> tuple[dict[str, int], dict[str, float]]:
+    """The counters of a `state` dict that `restore` takes, checked."""
+    counts = {k: _count(k, state[k]) for k in ("inserts", "samples", "inserts_blocked",
+                                               "samples_blocked") if k in state}
+    floats = {k: _number(k, state[k], low=0.0 if k != "offset" else -math.inf)
+              for k in ("offset", "insert_wait_s", "sample_wait_s") if k in state}
+    return counts, floats
+
+
+def _timeout_message(lim: RateLimiter, kind: str, n: int, limit: float | None) -> str:
+    other = "the learner is not sampling" if kind == "insert" else \
+        "the writers are not inserting"
+    article = "an" if kind == "insert" else "a"
+    return (f"rate limiter: {article} {kind} of {n} waited {limit} s ({other}): inserts "
+            f"{lim._inserts}, samples {lim._samples}, samples_per_insert "
+            f"{lim.samples_per_insert:g}, diff {lim._diff():g} in band "
+            f"[{lim.min_diff:g}, {lim.max_diff:g}], min_size_to_sample "
+            f"{lim.min_size_to_sample}; raise timeout_s or check the other side")
 
 
 def summary(state: dict[str, Any]) -> dict[str, Any]:
@@ -379,9 +465,11 @@ def steps_in_call(count: int, autoreset: Any) -> int:
 class LimiterSlot:
     """The rate limiter a store may hold, and the waits its calls make on it.
 
-    `inserting(n)` / `sampling(n)` are context managers: they wait until the limiter lets
-    `n` inserts / samples through, run the body, and give the count back if the body raises
-    (a refused call was never an insert or a sample). With no limiter they cost nothing.
+    `sampling(n)` is a context manager: it waits until the limiter lets `n` samples
+    through, runs the body, and gives the count back if the body raises (a refused call was
+    never a sample). With no limiter it costs nothing. Inserts (`ReplayStore.add`, one per
+    env step) call `limiter.await_insert` and `cancel_insert` themselves: a context manager
+    is a measurable share of an `add`.
     """
 
     def __init__(self) -> None:
@@ -405,13 +493,6 @@ class LimiterSlot:
             return self.limiter.state()
         return None if saved is None else dict(saved)
 
-    def inserting(self, n: int) -> contextlib.AbstractContextManager[None]:
-        """Wait for `n` inserts, then run the body (count given back if it raises)."""
-        limiter = self.limiter
-        if limiter is None:
-            return _NOTHING
-        return _Admitted(limiter.await_insert, limiter.cancel_insert, n)
-
     def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
         """Wait for `n` samples, then run the body (count given back if it raises)."""
         limiter = self.limiter
@@ -427,7 +508,7 @@ class LimiterSlot:
 
 class _Admitted:
     """`wait(n)` on entering; `cancel(n)` if the body raises (it was never counted). A
-    plain class, not a generator context manager: this is on every `add` and `sample`."""
+    plain class, not a generator context manager: this is on every `sample`."""
 
     __slots__ = ("cancel", "n", "wait")
 

@@ -232,10 +232,17 @@ class ReplayStore(BucketMethods):
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`. With a rate
         limiter, waits first until the learners let these steps in."""
-        with self._limits.inserting(_steps(self.spec.num_envs, env_ids, autoreset)), self._lock:
-            _check_writable(self, "add")
-            self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
-                               env_ids, extras)
+        limiter = self._limits.limiter  # no context manager: this is the ingest's hot path
+        steps = 0 if limiter is None else _admit(limiter, self.spec.num_envs, env_ids, autoreset)
+        try:
+            with self._lock:
+                _check_writable(self, "add")
+                self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
+                                   env_ids, extras)
+        except BaseException:
+            if limiter is not None:
+                limiter.cancel_insert(steps)  # refused: these steps were never inserts
+            raise
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -255,11 +262,7 @@ class ReplayStore(BucketMethods):
         (``mmreplay info`` shows them). Only a writable store takes one, and `close`
         closes it (waiters wake with `RateLimiterClosedError`).
         """
-        if limiter is not None:
-            _check_writable(self, "set_rate_limiter")
-        with self._lock:
-            self._limits.attach(limiter, self._commits.committed.get("rate_limiter"),
-                                inserts=self._ring.next_id, capacity=self.spec.capacity)
+        _set_rate_limiter(self, limiter)
 
     @property
     def rate_limiter(self) -> RateLimiter | None:
@@ -329,11 +332,7 @@ class ReplayStore(BucketMethods):
         episode, never padded. See README "Sequences". With a rate limiter, waits first
         until the writers let ``batch_size * length`` samples (steps) out.
         """
-        with self._limits.sampling(_items(batch_size) * _items(length)), self._lock:
-            _refuse_closed(self, "sample_sequences")
-            size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            key = sequence_key(self.spec, length, cross_episodes, period)
-            return _sequence_batch(self._sequences.sample_batch(key, self._rng, size, beta))
+        return _sample_sequences(self, batch_size, length, cross_episodes, period, beta)
 
     @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
@@ -580,11 +579,32 @@ def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
         return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
 
 
-def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
-    """The steps one `add` records (what the rate limiter counts as inserts)."""
+def _admit(limiter: RateLimiter, num_envs: int, env_ids: Any, autoreset: Any) -> int:
+    """Wait until `limiter` lets the steps of one `add` in (what it counts as inserts), and
+    return how many they are (the count `cancel_insert` takes back if the add is refused)."""
     if env_ids is None and autoreset is None:
-        return num_envs
-    return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
+        steps = num_envs
+    else:
+        steps = steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
+    limiter.await_insert(steps)
+    return steps
+
+
+def _set_rate_limiter(store: ReplayStore, limiter: RateLimiter | None) -> None:
+    if limiter is not None:
+        _check_writable(store, "set_rate_limiter")
+    with store._lock:
+        store._limits.attach(limiter, store._commits.committed.get("rate_limiter"),
+                             inserts=store._ring.next_id, capacity=store.spec.capacity)
+
+
+def _sample_sequences(store: ReplayStore, batch_size: int, length: int, cross_episodes: bool,
+                      period: int, beta: float) -> SequenceBatch:
+    with store._limits.sampling(_items(batch_size) * _items(length)), store._lock:
+        _refuse_closed(store, "sample_sequences")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        key = sequence_key(store.spec, length, cross_episodes, period)
+        return _sequence_batch(store._sequences.sample_batch(key, store._rng, size, beta))
 
 
 def _items(value: Any) -> int:

@@ -13,8 +13,9 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    `RemoteBatches` from it; the limiter lives in the store actor and records the lowest and
    highest error after every admission (`error_low`, `error_high`).
 3. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
-   blocks (`RateLimiter.min_size(1)`), on one store whose limiter is switched on and off
-   chunk by chunk (alternated, so the machine's drift falls on both).
+   blocks (`RateLimiter.min_size(1)`, which counts inserts without its lock; and a ratio
+   band too wide to reach, admitted under the lock), on one store whose limiter is switched
+   on and off chunk by chunk (alternated, so the machine's drift falls on every arm).
 
     python scripts/bench_rate_limit.py                      # ~3 minutes, every section
     python scripts/bench_rate_limit.py --sections overhead  # one section; the others are kept
@@ -145,26 +146,31 @@ def natural_rates(args: Args, root: Path) -> dict[str, float]:
     return {"env_steps_per_s": env, "learner_samples_per_s": learner}
 
 
-ARMS = ("without", "with", "without_again")  # the last one: the noise floor (A/A)
+# "with": `RateLimiter.min_size(1)` (no upper edge: inserts are counted without its lock);
+# "with_band": a ratio band far wider than the run (admitted at once, under the lock);
+# "without_again": the noise floor (A/A)
+ARMS = ("without", "with", "with_band", "without_again")
 
 
 def overhead(args: Args, root: Path) -> dict[str, Any]:
     """add steps/s and sample batches/s without and with a never-blocking limiter
-    (`RateLimiter.min_size(1)`) on one store whose limiter is switched chunk by chunk, the
-    arms in a seeded random order per round. A third arm repeats "without": its distance
-    to the first is the noise floor. Medians of per-chunk times (a shared machine stalls
-    a chunk now and then, for seconds). Samples are timed on the filled store with no adds
-    in between, so every chunk draws from the same store."""
+    (`RateLimiter.min_size(1)`, and a ratio band too wide to reach) on one store whose
+    limiter is switched chunk by chunk, the arms in a seeded random order per round. A last
+    arm repeats "without": its distance to the first is the noise floor. Medians of
+    per-chunk times (a shared machine stalls a chunk now and then, for seconds). Samples
+    are timed on the filled store with no adds in between, so every chunk draws from the
+    same store."""
     pool, rng = frames(256), np.random.default_rng(0)
     store = make_store(root / "o", None)
-    limiter = RateLimiter.min_size(1)
+    limiters = {"with": RateLimiter.min_size(1),
+                "with_band": RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)}
     adds_per_chunk, batches_per_chunk = 173, 10  # 173: prime, unaligned with frame chunks
     adds_per_s(store, pool, 3000)  # warm up (and enough steps to sample)
     chunks: dict[tuple[str, str], list[float]] = {}
     for what, count in (("add", adds_per_chunk), ("sample", batches_per_chunk)):
         for _ in range(args.rounds):
             for name in rng.permutation(ARMS):
-                store.set_rate_limiter(limiter if name == "with" else None)
+                store.set_rate_limiter(limiters.get(str(name)))
                 rate = adds_per_s(store, pool, count) if what == "add" else \
                     batches_per_s(store, args.batch_size, count)
                 chunks.setdefault((what, str(name)), []).append(rate)
@@ -176,29 +182,47 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
         for name in ARMS:
             out[f"{key}_{unit}_per_s_{name}"] = rate[name]
         out[f"{key}_overhead"] = 1 - rate["with"] / rate["without"]
+        out[f"{key}_overhead_band"] = 1 - rate["with_band"] / rate["without"]
         out[f"{key}_noise_floor"] = 1 - rate["without_again"] / rate["without"]
+        for name, label in (("with", "overhead"), ("with_band", "overhead_band"),
+                            ("without_again", "noise_floor")):
+            out[f"{key}_{label}_paired"] = paired(chunks[what, name], chunks[what, "without"])
     out.update(call_costs(args, out))
     return out
 
 
+def paired(arm: list[float], base: list[float]) -> float:
+    """The median over rounds of ``1 - arm / base``, each round's chunks side by side
+    (steadier than the ratio of medians when the machine's load drifts between rounds)."""
+    return statistics.median(1 - a / b for a, b in zip(arm, base, strict=True))
+
+
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
-    """What the store's admission path (`LimiterSlot`) costs per call with a limiter that
-    admits at once, less what it costs without one (best of 15 repeats: steadier than the
-    rates above on a shared machine), against the time of one `add` and one `sample`."""
+    """What admission costs per call with a limiter that admits at once, less what it
+    costs without one (best of 15 repeats: steadier than the rates above on a shared
+    machine), against the time of one `add` and one `sample`. Inserts: what `add` does
+    (`await_insert` on the slot's limiter, if any); samples: the `LimiterSlot.sampling`
+    context manager that `sample` enters."""
     with_limiter, without = LimiterSlot(), LimiterSlot()
     with_limiter.limiter = RateLimiter.min_size(1)
     with_limiter.limiter.await_insert(1)
 
-    def cost(slot: LimiterSlot, kind: str, n: int) -> float:
-        def call() -> None:
-            with getattr(slot, kind)(n):
-                pass
-        calls = 50_000
-        return min(timeit.repeat(call, number=calls, repeat=15)) / calls
+    def insert(slot: LimiterSlot) -> None:
+        limiter = slot.limiter
+        if limiter is not None:
+            limiter.await_insert(1)
 
-    insert_s = cost(with_limiter, "inserting", 1) - cost(without, "inserting", 1)
-    sample_s = cost(with_limiter, "sampling", args.batch_size) - cost(without, "sampling",
-                                                                      args.batch_size)
+    def sample(slot: LimiterSlot) -> None:
+        with slot.sampling(args.batch_size):
+            pass
+
+    def cost(call: Any, slot: LimiterSlot) -> float:
+        calls = 50_000
+        return min(timeit.repeat(lambda: call(slot), number=calls, repeat=15)) / calls
+
+    insert_s = cost(insert, with_limiter) - cost(insert, without)
+    sample_s = cost(sample, with_limiter) - cost(sample, without)
+    with_limiter.limiter.state()  # folds the queued lock-free inserts
     return {"admit_insert_us": insert_s * 1e6, "admit_sample_us": sample_s * 1e6,
             "admit_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
             "admit_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
