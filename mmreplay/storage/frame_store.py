@@ -400,20 +400,20 @@ class FrameStore:
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
-        the rows left to decode from disk."""
+        the rows left to decode from disk. `unique` is sorted (`chunk_plan`): chunks on
+        disk first, then the tails and the zero chunk."""
         tails = self.spec.num_envs * self.num_chunks
-        for i in np.flatnonzero(unique >= tails).tolist():
+        on_disk = int(np.searchsorted(unique, tails))
+        for i in range(on_disk, unique.size):
             k = int(unique[i]) - tails
             table[i] = self.tail[k] if k < self.spec.num_envs else 0
-        disk = np.flatnonzero(unique < tails)
-        held = _held_keys(self)
-        maybe = disk if held is None else disk[np.isin(unique[disk], held)]
         found = []
-        for i in maybe.tolist():
+        for i in _maybe_in_ram(self, unique[:on_disk]):
             chunk = _in_ram(self, *divmod(int(unique[i]), self.num_chunks))
             if chunk is not None:
                 table[i] = chunk
                 found.append(i)
+        disk = np.arange(on_disk)
         return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
@@ -499,9 +499,10 @@ def _submit_held(fs: FrameStore) -> None:
         fs._writer.submit(key, fs.chunk_path(*key), frames)
 
 
-def _held_keys(fs: FrameStore) -> np.ndarray | None:
-    """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
-    whose write failed); None when the cache holds chunks (any key may be cached)."""
+def _ram_ranges(fs: FrameStore) -> np.ndarray | None:
+    """Key ranges ``[lo, hi)`` (rows of an ``(R, 2)`` array) holding every chunk that may
+    be held in RAM: finished, not yet in its file (a pending shard's whole range), whose
+    write failed, or cached; None when the cache holds chunks (any key may be cached)."""
     if len(fs._cache) > MAX_HELD_LOOKUPS:
         return None
     keys: list[tuple[int, int]] = [*fs._held, *fs._cache]
@@ -509,9 +510,25 @@ def _held_keys(fs: FrameStore) -> np.ndarray | None:
         keys += fs._trainer.keys()
     if fs._writer is not None:
         keys += list(fs._writer.failed)
+    ranges = [(e * fs.num_chunks + c, e * fs.num_chunks + c + 1) for e, c in keys]
     if fs._shard_writer is not None:
-        keys += fs._shard_writer.pending_chunks()
-    return np.array([e * fs.num_chunks + c for e, c in keys], np.int64)
+        span = fs.spec.shard_chunks
+        for env, shard in fs._shard_writer.pending_shards():
+            lo = env * fs.num_chunks + shard * span
+            ranges.append((lo, lo + span))
+    return np.array(ranges, np.int64).reshape(-1, 2)
+
+
+def _maybe_in_ram(fs: FrameStore, keys: np.ndarray) -> list[int]:
+    """The positions in `keys` (sorted chunk keys) of the chunks that may be held in RAM:
+    one binary search of a few key ranges per batch, not a lookup per pending chunk."""
+    ranges = _ram_ranges(fs)
+    if ranges is None:
+        return list(range(keys.size))
+    if not (ranges.size and keys.size):
+        return []
+    spans = np.searchsorted(keys, ranges.reshape(-1)).reshape(-1, 2).tolist()
+    return sorted({i for lo, hi in spans for i in range(lo, hi)})
 
 
 def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
