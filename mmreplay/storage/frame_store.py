@@ -389,7 +389,7 @@ class FrameStore:
         rows = table.reshape(count, -1).view(np.uint8)
         on_disk = self._fill_from_ram(unique, table)
         if on_disk.size:
-            self._decode(unique[on_disk], on_disk, rows)
+            self._decode(unique[on_disk], on_disk, rows, rows_of)
         frame_bytes = self._codec.nbytes // self._chunk_len
         size = flat.size * frame_bytes
         if out is None or out.size < size:
@@ -416,9 +416,12 @@ class FrameStore:
         disk = np.arange(on_disk)
         return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
-    def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
+    def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
+                frame_rows: np.ndarray | None = None) -> None:
         """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
-        put them in the cache when it takes them)."""
+        put them in the cache when it takes them). Given the read's `frame_rows` (its
+        frames as rows of `rows` seen one frame a row) and no cache to fill, a chunk is
+        decoded only up to the last frame the read takes from it."""
         keep: list[bytes] = []  # format 1: the files' bytes stay alive during the call
         if self._shards is not None:
             src, size = self._shards.addresses(keys)
@@ -426,13 +429,17 @@ class FrameStore:
             keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        status = self._codec.decode_many(src, size, rows, dest)
+        keep_rows = self._cache.budget >= self._codec.nbytes
+        if frame_rows is None or keep_rows:
+            status = self._codec.decode_many(src, size, rows, dest)
+        else:
+            status = self._codec.decode_prefixes(src, size, rows, dest, frame_rows)
         if status.any():
             bad = int(np.argmax(status != 0))
             env, chunk = divmod(int(keys[bad]), self.num_chunks)
             data, where = self.chunk_bytes(env, chunk)
             raise InvalidStoreError(self._codec.damage(data, int(status[bad]), where))
-        if self._cache.budget >= self._codec.nbytes:
+        if keep_rows:
             for k, i in zip(keys.tolist(), dest.tolist(), strict=True):
                 self._cache.put(divmod(k, self.num_chunks),
                                 rows[i].view(self.spec.obs_dtype).reshape(
