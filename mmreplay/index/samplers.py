@@ -278,7 +278,8 @@ class PrioritizedSampler:
         unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
         kernels, tree = priority_kernels(), self._arrays
         slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
-        if priorities.size and 0.0 <= priorities.min() and priorities.max() < self._safe_p:
+        if priorities.size and 0.0 <= np.minimum.reduce(priorities) \
+                and np.maximum.reduce(priorities) < self._safe_p:
             masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
         else:  # a value the kernel rejects, or one whose mass may overflow
             with np.errstate(over="ignore", invalid="ignore"):
@@ -296,7 +297,7 @@ class PrioritizedSampler:
             raise InvalidInputError(f"priority {float(priorities.max())!r} overflows "
                                     f"(p + eps)^alpha with alpha={self.alpha}")
         if count:
-            self._table.max_p = max(self._table.max_p, float(values[:count].max()))
+            self._table.max_p = max(self._table.max_p, float(np.maximum.reduce(values[:count])))
         return Applied(slots[:count], values[:count])
 
     def priorities(self) -> np.ndarray:
