@@ -142,8 +142,10 @@ def priorities(value: Any, count: int) -> np.ndarray:
     if arr.shape != (count,) or arr.dtype.kind not in "iuf":
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
-    arr = arr.astype(np.float64)
-    if arr.size and not (arr.min() >= 0.0 and arr.max() < np.inf):  # NaN fails both
+    if not (arr.dtype == np.float64 and arr.flags.c_contiguous and arr.flags.writeable):
+        arr = arr.astype(np.float64)  # the compiled update takes one array type only
+    if arr.size and not (np.minimum.reduce(arr) >= 0.0  # NaN fails both
+                         and np.maximum.reduce(arr) < np.inf):
         bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
         raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
     return arr

@@ -12,9 +12,9 @@ imports mmreplay from that tree and measures, in that one process:
             interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly;
             ``add`` also timed per block of 512 calls, staged steps' recording included
     per     a prioritized store of `--frames` real Breakout frames (84x84, 4-stacks + next
-            stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, and the update
-            alone, against cpprb's ``PrioritizedReplayBuffer`` (next_of + stack_compress)
-            filled with the same stream
+            stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, ``sample(32)``
+            alone, and the update alone, against cpprb's ``PrioritizedReplayBuffer``
+            (next_of + stack_compress) filled with the same stream
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
@@ -208,6 +208,9 @@ def per_section(args: Args) -> dict[str, Any]:
 
     both = interleaved({"mmreplay_ReplayStore": ours, "cpprb_PrioritizedReplayBuffer": cpprb},
                        args.reps, args.block)
+    sample = interleaved({"mmreplay_ReplayStore": lambda i: store.sample(32, beta=0.4),
+                          "cpprb_PrioritizedReplayBuffer": lambda i: rb.sample(32, beta=0.4)},
+                         args.reps, args.block)
     drawn = [store.sample(32).ids for _ in range(args.reps)]
     indexes = [rb.sample(32)["indexes"] for _ in range(args.reps)]
     update = interleaved({
@@ -216,6 +219,7 @@ def per_section(args: Args) -> dict[str, Any]:
         args.reps, args.block)
     store.close()
     return {"sample32_plus_update32": with_ratios(both, "cpprb_PrioritizedReplayBuffer"),
+            "sample32": with_ratios(sample, "cpprb_PrioritizedReplayBuffer"),
             "update32": with_ratios(update, "cpprb_PrioritizedReplayBuffer"),
             "frames": args.frames}
 

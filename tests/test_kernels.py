@@ -60,6 +60,44 @@ def test_each_damage_has_its_status_and_writes_nothing_else() -> None:
                                kernels.BAD_HEADER, kernels.NO_DECODE]
 
 
+def test_decode_prefixes_decodes_each_chunk_up_to_its_last_wanted_frame() -> None:
+    """lz4 chunks compressed, stored as they are (incompressible) and all zeros: each row
+    holds its chunk's frames up to the last frame read from it, as a whole decode would."""
+    rng = np.random.default_rng(3)
+    chunks = [np.arange(N, dtype=np.uint8) // 97, rng.integers(0, 256, N, dtype=np.uint8),
+              np.zeros(N, np.uint8)]
+    data = [chunk_bytes(c) for c in chunks]
+    bufs = [np.frombuffer(c, np.uint8) for c in data]
+    src = np.array([b.ctypes.data for b in bufs], np.int64)
+    size = np.array([b.size for b in bufs], np.int64)
+    half = N // 2
+    for frame_rows in ([0, 2, 4], [1, 3, 4], [5, 0, 5, 2]):  # rows of 2 frames a chunk
+        rows = np.full((3, N), 7, np.uint8)
+        status = kernels.decode_prefixes(src, size, rows, np.array([1, 2, 0]),
+                                         np.array(frame_rows, np.int64), 2)
+        assert status.tolist() == [0, 0, 0]
+        for chunk, row in zip(chunks, [1, 2, 0], strict=True):
+            end = max((r % 2 + 1) * half for r in frame_rows if r // 2 == row)
+            np.testing.assert_array_equal(rows[row, :end], chunk[:end])
+
+
+def test_decode_prefixes_checks_the_whole_chunk_and_the_stream_it_reads() -> None:
+    """The crc32c covers the whole chunk even when only its first frame is read; a stream
+    broken where the read needs it does not decode."""
+    good = chunk_bytes(np.arange(N, dtype=np.uint8) // 97)
+    payload = bytearray(good[:-4])
+    flipped = bytes(payload[:-1]) + bytes([payload[-1] ^ 1]) + good[-4:]  # in the tail
+    broken = bytearray(payload)
+    broken[24:] = b"\xff" * (len(broken) - 24)  # the lz4 stream itself
+    resealed = bytes(broken) + struct.pack("<I", google_crc32c.value(bytes(broken)))
+    bufs = [np.frombuffer(c, np.uint8) for c in (good, flipped, resealed)]
+    src = np.array([b.ctypes.data for b in bufs], np.int64)
+    size = np.array([b.size for b in bufs], np.int64)
+    rows = np.zeros((3, N), np.uint8)
+    status = kernels.decode_prefixes(src, size, rows, np.arange(3), np.array([0, 2, 4]), 2)
+    assert status.tolist() == [kernels.OK, kernels.BAD_CRC, kernels.NO_DECODE]
+
+
 def test_gather_rows_equals_numpy_fancy_index() -> None:
     rng = np.random.default_rng(1)
     table = rng.integers(0, 256, (40, 84 * 84), dtype=np.uint8)

@@ -246,6 +246,7 @@ class PrioritizedSampler:
         self.eps = float(eps)
         self._table = _PriorityTable(num_slots)
         self._tree = SumTree(num_slots)
+        self._arrays = self._tree.arrays()  # node arrays are written in place, never moved
         # below this a priority's mass cannot overflow (checked without np.errstate's cost)
         # ((1e300 ** (1 / alpha)) ** alpha = 1e300; alpha <= 300 / 307 < 1 never enlarges)
         self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
@@ -275,9 +276,10 @@ class PrioritizedSampler:
         compiled call (the last value of a slot wins; other ids are ignored). Returns None,
         changing nothing, when `where` spills and an id needs `pre`: its flat slots (-1
         unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
-        kernels, tree = priority_kernels(), self._tree.arrays()
+        kernels, tree = priority_kernels(), self._arrays
         slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
-        if priorities.size and 0.0 <= priorities.min() and priorities.max() < self._safe_p:
+        if priorities.size and 0.0 <= np.minimum.reduce(priorities) \
+                and np.maximum.reduce(priorities) < self._safe_p:
             masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
         else:  # a value the kernel rejects, or one whose mass may overflow
             with np.errstate(over="ignore", invalid="ignore"):
@@ -295,7 +297,7 @@ class PrioritizedSampler:
             raise InvalidInputError(f"priority {float(priorities.max())!r} overflows "
                                     f"(p + eps)^alpha with alpha={self.alpha}")
         if count:
-            self._table.max_p = max(self._table.max_p, float(values[:count].max()))
+            self._table.max_p = max(self._table.max_p, float(np.maximum.reduce(values[:count])))
         return Applied(slots[:count], values[:count])
 
     def priorities(self) -> np.ndarray:

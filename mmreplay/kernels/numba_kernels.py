@@ -71,6 +71,10 @@ _crc32c: Any = types.ExternalFunction(
     "crc32c_extend", types.uint32(types.uint32, types.int64, types.intp))
 _blosc_decompress: Any = types.ExternalFunction(
     "blosc_decompress_ctx", types.int32(types.int64, types.int64, types.intp, types.int32))
+_lz4_decompress_partial: Any = types.ExternalFunction(
+    "LZ4_decompress_safe_partial",
+    types.int32(types.int64, types.int64, types.int32, types.int32, types.int32))
+_memcpy: Any = types.ExternalFunction("memcpy", types.int64(types.int64, types.int64, types.intp))
 _zstd_content_size: Any = types.ExternalFunction(
     "ZSTD_getFrameContentSize", types.uint64(types.int64, types.intp))
 _zstd_create_dctx: Any = types.ExternalFunction("ZSTD_createDCtx", types.int64())
@@ -125,8 +129,37 @@ _u32_at: Any = _u32_at_intrinsic  # called from compiled code only
 
 
 @numba.njit(nogil=True, cache=True)
+def _lz4_prefix(src: int, payload: int, dst: int, n: int, need: int) -> int:
+    """The first `need` bytes of a c-blosc lz4 chunk whose length, crc32c and header sizes
+    were checked: one block of bytes (typesize 1, no shuffle) is one lz4 stream after the
+    block's start and its length (or its bytes as they are), decoded up to `need` bytes
+    (``LZ4_decompress_safe_partial``); any other layout is decoded whole by c-blosc."""
+    head = _u32_at(src)
+    flags, typesize = (head >> 16) & 0xFF, head >> 24
+    if flags & 0x02:  # the chunk was stored as it is, after the header
+        if payload < BLOSC_HEADER + n:
+            return NO_DECODE
+        _memcpy(dst, src + BLOSC_HEADER, need)
+        return OK
+    if (typesize != 1 or flags & 0x05 or flags >> 5 != 1 or _u32_at(src + 8) < n
+            or payload < BLOSC_HEADER + 8):
+        return OK if _blosc_decompress(src, dst, n, 1) == n else NO_DECODE
+    start = np.int64(_u32_at(src + BLOSC_HEADER))
+    if start < BLOSC_HEADER + 4 or start + 4 > payload:
+        return NO_DECODE
+    stream = np.int64(_u32_at(src + start))
+    if stream < 1 or start + 4 + stream > payload:
+        return NO_DECODE
+    if stream == n:  # the block was stored as it is
+        _memcpy(dst, src + start + 4, need)
+        return OK
+    got = _lz4_decompress_partial(src + start + 4, dst, stream, need, n)
+    return OK if got >= need else NO_DECODE
+
+
+@numba.njit(nogil=True, cache=True)
 def _decode_one(src: int, size: int, dst: int, n: int, codec: int, dctx: int,
-                ddict: int) -> int:
+                ddict: int, need: int) -> int:
     payload = size - 4
     if payload < (BLOSC_HEADER if codec == LZ4 else 1):
         return TOO_SHORT
@@ -135,6 +168,8 @@ def _decode_one(src: int, size: int, dst: int, n: int, codec: int, dctx: int,
     if codec == LZ4:
         if _u32_at(src + 4) != n or _u32_at(src + 12) != payload:
             return BAD_HEADER
+        if need < n:
+            return _lz4_prefix(src, payload, dst, n, need)
         return OK if _blosc_decompress(src, dst, n, 1) == n else NO_DECODE
     if _zstd_content_size(src, payload) != n:
         return BAD_HEADER
@@ -162,9 +197,33 @@ def decode_chunks(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: np.
     own = dctx == 0 and codec != LZ4 and src.size > 0
     ctx = _zstd_create_dctx() if own else dctx
     for i in range(src.size):
-        status[i] = _decode_one(src[i], size[i], base + dest[i] * n, n, codec, ctx, ddict)
+        status[i] = _decode_one(src[i], size[i], base + dest[i] * n, n, codec, ctx, ddict, n)
     if own and ctx != 0:
         _zstd_free_dctx(ctx)
+    return status
+
+
+@numba.njit(nogil=True, cache=True)
+def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: np.ndarray,
+                    frame_rows: np.ndarray, chunk: int) -> np.ndarray:
+    """`decode_chunks` of lz4 chunks for one read, each decoded only up to the last frame
+    the read takes from it: ``frame_rows`` are the read's frames as rows of `rows` seen as
+    ``chunk`` frames a row (``row * chunk + offset``, `chunk_plan`). The crc32c and header
+    of every chunk are checked whole; the frames past a chunk's last wanted one are left
+    as they were (an lz4 stream is decoded from its start, so a read that takes frames
+    0..k of a chunk skips the rest). Same statuses as `decode_chunks`."""
+    n = rows.shape[1]
+    frame = n // chunk
+    need = np.zeros(rows.shape[0], np.int64)
+    for i in range(frame_rows.size):
+        row, end = frame_rows[i] // chunk, (frame_rows[i] % chunk + 1) * frame
+        if end > need[row]:
+            need[row] = end
+    status = np.empty(src.size, np.int32)
+    base = rows.ctypes.data
+    for i in range(src.size):
+        status[i] = _decode_one(src[i], size[i], base + dest[i] * n, n, LZ4, 0, 0,
+                                need[dest[i]])
     return status
 
 

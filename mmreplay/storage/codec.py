@@ -123,6 +123,15 @@ class ChunkCodec:
         finally:
             self._dctx_lock.release()
 
+    def decode_prefixes(self, src: np.ndarray, size: np.ndarray, rows: np.ndarray,
+                        dest: np.ndarray, frame_rows: np.ndarray) -> np.ndarray:
+        """`decode_many` for one read whose frames are ``frame_rows`` (rows of `rows` seen
+        as one frame each): an lz4 chunk is decoded only up to the last frame the read
+        takes from it (rows are left partly stale: never keep them); zstd chunks whole."""
+        if not self._lz4:
+            return self.decode_many(src, size, rows, dest)
+        return compiled().decode_prefixes(src, size, rows, dest, frame_rows, self._shape[0])
+
     def _dctx_address(self) -> int:
         """The codec's ``ZSTD_DCtx``, made on first use (0 when libzstd cannot: the
         kernel then makes one per call)."""

@@ -389,7 +389,7 @@ class FrameStore:
         rows = table.reshape(count, -1).view(np.uint8)
         on_disk = self._fill_from_ram(unique, table)
         if on_disk.size:
-            self._decode(unique[on_disk], on_disk, rows)
+            self._decode(unique[on_disk], on_disk, rows, rows_of)
         frame_bytes = self._codec.nbytes // self._chunk_len
         size = flat.size * frame_bytes
         if out is None or out.size < size:
@@ -400,25 +400,28 @@ class FrameStore:
 
     def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
         """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
-        the rows left to decode from disk."""
+        the rows left to decode from disk. `unique` is sorted (`chunk_plan`): chunks on
+        disk first, then the tails and the zero chunk."""
         tails = self.spec.num_envs * self.num_chunks
-        for i in np.flatnonzero(unique >= tails).tolist():
+        on_disk = int(np.searchsorted(unique, tails))
+        for i in range(on_disk, unique.size):
             k = int(unique[i]) - tails
             table[i] = self.tail[k] if k < self.spec.num_envs else 0
-        disk = np.flatnonzero(unique < tails)
-        held = _held_keys(self)
-        maybe = disk if held is None else disk[np.isin(unique[disk], held)]
         found = []
-        for i in maybe.tolist():
+        for i in _maybe_in_ram(self, unique[:on_disk]):
             chunk = _in_ram(self, *divmod(int(unique[i]), self.num_chunks))
             if chunk is not None:
                 table[i] = chunk
                 found.append(i)
+        disk = np.arange(on_disk)
         return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
-    def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray) -> None:
+    def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
+                frame_rows: np.ndarray | None = None) -> None:
         """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
-        put them in the cache when it takes them)."""
+        put them in the cache when it takes them). Given the read's `frame_rows` (its
+        frames as rows of `rows` seen one frame a row) and no cache to fill, a chunk is
+        decoded only up to the last frame the read takes from it."""
         keep: list[bytes] = []  # format 1: the files' bytes stay alive during the call
         if self._shards is not None:
             src, size = self._shards.addresses(keys)
@@ -426,13 +429,17 @@ class FrameStore:
             keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        status = self._codec.decode_many(src, size, rows, dest)
+        keep_rows = self._cache.budget >= self._codec.nbytes
+        if frame_rows is None or keep_rows:
+            status = self._codec.decode_many(src, size, rows, dest)
+        else:
+            status = self._codec.decode_prefixes(src, size, rows, dest, frame_rows)
         if status.any():
             bad = int(np.argmax(status != 0))
             env, chunk = divmod(int(keys[bad]), self.num_chunks)
             data, where = self.chunk_bytes(env, chunk)
             raise InvalidStoreError(self._codec.damage(data, int(status[bad]), where))
-        if self._cache.budget >= self._codec.nbytes:
+        if keep_rows:
             for k, i in zip(keys.tolist(), dest.tolist(), strict=True):
                 self._cache.put(divmod(k, self.num_chunks),
                                 rows[i].view(self.spec.obs_dtype).reshape(
@@ -499,9 +506,10 @@ def _submit_held(fs: FrameStore) -> None:
         fs._writer.submit(key, fs.chunk_path(*key), frames)
 
 
-def _held_keys(fs: FrameStore) -> np.ndarray | None:
-    """Keys of the chunks that may be held in RAM (finished, not yet in their file, or
-    whose write failed); None when the cache holds chunks (any key may be cached)."""
+def _ram_ranges(fs: FrameStore) -> np.ndarray | None:
+    """Key ranges ``[lo, hi)`` (rows of an ``(R, 2)`` array) holding every chunk that may
+    be held in RAM: finished, not yet in its file (a pending shard's whole range), whose
+    write failed, or cached; None when the cache holds chunks (any key may be cached)."""
     if len(fs._cache) > MAX_HELD_LOOKUPS:
         return None
     keys: list[tuple[int, int]] = [*fs._held, *fs._cache]
@@ -509,9 +517,25 @@ def _held_keys(fs: FrameStore) -> np.ndarray | None:
         keys += fs._trainer.keys()
     if fs._writer is not None:
         keys += list(fs._writer.failed)
+    ranges = [(e * fs.num_chunks + c, e * fs.num_chunks + c + 1) for e, c in keys]
     if fs._shard_writer is not None:
-        keys += fs._shard_writer.pending_chunks()
-    return np.array([e * fs.num_chunks + c for e, c in keys], np.int64)
+        span = fs.spec.shard_chunks
+        for env, shard in fs._shard_writer.pending_shards():
+            lo = env * fs.num_chunks + shard * span
+            ranges.append((lo, lo + span))
+    return np.array(ranges, np.int64).reshape(-1, 2)
+
+
+def _maybe_in_ram(fs: FrameStore, keys: np.ndarray) -> list[int]:
+    """The positions in `keys` (sorted chunk keys) of the chunks that may be held in RAM:
+    one binary search of a few key ranges per batch, not a lookup per pending chunk."""
+    ranges = _ram_ranges(fs)
+    if ranges is None:
+        return list(range(keys.size))
+    if not (ranges.size and keys.size):
+        return []
+    spans = np.searchsorted(keys, ranges.reshape(-1)).reshape(-1, 2).tolist()
+    return sorted({i for lo, hi in spans for i in range(lo, hi)})
 
 
 def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:

@@ -298,11 +298,9 @@ class ShardWriter:
         found = self.pending.get((env, shard))
         return None if found is None else found.get(j)
 
-    def pending_chunks(self) -> list[Key]:
-        """(env, chunk) of every finished chunk not yet in its file."""
-        k = self._files.shard_chunks
-        return [(env, shard * k + j) for (env, shard), chunks in self.pending.items()
-                for j in chunks]
+    def pending_shards(self) -> list[Key]:
+        """(env, shard) of every shard with finished chunks not yet in its file."""
+        return list(self.pending)
 
     def drain(self) -> None:
         """Write every shard whose file lacks pending chunks; raise the first error."""
