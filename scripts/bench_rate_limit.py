@@ -16,6 +16,9 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    blocks (`RateLimiter.min_size(1)`, which counts inserts without its lock; and a ratio
    band too wide to reach, admitted under the lock), on one store whose limiter is switched
    on and off chunk by chunk (alternated, so the machine's drift falls on every arm).
+4. Per call (`--sections percall`): each `add` timed alone, arms alternated in chunks of
+   50 calls, percentiles per arm. Low percentiles leave out the calls that compress a
+   chunk and the machine's stalls: the admission's own cost inside `add`.
 
     python scripts/bench_rate_limit.py                      # ~3 minutes, every section
     python scripts/bench_rate_limit.py --sections overhead  # one section; the others are kept
@@ -197,6 +200,37 @@ def paired(arm: list[float], base: list[float]) -> float:
     return statistics.median(1 - a / b for a, b in zip(arm, base, strict=True))
 
 
+def per_call(args: Args, root: Path) -> dict[str, Any]:
+    """Microseconds of single `add` calls (10th, 25th, 50th percentile and mean) without a
+    limiter and with `RateLimiter.min_size(1)`, the arms alternated in chunks of 50 calls in
+    a seeded random order, `rounds` chunks each; and the percentile differences."""
+    pool, rng = frames(256), np.random.default_rng(0)
+    store = make_store(root, None)
+    arms = {"without": None, "with": RateLimiter.min_size(1)}
+    adds_per_s(store, pool, 3000)  # warm up
+    times: dict[str, list[int]] = {name: [] for name in arms}
+    clock, i = time.perf_counter_ns, 0
+    for _ in range(args.rounds):
+        for name in rng.permutation(list(arms)):
+            store.set_rate_limiter(arms[str(name)])
+            spent = times[str(name)]
+            for _ in range(50):
+                start = clock()
+                store.add(i % 4, 1.0, pool[i % len(pool)], False, False)
+                spent.append(clock() - start)
+                i += 1
+    store.close()
+    out: dict[str, Any] = {"calls_per_arm": 50 * args.rounds}
+    for name, spent in times.items():
+        us = np.asarray(spent) / 1000
+        out[name] = {"p10_us": float(np.percentile(us, 10)),
+                     "p25_us": float(np.percentile(us, 25)),
+                     "p50_us": float(np.median(us)), "mean_us": float(us.mean())}
+    for q in ("p10_us", "p25_us", "p50_us"):
+        out[f"cost_{q}"] = out["with"][q] - out["without"][q]
+    return out
+
+
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
     """What admission costs per call with a limiter that admits at once, less what it
     costs without one (best of 15 repeats: steadier than the rates above on a shared
@@ -256,6 +290,8 @@ def run_sections(args: Args, root: Path, result: dict[str, Any]) -> None:
         result["ray"] = ray_section(args, root / "ray")
     if "overhead" in sections:
         result["never_blocking_overhead"] = overhead(args, root / "o")
+    if "percall" in sections:
+        result["per_call"] = per_call(args, root / "p")
 
 
 def main() -> None:
