@@ -310,7 +310,7 @@ def s3_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         server.start()
         yield server
     finally:
-        server.stop()
+        server.kill()  # its data dir is thrown away: no need to wait for a clean shutdown
 
 
 @pytest.fixture
@@ -331,7 +331,7 @@ def s3_auth_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Serv
         server.start()
         yield server
     finally:
-        server.stop()
+        server.kill()  # its data dir is thrown away: no need to wait for a clean shutdown
 
 
 @pytest.fixture
