@@ -54,12 +54,12 @@ def test_apex_dqn_runs_checkpoints_and_resumes(tmp_path: Path) -> None:
         first_transitions = store.counts.transitions
         assert store.spec.num_envs == 2 and store.spec.sampler == "prioritized"
         assert store.spec.n_step == 3 and first_transitions > 1000
-    again = run("--total-timesteps", "2000", "--run-dir", str(run_dir), "--resume")
+    again = run("--total-timesteps", "2500", "--run-dir", str(run_dir), "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed at step {summary['global_step']} ({summary['updates']} updates" \
         in again.stderr + again.stdout
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["global_step"] == 2000 and resumed["updates"] > summary["updates"]
+    assert resumed["global_step"] == 2500 and resumed["updates"] > summary["updates"]
     with ReplayStore.open(run_dir / "store", mode="r") as store:
         assert store.counts.transitions > first_transitions
         assert store.get(store.valid_ids()).truncated.any()  # episodes cut by the restart
