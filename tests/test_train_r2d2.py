@@ -17,12 +17,12 @@ train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in th
 
 @pytest.mark.parametrize("network", ["--no-feed-forward", "--feed-forward"])
 def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
-    proc = run_script("train_r2d2.py", "--total-steps", "600", "--learning-starts", "300",
+    proc = run_script("train_r2d2.py", "--total-steps", "320", "--learning-starts", "200",
                       "--batch-size", "4", "--num-envs", "2", "--hidden", "8", "--buffer-size",
-                      "1000", "--exploration-steps", "300", "--run-dir", str(tmp_path), network)
+                      "1000", "--exploration-steps", "200", "--run-dir", str(tmp_path), network)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["updates"] == 76  # at env steps 300, 304, ..., 600
+    assert summary["updates"] == 31  # at env steps 200, 204, ..., 320
     assert summary["episodes"] > 0 and summary["sampleable"] > 0
     with open(tmp_path / "curve.csv") as fh:
         rows = list(csv.reader(fh))
@@ -31,13 +31,13 @@ def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
 
 def test_train_r2d2_pixels_smoke(tmp_path: Path) -> None:
     """An ALE game end to end: 84x84 frames stored once, CNN torso, LSTM, sequences."""
-    proc = run_script("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "400",
-                      "--learning-starts", "200", "--batch-size", "2", "--num-envs", "2",
+    proc = run_script("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "160",
+                      "--learning-starts", "120", "--batch-size", "2", "--num-envs", "2",
                       "--hidden", "8", "--buffer-size", "1000", "--burn-in", "2", "--learn",
                       "4", "--n-step", "2", "--period", "2", "--run-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["updates"] == 51 and summary["sampleable"] == 400  # steps 200, 204, ..., 400
+    assert summary["updates"] == 11 and summary["sampleable"] == 160  # steps 120, 124, ..., 160
     from mmreplay import ReplayStore
     with ReplayStore.open(tmp_path / "store", "r") as store:
         assert store.spec.obs_shape == (84, 84) and store.spec.obs_dtype == "uint8"

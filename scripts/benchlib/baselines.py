@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from ale_frames import AleFrames
 from tqdm import tqdm
 
@@ -155,6 +154,7 @@ def make_sb3(n: int, path: Path, args: Args) -> Buffer:
 
 
 def make_torchrl(n: int, path: Path, args: Args) -> Buffer:
+    import torch
     from tensordict import TensorDict
     from torchrl.data import LazyMemmapStorage, ReplayBuffer
 

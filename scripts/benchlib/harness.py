@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 import zarr
 from ale_frames import AleFrames
 from common import dir_blocks, dir_bytes
@@ -207,6 +206,8 @@ def source_info() -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
+    import torch  # here only: the bench workers never need it
+
     pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return {
         "cpu_count": os.cpu_count(),
