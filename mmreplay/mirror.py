@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from mmreplay.storage.transfer import LEASE_TTL_S, Lease, Pusher, PushReport
 
 MAX_LAG = 2  # generations the bucket may trail the directory before a flush waits
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+KEEP_REPORTS = 256  # push reports kept (the newest): a long run pushes thousands of times
 GIVE_UP_AFTER = 4  # consecutive failed pushes after which a waiting caller gets the error
 
 
@@ -56,7 +58,8 @@ class Mirror:
         self._cond = threading.Condition()
         self._wanted = 0  # newest committed generation
         self.pushed = 0  # newest generation in the bucket
-        self.reports: list[PushReport] = []
+        self.reports: deque[PushReport] = deque(maxlen=KEEP_REPORTS)  # the newest pushes
+        self.pushes = 0  # pushes that succeeded, all of them
         self.error: BaseException | None = None
         self.failures = 0  # consecutive failed pushes
         self._fatal: BaseException | None = None
@@ -73,7 +76,7 @@ class Mirror:
         """A snapshot of `pushed`, `lag`, the number of pushes and the last error."""
         with self._cond:
             error = None if self.error is None else str(self.error)
-            return MirrorInfo(self.objects.url, self.pushed, self.lag, len(self.reports), error)
+            return MirrorInfo(self.objects.url, self.pushed, self.lag, self.pushes, error)
 
     def notify(self, generation: int, *, wait: bool = False) -> None:
         """A generation was committed; waits only while the mirror lags by > `max_lag`, or
@@ -171,6 +174,7 @@ class Mirror:
         with self._cond:
             self.pushed = max(self.pushed, report.generation)
             self.reports.append(report)
+            self.pushes += 1
             self.error, self.failures = None, 0
             self._cond.notify_all()
         return 0

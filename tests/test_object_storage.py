@@ -201,6 +201,21 @@ def test_mirror_pushes_every_flush_in_the_background(s3: S3Server, tmp_path: Pat
         assert_same(a, b)
 
 
+def test_mirror_keeps_the_newest_reports_and_counts_every_push(
+        s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mmreplay.mirror.KEEP_REPORTS", 2)  # a long run, in four pushes
+    url = s3.url(f"mirror-{uuid.uuid4().hex[:8]}")
+    with make(tmp_path / "a", mirror=url) as store:
+        assert store.mirror is not None
+        for i in range(4):
+            fill(store, 50, seed=i)
+            store.flush(wait_mirror=True)
+        info = store.mirror.info()
+        assert info.pushes == store.mirror.pushes >= 4
+        assert [r.generation for r in store.mirror.reports] == [store.generation - 1,
+                                                                store.generation]
+
+
 def test_mirror_that_cannot_reach_the_bucket_raises_when_waited_on(
         s3: S3Server, tmp_path: Path) -> None:
     proxy = FaultProxy(s3.ports[3])
