@@ -58,7 +58,6 @@ COUNTER_KEYS = ("inserts", "samples", "offset", "insert_wait_s", "sample_wait_s"
                 "inserts_blocked", "samples_blocked")
 _DEFAULT: Any = object()  # "the limiter's own timeout_s"
 _NO_EDGE = sys.float_info.max  # a max_diff this high is never reached: inserts never wait
-_FOLD_EVERY = 255  # a ticket i with i & _FOLD_EVERY == _FOLD_EVERY folds the gate's counts in
 
 
 def _number(name: str, value: Any, *, low: float = -math.inf) -> float:
@@ -154,8 +153,9 @@ class RateLimiter:
             if i < gate.budget:  # surely fits: counted without the lock
                 gate.slots[i] = n
                 # a waiter registers (under the lock) before it folds: if it registered
-                # after the test below, its fold sees this count; else the test sees it
-                if self._waiters or i & _FOLD_EVERY == _FOLD_EVERY:
+                # after the test below, its fold sees this count; else the test sees it.
+                # Every 256th ticket folds the counts in (a literal: no global lookup)
+                if self._waiters or i & 255 == 255:
                     self._settle()
                 return
             gate.slots[i] = None  # refused: void the ticket (a fold waits for it)
