@@ -100,7 +100,9 @@ class RateLimiter:
         self._waiters = 0
         self._enabled, self._closed = True, False
         self._gates = Gates()  # inserts admitted without the lock, not yet counted
-        self._cap = 1  # the most steps of a call a gate admits: the largest seen locked
+        # the most steps of a call that a gate admits: those of the last call that took the
+        # lock (a call with more takes it), so a one-off large call does not shut the gates
+        self._cap = 1
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
         self._low, self._high = math.inf, -math.inf
@@ -172,7 +174,7 @@ class RateLimiter:
             if self._enabled and inserts >= self.min_size_to_sample:
                 diff = self._diff()
                 self._high, self._low = max(self._high, diff), min(self._low, diff)
-            self._cap = max(self._cap, n)
+            self._cap = max(1, n)
             self._open()
             if self._waiters:
                 self._cond.notify_all()
