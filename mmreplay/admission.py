@@ -6,14 +6,14 @@ counters it has folded (`RateLimiter` in `rate_limit.py` owns the rule). An inse
 a ticket instead of the lock::
 
     i = next(gate.tickets)         # itertools.count: atomic with the GIL
-    if i < gate.budget:            # admitted: write the count in slot i
-        gate.slots[i] = n
-    else:                          # refused: void the ticket, take the lock
-        gate.slots[i] = None
+    if i < gate.budget:            # admitted: write the count (deque.append: atomic)
+        gate.slots.append(n)
+    else:                          # refused: void ticket i (a negative entry), take the lock
+        gate.slots.append(~i)
 
-Every ticket is written exactly once (a count, or None when refused), so a fold that pops
-the written slots knows how many admitted calls are still between their ticket and their
-write: at most `cap` steps each, which the next gate and the locked path reserve.
+Every ticket is written exactly once, so a fold that pops the written entries knows how many
+admitted calls are still between their ticket and their write: at most `cap` steps each,
+which the next gate and the locked path reserve.
 
 `retire` closes a gate (new tickets are refused) and records its `end`, the tickets issued
 before: the limiter retires the live gate whenever something may raise `diff` or change the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections import deque
 
 ENDLESS = sys.maxsize  # a budget or cap this large is never reached
 
@@ -38,8 +39,8 @@ class Gate:
         self.budget = self.end = budget  # end: tickets below it are written, then folded
         self.cap = cap
         self.tickets = itertools.count()
-        self.slots: dict[int, int | None] = {}  # ticket -> steps (None: refused)
-        self.done = 0  # tickets below `end` folded
+        self.slots: deque[int] = deque()  # steps of admitted calls; ~i: ticket i refused
+        self.done = 0  # tickets below `end` folded (an admitted one is always below)
 
     def retire(self) -> None:
         """Refuse new tickets; `end` becomes the tickets issued before (under the lock).
@@ -87,16 +88,17 @@ class Gates:
         highest past min size. Retired gates with nothing left to write are dropped."""
         first = None
         for gate in (*self.retired, self.live):
-            slots = gate.slots
-            if not slots:
-                continue
-            keys = list(slots)  # a snapshot: writers go on adding
-            steps = [n for n in [slots.pop(key) for key in keys] if n is not None]
-            end = gate.end
-            gate.done += len(keys) if max(keys) < end else sum(key < end for key in keys)
-            if first is None and steps and inserts + sum(steps) >= min_size:
-                first = _first_at(inserts, steps, min_size)
-            inserts += sum(steps)
+            slots, end, done = gate.slots, gate.end, 0
+            for _ in range(len(slots)):  # writers go on appending behind these
+                n = slots.popleft()
+                if n >= 0:
+                    done += 1
+                    inserts += n
+                    if first is None and inserts >= min_size:
+                        first = inserts
+                else:
+                    done += ~n < end
+            gate.done += done
         if self.retired:
             self.retired = [gate for gate in self.retired if gate.unwritten]
         return first, inserts
@@ -107,11 +109,3 @@ class Gates:
             assert 0 <= gate.done <= gate.end and gate.budget >= 0 and gate.cap >= 1
         assert all(gate.budget == 0 for gate in self.retired)
 
-
-def _first_at(inserts: int, steps: list[int], min_size: int) -> int:
-    """`inserts` after the first of `steps` that brings it to `min_size` or past."""
-    for n in steps:
-        inserts += n
-        if inserts >= min_size:
-            break
-    return inserts

@@ -153,14 +153,14 @@ class RateLimiter:
         if n <= gate.cap:
             i = next(gate.tickets)
             if i < gate.budget:  # surely fits: counted without the lock
-                gate.slots[i] = n
+                gate.slots.append(n)
                 # a waiter registers (under the lock) before it folds: if it registered
                 # after the test below, its fold sees this count; else the test sees it.
                 # Every 256th ticket folds the counts in (a literal: no global lookup)
                 if self._waiters or i & 255 == 255:
                     self._settle()
                 return
-            gate.slots[i] = None  # refused: void the ticket (a fold waits for it)
+            gate.slots.append(~i)  # refused: void ticket i (a fold waits for every ticket)
         self._insert_locked(n, timeout)
 
     def _insert_locked(self, n: int, timeout: float | None) -> None:

@@ -55,7 +55,7 @@ def test_a_gate_admits_the_calls_that_surely_fit_then_the_lock_decides() -> None
     assert (gate.budget, gate.cap) == (4, 4)  # (20 - 4) / 4 calls of at most 4 steps
     for _ in range(4):
         lim.await_insert(4)
-    assert sorted(gate.slots) == [0, 1, 2, 3]  # by ticket: not yet counted
+    assert list(gate.slots) == [4, 4, 4, 4]  # by ticket: not yet counted
     assert refused(lim, 1)  # diff 20: Reverb's rule (20 + 1 > 20), decided under the lock
     assert lim.state()["inserts"] == 20 and lim.stats()["error_high"] == 19.0
     lim.await_sample(3)  # diff 17
@@ -79,8 +79,8 @@ def test_a_ticket_taken_but_not_written_is_reserved_as_cap_steps() -> None:
     assert gate.budget == 0 and lim._gates.reserved_steps() == 4  # noqa: SLF001
     late = next(gate.tickets)  # a writer still holding the retired gate: refused
     assert late >= gate.budget
-    gate.slots[late] = None
-    gate.slots[stalled] = 2  # A writes its 2 steps
+    gate.slots.append(~late)
+    gate.slots.append(2)  # A writes its 2 steps
     assert lim.state()["inserts"] == 18 and not lim._gates.retired  # noqa: SLF001
     assert not refused(lim, 1) and not refused(lim, 1)  # 18 -> 20 by Reverb's rule
     assert refused(lim, 1) and lim.stats()["error_high"] == 19.0
@@ -103,7 +103,8 @@ def test_a_retired_gates_late_write_is_counted_once_and_wakes_a_waiter() -> None
     thread.start()
     while not lim.state()["samples_blocked"]:
         time.sleep(0.001)
-    gate.slots[stalled] = 1  # what A's await_insert does next: write, then wake
+    assert stalled < gate.end
+    gate.slots.append(1)  # what A's await_insert does next: write, then wake
     lim._settle()  # noqa: SLF001 - the waiter is registered: A's await_insert settles
     assert done.wait(10)
     thread.join()
