@@ -74,7 +74,11 @@ class Gates:
 
     def open(self, budget: int, cap: int) -> None:
         """Open a gate of `budget` calls of at most `cap` steps (after `retire`: the
-        budget reserves what the retired gates may still add)."""
+        budget reserves what the retired gates may still add). A live gate with a budget
+        (one opened while an insert waited) is retired first: a gate without one owes
+        nothing (its tickets were all refused)."""
+        if self.live.budget:
+            self.retire()
         self.live = Gate(budget, cap)
 
     def reserved_steps(self) -> int:

@@ -253,7 +253,11 @@ class RateLimiter:
 
     def _can_insert(self) -> bool:
         """Reverb's rule, counting each ticket of a retired gate not yet folded as `cap`
-        steps (none in flight: exactly Reverb's)."""
+        steps (none in flight: exactly Reverb's). A gate opened while this insert waited
+        (by another insert, a switch, a cancel) is retired first: its tickets count too."""
+        if self._gates.live.budget:
+            self._gates.retire()
+            self._fold()
         more = self._gates.reserved_steps()
         return self._inserts + more + 1 <= self.min_size_to_sample or self._fits(more)
 

@@ -301,3 +301,39 @@ def test_store_writers_on_threads_count_every_step_once(tmp_path: Path,
     assert lim.state()["inserts"] == store.counts.transitions == 1800
     assert lim.state()["samples"] == 3 * 6 * 4
     store.close()
+
+
+def test_an_insert_that_waited_counts_the_tickets_of_a_gate_opened_meanwhile() -> None:
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 1, (-20.0, 10.0))
+    for _ in range(10):
+        lim.await_insert(1)  # by ticket: diff 10, the band's edge
+    errors: list[BaseException] = []
+
+    def insert() -> None:  # A: waits under the lock's condition
+        try:
+            lim.await_insert(1, timeout=2)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    thread = threading.Thread(target=insert)
+    thread.start()
+    while not lim.state()["inserts_blocked"]:
+        time.sleep(0.001)
+    with lim._cond:  # noqa: SLF001 - before A can run again: a sample makes room for 5,
+        lim._samples += 5  # noqa: SLF001 - another insert opens a gate of 5 calls, and
+        lim._gates.retire()  # noqa: SLF001 - five writers take its tickets, not yet written
+        lim._fold()  # noqa: SLF001
+        lim._open()  # noqa: SLF001
+        gate = lim._gates.live  # noqa: SLF001
+        assert gate.budget == 5
+        stalled = [next(gate.tickets) for _ in range(5)]
+        lim._cond.notify_all()  # noqa: SLF001
+    time.sleep(0.2)  # A wakes: the gate's 5 tickets are reserved, so it waits on
+    for _ in stalled:
+        gate.slots.append(1)
+    lim._settle()  # noqa: SLF001 - what each writer's await_insert does with a waiter
+    thread.join(timeout=10)
+    assert isinstance(errors[0], RateLimitTimeoutError)  # diff 10 again: no room for A
+    assert lim.state()["inserts"] == 15 and lim.stats()["error_high"] == 9.0
+    assert not lim._gates.retired  # noqa: SLF001 - every ticket folded
+    lim.check_valid()
