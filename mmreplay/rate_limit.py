@@ -27,9 +27,14 @@ time (preloading: counts go on, and enabling moves the band's reference so that 
 run resumes at its edge instead of paying back the preload). `state` is a flat dict of
 JSON numbers that the store commits with its manifest, and `restore` takes it back.
 
-A limiter with no upper edge (`min_size`) never makes an insert wait, so `await_insert`
-counts it without the lock: it appends `n` to a queue that every locked operation folds
-into the counters first (see `_fold`). This module knows no store, frames or files.
+Inserts that surely fit below the upper edge are admitted without the lock, by a ticket of
+a *gate* (`mmreplay.admission`): under the lock the limiter computes how many calls of at
+most `cap` steps fit, writers take tickets, and every locked operation folds their counts
+into the counters first (`_fold`). Samples only lower `diff`, so they leave the gate open;
+whatever may raise it or change the rules (an insert on the locked path, `cancel_sample`,
+`restore`, the switches, `close`) retires the gate and opens the next one. With no upper
+edge (`min_size`) or limiting off, the budget is endless. This module knows no store,
+frames or files.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ import sys
 import threading
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from mmreplay.admission import ENDLESS, Gates
 from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
 
 CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -53,7 +58,6 @@ COUNTER_KEYS = ("inserts", "samples", "offset", "insert_wait_s", "sample_wait_s"
                 "inserts_blocked", "samples_blocked")
 _DEFAULT: Any = object()  # "the limiter's own timeout_s"
 _NO_EDGE = sys.float_info.max  # a max_diff this high is never reached: inserts never wait
-_FOLD_AT = 256  # lock-free inserts queued before the inserting thread folds them in
 
 
 def _number(name: str, value: Any, *, low: float = -math.inf) -> float:
@@ -71,7 +75,7 @@ def _count(name: str, value: Any, *, low: int = 0) -> int:
 
 class RateLimiter:
     """Reverb's rate limiter (see the module docstring); thread-safe, one lock (that the
-    inserts of a limiter with no upper edge, like `min_size`'s, skip).
+    inserts a gate admits skip).
 
     `samples_per_insert` > 0, `min_size_to_sample` >= 1, and the band
     ``max_diff - min_diff`` must be at least ``2 * max(1, samples_per_insert)``:
@@ -95,11 +99,14 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
-        self._pending = _InsertQueue()  # inserts admitted without the lock, not yet counted
-        self._free = self.max_diff >= _NO_EDGE  # insert admission needs no lock (not closed)
+        self._gates = Gates()  # inserts admitted without the lock, not yet counted
+        # the most steps of a call that a gate admits: those of the last call that took the
+        # lock (a call with more takes it), so a one-off large call does not shut the gates
+        self._cap = 1
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
         self._low, self._high = math.inf, -math.inf
+        self._open()
 
     # -- Reverb's constructors ----------------------------------------------------------
     @classmethod
@@ -142,42 +149,45 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        if self._free:  # nothing to wait for: counted without the lock
-            pending = self._pending
-            pending.append(n)  # atomic; only _fold takes counts out, under the lock
-            # a waiter registers (under the lock) before it folds: if it registered after
-            # the test below, its fold sees this count; else the test sees it and wakes it
-            if self._waiters or len(pending) >= _FOLD_AT:
-                self._settle()
-            return
-        with self._lock:  # the locked fast path (admitted at once): no Condition, no call
-            if self._pending:
-                self._fold()
-            spi, inserts = self.samples_per_insert, self._inserts
-            if n > 0 and (self._closed or self._enabled and not (  # not self._can_insert()
-                    inserts + 1 <= self.min_size_to_sample
-                    or inserts * spi - self._samples - self._offset + spi <= self.max_diff)):
-                self._wait("insert", n, self._can_insert, timeout)
+        gate = self._gates.live
+        if n <= gate.cap:
+            i = next(gate.tickets)
+            if i < gate.budget:  # surely fits: counted without the lock
+                gate.slots.append(n)
+                # a waiter registers (under the lock) before it folds: if it registered
+                # after the test below, its fold sees this count; else the test sees it.
+                # Every 256th ticket folds the counts in (a literal: no global lookup)
+                if self._waiters or i & 255 == 255:
+                    self._settle()
+                return
+            gate.slots.append(~i)  # refused: void ticket i (a fold waits for every ticket)
+        self._insert_locked(n, timeout)
+
+    def _insert_locked(self, n: int, timeout: float | None) -> None:
+        """Reverb's exact rule, under the lock; then the next gate opens."""
+        with self._lock:  # no Condition, no call unless it waits
+            self._gates.retire()
+            self._fold()
+            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
+                _wait(self, "insert", n, self._can_insert, timeout)
             inserts = self._inserts = self._inserts + n
             if self._enabled and inserts >= self.min_size_to_sample:
-                diff = inserts * spi - self._samples - self._offset  # self._diff()
-                if diff > self._high:
-                    self._high = diff
-                if diff < self._low:
-                    self._low = diff
+                diff = self._diff()
+                self._high, self._low = max(self._high, diff), min(self._low, diff)
+            self._cap = max(1, n)
+            self._open()
             if self._waiters:
                 self._cond.notify_all()
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
-        with self._lock:  # as await_insert, with self._can_sample() written out
-            if self._pending:
-                self._fold()
+        with self._lock:  # self._can_sample() written out: this is on every batch
+            self._fold()
             inserts, spi = self._inserts, self.samples_per_insert
             if n > 0 and (self._closed or self._enabled and not (
                     inserts >= self.min_size_to_sample
                     and inserts * spi - self._samples - self._offset - 1 >= self.min_diff)):
-                self._wait("sample", n, self._can_sample, timeout)
+                _wait(self, "sample", n, self._can_sample, timeout)
             samples = self._samples = self._samples + n
             inserts = self._inserts
             if self._enabled and inserts >= self.min_size_to_sample:
@@ -198,10 +208,8 @@ class RateLimiter:
 
     def cancel_sample(self, n: int) -> None:
         """Take back `n` counted samples that were not drawn."""
-        with self._cond:
-            self._fold()
+        with self._changing():
             self._samples -= n
-            self._wake()
 
     def _settle(self) -> None:
         """Fold the lock-free inserts in and wake the waiters (they may go now)."""
@@ -209,10 +217,32 @@ class RateLimiter:
             self._fold()
             self._wake()
 
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Under the lock: retire the gate and fold, run the body (which may raise `diff`
+        or change the rules), then open the gate that fits the new state and wake."""
+        with self._cond:
+            self._gates.retire()
+            self._fold()
+            yield
+            self._open()
+            self._wake()
+
+    def _open(self) -> None:
+        """Under the lock, the gate retired: open the next, of as many calls of at most
+        `_cap` steps as surely fit below `max_diff` besides what retired gates may still
+        add (none when closed; endless when nothing limits inserts)."""
+        self._gates.open(_gate_budget(self), self._cap)
+
+    def _fits(self, more: int) -> bool:
+        """Would one insert go (past min size) after `more` inserts besides the counted?"""
+        spi = self.samples_per_insert
+        return (self._inserts + more) * spi - self._samples - self._offset + spi <= self.max_diff
+
     def _fold(self) -> None:
-        """Under the lock: count the queued lock-free inserts, and widen the error range by
-        the lowest and highest diff they made."""
-        first, self._inserts = self._pending.take(self._inserts, self.min_size_to_sample)
+        """Under the lock: count the inserts the gates admitted, and widen the error range
+        by the lowest and highest diff they made."""
+        first, self._inserts = self._gates.take(self._inserts, self.min_size_to_sample)
         if first is not None and self._enabled:
             spi, base = self.samples_per_insert, self._samples + self._offset
             self._low = min(self._low, first * spi - base)
@@ -222,41 +252,17 @@ class RateLimiter:
         return self._inserts * self.samples_per_insert - self._samples - self._offset
 
     def _can_insert(self) -> bool:
-        if self._inserts + 1 <= self.min_size_to_sample:
-            return True
-        return self._diff() + self.samples_per_insert <= self.max_diff
+        """Reverb's rule, counting each ticket of a retired gate not yet folded as `cap`
+        steps (none in flight: exactly Reverb's). A gate opened while this insert waited
+        (by another insert, a switch, a cancel) is retired first: its tickets count too."""
+        if self._gates.live.budget:
+            self._gates.retire()
+            self._fold()
+        more = self._gates.reserved_steps()
+        return self._inserts + more + 1 <= self.min_size_to_sample or self._fits(more)
 
     def _can_sample(self) -> bool:
         return self._inserts >= self.min_size_to_sample and self._diff() - 1 >= self.min_diff
-
-    def _wait(self, kind: str, n: int, can: Any, timeout: float | None) -> None:
-        """Under the lock: return once `can()` (or limiting is off); raise on timeout/close."""
-        limit = self.timeout_s if timeout is _DEFAULT else timeout
-        if self._closed:
-            raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
-        self._waiters += 1  # before the fold: a lock-free insert from now on wakes us
-        try:
-            self._fold()
-            if not self._enabled or can():
-                return
-            start = time.monotonic()
-            self._blocked[kind] += 1
-            try:
-                while True:
-                    left = None if limit is None else start + limit - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise RateLimitTimeoutError(_timeout_message(self, kind, n, limit))
-                    self._cond.wait(left)
-                    if self._closed:
-                        raise RateLimiterClosedError(f"the rate limiter was closed while a "
-                                                     f"{kind} of {n} waited")
-                    self._fold()
-                    if not self._enabled or can():
-                        return
-            finally:
-                self._wait_s[kind] += time.monotonic() - start
-        finally:
-            self._waiters -= 1
 
     def _wake(self) -> None:
         if self._waiters:
@@ -265,19 +271,15 @@ class RateLimiter:
     # -- switches -----------------------------------------------------------------------
     def disable(self) -> None:
         """Stop limiting (nothing waits; counts go on), e.g. while preloading offline data."""
-        with self._cond:
-            self._fold()
+        with self._changing():
             self._enabled = False
-            self._wake()
 
     def enable(self) -> None:
         """Limit again, from where the counts are: if `diff` left the band meanwhile, the
         band's reference moves so that it sits at the nearest edge (`rebase`)."""
-        with self._cond:
-            self._fold()
+        with self._changing():
             self._enabled = True
             self._rebase()
-            self._wake()
 
     @property
     def enabled(self) -> bool:
@@ -293,9 +295,8 @@ class RateLimiter:
 
     def close(self) -> None:
         """Shut down: every waiter, now and later, raises `RateLimiterClosedError`."""
-        with self._cond:
-            self._fold()
-            self._closed, self._free = True, False
+        with self._changing():
+            self._closed = True
             self._cond.notify_all()
 
     @property
@@ -319,8 +320,7 @@ class RateLimiter:
         stands). If it was saved with other parameters, `diff` is moved into this limiter's
         band (`rebase`); else it is kept exactly."""
         counts, floats = _counters(state)
-        with self._cond:
-            self._fold()  # queued inserts are replaced with the rest
+        with self._changing():  # folded inserts are replaced with the rest
             self._inserts = counts.get("inserts", 0)
             self._samples = counts.get("samples", 0)
             self._blocked = {"insert": counts.get("inserts_blocked", 0),
@@ -331,14 +331,13 @@ class RateLimiter:
             same = all(state.get(k) == v for k, v in self.config().items() if k != "timeout_s")
             if not same and self._enabled:
                 self._rebase()
-            self._wake()
 
     def attach(self, saved: dict[str, Any] | None, *, inserts: int) -> None:
         """Start counting for a store that has recorded `inserts` steps, from the counters
         it committed (`saved`) if any; without them the run starts at the band's edge."""
         self.restore({**(saved or {}), "inserts": inserts})
         if saved is None:
-            with self._cond:
+            with self._changing():
                 self._rebase()
 
     def stats(self) -> dict[str, Any]:
@@ -359,7 +358,8 @@ class RateLimiter:
         """Internal invariants (tests call it after operations)."""
         with self._cond:
             self._fold()
-            assert not self._free or not self._closed
+            self._gates.check_valid()
+            assert not self._closed or self._gates.live.budget == 0
             assert self._inserts >= 0 and self._samples >= 0, (self._inserts, self._samples)
             assert self._waiters >= 0 and min(self._wait_s.values()) >= 0
 
@@ -369,22 +369,52 @@ class RateLimiter:
                 f"max_diff={self.max_diff:g})")
 
 
-class _InsertQueue(deque[int]):
-    """Counts of inserts admitted without the limiter's lock: any thread appends (atomic),
-    only `take` removes, under the lock, so each count is added exactly once."""
+def _gate_budget(lim: RateLimiter) -> int:
+    """How many calls of at most `lim._cap` steps surely fit below `max_diff` besides what
+    retired gates may still add (under the lock, the gate retired and folded)."""
+    if lim._closed:
+        return 0
+    if not lim._enabled or lim.max_diff >= _NO_EDGE:
+        return ENDLESS
+    reserved, spi, cap = lim._gates.reserved_steps(), lim.samples_per_insert, lim._cap
+    calls = (lim.max_diff - lim._diff() - spi * reserved) / (spi * cap)
+    budget = ENDLESS if calls >= ENDLESS else max(0, math.floor(calls))
+    # Reverb's rule for the last step, in the locked path's floats
+    if budget and not lim._fits(reserved + budget * cap - 1):
+        budget -= 1  # the division rounded up
+    if budget and not lim._fits(reserved + budget * cap - 1):
+        budget = 0  # too large for floats to tell: the locked path decides
+    return budget
 
-    def take(self, inserts: int, min_size: int) -> tuple[int | None, int]:
-        """(`inserts` after the first count that brought it to `min_size` or past, None if
-        none did; `inserts` plus every count, taken out). Diff grows with inserts: these
-        two are where the queued inserts made it lowest and highest past min size."""
-        first, popleft = None, self.popleft
-        while self and first is None:
-            inserts += popleft()
-            if inserts >= min_size:
-                first = inserts
-        while self:
-            inserts += popleft()
-        return first, inserts
+
+def _wait(lim: RateLimiter, kind: str, n: int, can: Any, timeout: float | None) -> None:
+    """Under `lim`'s lock: return once `can()` (or limiting is off); raise on timeout/close."""
+    limit = lim.timeout_s if timeout is _DEFAULT else timeout
+    if lim._closed:
+        raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
+    lim._waiters += 1  # before the fold: a gated insert from now on wakes us
+    try:
+        lim._fold()
+        if not lim._enabled or can():
+            return
+        start = time.monotonic()
+        lim._blocked[kind] += 1
+        try:
+            while True:
+                left = None if limit is None else start + limit - time.monotonic()
+                if left is not None and left <= 0:
+                    raise RateLimitTimeoutError(_timeout_message(lim, kind, n, limit))
+                lim._cond.wait(left)
+                if lim._closed:
+                    raise RateLimiterClosedError(f"the rate limiter was closed while a "
+                                                 f"{kind} of {n} waited")
+                lim._fold()
+                if not lim._enabled or can():
+                    return
+        finally:
+            lim._wait_s[kind] += time.monotonic() - start
+    finally:
+        lim._waiters -= 1
 
 
 def _check_band(spi: float, min_diff: float, max_diff: float) -> None:

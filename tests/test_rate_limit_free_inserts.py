@@ -1,5 +1,6 @@
-"""RateLimiter's lock-free inserts: a limiter with no upper edge (`min_size`) counts
-inserts without its lock, in a queue that every locked operation folds in first.
+"""RateLimiter's lock-free inserts with no upper edge: `min_size` admits every insert by
+a ticket of an endless gate, whose counts every locked operation folds in first (finite
+bands: tests/test_rate_limit_gates.py).
 
 Counts are exact with many writers racing folds; a waiting sample is woken by lock-free
 inserts (no lost wakeup); cancel, restore, disable/enable and close see the queued
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from mmreplay import InvalidInputError, ReplayStore
+from mmreplay import InvalidInputError, ReplayStore, rate_limit
 from mmreplay.errors import RateLimiterClosedError
 from mmreplay.rate_limit import RateLimiter
 
@@ -35,19 +36,28 @@ def fast_switches() -> Iterator[None]:
     sys.setswitchinterval(before)
 
 
+class LockedOnly(RateLimiter):
+    """The reference: every gate it opens has no budget, so every insert takes the lock
+    (Reverb's rule, exactly)."""
+
+    def _open(self) -> None:
+        self._gates.open(0, self._cap)
+
+
 def locked_twin(min_size: int) -> RateLimiter:
-    """`RateLimiter.min_size`'s band with an upper edge that is never reached, but is one:
-    its inserts take the lock."""
-    return RateLimiter(1.0, min_size, -BIG, BIG / 2)
+    """`RateLimiter.min_size`'s band, every insert under the lock."""
+    return LockedOnly(1.0, min_size, -BIG, BIG)
 
 
-def test_min_size_is_free_and_a_finite_edge_is_not() -> None:
+def test_min_size_admits_by_ticket_and_the_reference_takes_the_lock() -> None:
     free, locked = RateLimiter.min_size(3), locked_twin(3)
-    free.await_insert(5)
-    locked.await_insert(5)
-    assert len(free._pending) == 1 and not locked._pending  # noqa: SLF001 - the path taken
-    assert free.state() == {**locked.state(), "max_diff": BIG}
-    assert not free._pending  # noqa: SLF001 - state folded the queue in
+    for lim in (free, locked):
+        lim.await_insert(5)  # more than the cap of 1 seen so far: the locked path
+        lim.await_insert(4)
+    assert list(free._gates.live.slots) == [4]  # noqa: SLF001 - the path taken
+    assert not locked._gates.live.slots and locked._gates.live.budget == 0  # noqa: SLF001
+    assert free.state() == locked.state()
+    assert not free._gates.live.slots  # noqa: SLF001 - state folded the count in
 
 
 def test_writers_racing_folds_count_exactly(fast_switches: None) -> None:
@@ -108,17 +118,20 @@ def test_a_waiting_sample_is_woken_by_lock_free_inserts(fast_switches: None) -> 
         assert lim.state()["samples"] == 1
 
 
-def test_an_insert_queued_while_a_sample_starts_waiting_is_seen() -> None:
+def test_an_insert_queued_while_a_sample_starts_waiting_is_seen(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The race that a waiter closes by registering before it folds: an insert queued after
     the sample found too few inserts, but before it registered (so it woke no one)."""
     lim = RateLimiter.min_size(1, timeout_s=5)
-    wait = lim._wait  # noqa: SLF001 - the window is inside the locked path
+    wait = rate_limit._wait  # noqa: SLF001 - the window is inside the locked path
 
     def racing_wait(*args: object) -> None:
-        lim._pending.append(1)  # noqa: SLF001 - what the insert's await_insert does
+        gate = lim._gates.live  # noqa: SLF001 - what the insert's await_insert does
+        next(gate.tickets)
+        gate.slots.append(1)
         wait(*args)  # type: ignore[arg-type]
 
-    lim._wait = racing_wait  # type: ignore[method-assign,assignment]  # noqa: SLF001
+    monkeypatch.setattr(rate_limit, "_wait", racing_wait)
     lim.await_sample(1)  # else it sleeps its 5 s (nothing wakes it) and counts as blocked
     assert lim.state()["samples"] == 1 and lim.state()["samples_blocked"] == 0
 
@@ -129,7 +142,7 @@ def test_cancel_restore_switches_and_close_see_queued_inserts() -> None:
     lim.cancel_insert(3)
     assert lim.state()["inserts"] == 0
     lim.await_insert(5)
-    lim.restore({"inserts": 2, "samples": 1})  # the queued 5 are replaced with the rest
+    lim.restore({"inserts": 2, "samples": 1})  # the gated 5 are replaced with the rest
     assert (lim.state()["inserts"], lim.state()["samples"]) == (2, 1)
     lim.await_insert(2)
     lim.disable()  # counts go on
@@ -161,8 +174,7 @@ def test_free_inserts_match_the_locked_band(min_size: int, ops: list[tuple[str, 
     for op, n in ops:
         for lim in (free, locked):
             apply(lim, op, n)
-        want = locked.stats()
-        assert free.stats() == {**want, "max_diff": BIG}, (op, n)
+        assert free.stats() == locked.stats(), (op, n)
     free.check_valid()
 
 
