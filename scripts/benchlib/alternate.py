@@ -51,28 +51,37 @@ def summary(ms: list[float], minor: list[int], major: list[int]) -> dict[str, fl
             "minflt_per_call": float(np.mean(minor)), "majflt_per_call": float(np.mean(major))}
 
 
+def timed_calls(fn: Callable[[], object], n: int,
+                got: tuple[list[float], list[int], list[int]]) -> None:
+    """Call `fn` `n` times, appending each call's ms, minor and major faults to `got`."""
+    ms, minor, major = got
+    clock = time.perf_counter_ns
+    for _ in range(n):
+        f0, t0 = faults(), clock()
+        fn()
+        t1, f1 = clock(), faults()
+        ms.append((t1 - t0) / 1e6)
+        minor.append(f1[0] - f0[0])
+        major.append(f1[1] - f0[1])
+
+
 def alternate(arms: dict[str, Callable[[], object]], *, rounds: int, reps: int,
-              warmup: int) -> dict[str, dict[str, float]]:
+              warmup: int) -> dict[str, dict[str, Any]]:
     """`summary` of each arm over `reps` calls, timed `reps // rounds` calls at a time in
-    turn, after `warmup` untimed calls of each."""
-    for fn in arms.values():
-        for _ in range(warmup):
-            fn()
+    turn, after `warmup` calls of each (their `summary` is ``first_calls``: a store maps
+    its shard files on first touch, so the first calls show that cost)."""
+    first = {name: ([], [], []) for name in arms}
+    for name, fn in arms.items():
+        timed_calls(fn, warmup, first[name])
     per = max(1, reps // max(1, rounds))
     got: dict[str, tuple[list[float], list[int], list[int]]] = {
         name: ([], [], []) for name in arms}
-    clock = time.perf_counter_ns
     for _ in range(max(1, rounds)):
         for name, fn in arms.items():
-            ms, minor, major = got[name]
-            for _ in range(per):
-                f0, t0 = faults(), clock()
-                fn()
-                t1, f1 = clock(), faults()
-                ms.append((t1 - t0) / 1e6)
-                minor.append(f1[0] - f0[0])
-                major.append(f1[1] - f0[1])
-    return {name: summary(*got[name]) for name in arms}
+            timed_calls(fn, per, got[name])
+    return {name: {**summary(*got[name]),
+                   "first_calls": summary(*first[name]) if warmup else None}
+            for name in arms}
 
 
 def ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
