@@ -1,6 +1,7 @@
 """mmreplay at scale: a 10M-frame store of real Atari frames — add rate, sample, RSS, disk, time.
 
-    python scripts/bench_scale.py                     # 10,000,000 frames (~10-15 min, ~1 GiB RSS)
+    python scripts/bench_scale.py                     # 10,000,000 frames (~15 min quiet;
+                                                      # the A/B's readers add a few GiB RSS)
     python scripts/bench_scale.py --frames 2000000    # smaller
     python scripts/bench_scale.py --frames 3000 --distinct-frames 2000 --reps 5   # smoke run
     python scripts/bench_scale.py --store-dir /tmp/big --reuse   # the A/B again, no refill
