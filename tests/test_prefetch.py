@@ -107,7 +107,7 @@ def test_a_full_queue_is_refilled_after_each_take_and_never_overdrawn(tmp_path):
     with BatchPrefetcher(sample, 8, prefetch=2) as it:
         for taken in range(6):
             wait_until(lambda taken=taken: len(calls) == 3 + taken)  # 2 queued, 1 in hand
-            time.sleep(0.02)  # ten polls at least: none draws more
+            time.sleep(0.05)  # several polls: none draws more
             assert len(calls) == 3 + taken
             assert len(next(it)) == 8
         wait_until(lambda: len(calls) == 3 + 6)
