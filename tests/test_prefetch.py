@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 from conftest import frame
 
 from mmreplay import EmptyStoreError, InvalidInputError, ReplayStore
+from mmreplay.prefetch import BatchPrefetcher
 
 OBS = (6, 5)
 
@@ -81,3 +83,32 @@ def test_close_stops_the_threads(tmp_path):
     assert threading.active_count() <= before
     with pytest.raises(StopIteration):
         next(iterators[1])
+
+
+def wait_until(done, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the prefetch thread did not get there in time"
+        time.sleep(0.001)
+
+
+def test_a_full_queue_is_refilled_after_each_take_and_never_overdrawn(tmp_path):
+    # the thread polls a full queue instead of waiting on it (next() wakes no thread): it
+    # must still refill every batch taken, and draw no more than one batch beyond the queue
+    store = make(tmp_path)
+    store.reset(frame(0, OBS))
+    record(store, 0, 50)
+    calls = []
+
+    def sample(size, beta):
+        calls.append(size)
+        return store.sample(size, beta)
+
+    with BatchPrefetcher(sample, 8, prefetch=2) as it:
+        for taken in range(6):
+            wait_until(lambda taken=taken: len(calls) == 3 + taken)  # 2 queued, 1 in hand
+            time.sleep(0.05)  # several polls: none draws more
+            assert len(calls) == 3 + taken
+            assert len(next(it)) == 8
+        wait_until(lambda: len(calls) == 3 + 6)
+    store.close()

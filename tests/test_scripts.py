@@ -206,7 +206,8 @@ def test_bench_quick_compares_with_cpprb_when_installed(
 def test_bench_scale_smoke(tmp_path: Path) -> None:
     out_dir = tmp_path / "bench"
     proc = run_script("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
-                      "--reps", "5", "--warmup", "1", "--report-every", "1000",
+                      "--reps", "6", "--warmup", "1", "--report-every", "1000",
+                      "--compare-frames", "2000", "--rounds", "2", "--ab-cache-mib", "1",
                       "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "scale.json").read_text())
@@ -219,6 +220,14 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     assert result["reopened"]["open_s"] > 0 and result["reopened"]["sample"]["median_ms"] > 0
     assert "VmRSS" in result["rss"]["growth_mib"]
     assert "RSS growth" in proc.stdout and "reopened" in proc.stdout
+    ab = result["ab"]  # the 3k store and a 2k one, live and read with and without a cache
+    assert set(ab["arms"]) == {"live 3k", "live 2k", "reader 3k, cache 0 MiB",
+                               "reader 3k, cache 1 MiB", "reader 2k, cache 0 MiB",
+                               "reader 2k, cache 1 MiB"}
+    assert all(row["reps"] == 6 and row["minflt_per_call"] >= 0 for row in ab["arms"].values())
+    assert ab["fill_compared"]["adds"] > 0
+    assert ab["ratios"]["live 3k / live 2k"]["median"] > 0
+    assert "reader 3k: cache 1 / 0 MiB" in ab["ratios"] and "A/B" in proc.stdout
 
 
 def test_bench_sequences_smoke(tmp_path: Path) -> None:
