@@ -15,6 +15,9 @@ imports mmreplay from that tree and measures, in that one process:
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, ``sample(32)``
             alone, and the update alone, against cpprb's ``PrioritizedReplayBuffer``
             (next_of + stack_compress) filled with the same stream
+    uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
+            ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
+            index of 32 five-frame windows from an in-RAM array of the same frames
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
@@ -63,7 +66,7 @@ class Args:
     """env steps of each CartPole DQN run"""
     dqn_rounds: int = 2
     """CartPole DQN runs per buffer, in turns"""
-    sections: str = "sb3,per,dqn"
+    sections: str = "sb3,per,uniform,dqn"
     """comma-separated sections to run"""
     baseline_sections: str = ""
     """sections to run on `--baseline` (default: `--sections`)"""
@@ -224,6 +227,43 @@ def per_section(args: Args) -> dict[str, Any]:
             "frames": args.frames}
 
 
+# -- uniform: uniform sample with frames, and the numpy floor -----------------------------------
+def uniform_section(args: Args) -> dict[str, Any]:
+    sys.path.insert(0, str(SCRIPTS))
+    from ale_frames import record_frames
+    from benchlib.baselines import stacked_steps
+    from benchlib.harness import feed_timed, numpy_gather
+    from cpprb import ReplayBuffer
+
+    from mmreplay import ReplayStore
+
+    rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
+    path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/uniform"
+    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed)
+    feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
+    rb: Any = ReplayBuffer(
+        args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
+                      "act": {"dtype": np.int64}, "rew": {}, "done": {}},
+        next_of="obs", stack_compress="obs")
+    for step in stacked_steps(rec, args.frames + 100, channels_last=True, desc="fill cpprb"):
+        if step.new_episode and rb.get_stored_size():
+            rb.on_episode_end()
+        rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
+               done=float(step.terminated))
+    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
+    sample = interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)},
+                         args.reps, args.block)
+    del rb  # its RAM back before the floor's array is filled
+    frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
+    rng = np.random.default_rng(args.seed)
+    floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
+                        args.reps, args.block)
+    store.close()
+    return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
+            "sample32_vs_floor": with_ratios(floor, "numpy_floor"), "frames": args.frames}
+
+
 # -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
 def dqn_section(args: Args) -> dict[str, Any]:
     import torch
@@ -260,7 +300,8 @@ def dqn_section(args: Args) -> dict[str, Any]:
     return result
 
 
-SECTIONS = {"sb3": sb3_section, "per": per_section, "dqn": dqn_section}
+SECTIONS = {"sb3": sb3_section, "per": per_section, "uniform": uniform_section,
+            "dqn": dqn_section}
 
 
 # -- one code tree per subprocess ----------------------------------------------------------------
