@@ -483,3 +483,27 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_key
                 _memcpy(out.ctypes.data + i * fb, base + offset[i] * fb, fb)
         start = stop
     return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def read_frames(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
+                tail_fill: np.ndarray, tail_rows: np.ndarray, src: np.ndarray,
+                size: np.ndarray, ram_src: np.ndarray, ram_size: np.ndarray, used: np.ndarray,
+                tick: int, shard_chunks: int, scratch: np.ndarray, out: np.ndarray,
+                missing: np.ndarray) -> int:
+    """A whole read in one call: `read_keys`, `read_sources`, then `read_gather` (``chunk`` =
+    ``scratch.size // out.shape[1]`` frames a chunk). Returns 0; or, gathering nothing, the
+    count of chunks whose files are not mapped (keys in ``missing[:count]``: map them and
+    call again); or ``-status`` of a chunk that fails to decode, with a frame of it in
+    ``missing[0]``."""
+    n = flat.size
+    raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
+    order = read_keys(flat, slots, scratch.size // out.shape[1], num_chunks, next_slot,
+                      tail_fill, raw, offset)
+    where, length = np.empty(n, np.int64), np.empty(n, np.int64)
+    count = read_sources(raw, order, num_chunks, src, size, ram_src, ram_size, used, tick,
+                         shard_chunks, where, length, missing)
+    if count:
+        return count
+    return -read_gather(raw, offset, order, src.size, where, length, tail_rows, scratch, out,
+                        missing)
