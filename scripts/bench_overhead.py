@@ -60,6 +60,9 @@ class Args:
     """timed calls per sampling figure"""
     block: int = 50
     """calls per block when two buffers are timed in turns"""
+    warmup: int = 200
+    """per, uniform: untimed calls of each buffer first (the first touches of mapped files
+    and of the buffers' arrays are not what a learner's step costs)"""
     baseline: str = ""
     """a directory holding an older `mmreplay` package, measured after this checkout"""
     dqn_steps: int = 20_000
@@ -209,6 +212,9 @@ def per_section(args: Args) -> dict[str, Any]:
     def cpprb(i: int) -> None:
         rb.update_priorities(rb.sample(32, beta=0.4)["indexes"], new[i])
 
+    for i in range(min(args.warmup, args.reps)):
+        ours(i), cpprb(i)
+
     both = interleaved({"mmreplay_ReplayStore": ours, "cpprb_PrioritizedReplayBuffer": cpprb},
                        args.reps, args.block)
     sample = interleaved({"mmreplay_ReplayStore": lambda i: store.sample(32, beta=0.4),
@@ -252,6 +258,8 @@ def uniform_section(args: Args) -> dict[str, Any]:
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
     ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
+    for _ in range(args.warmup):
+        store.sample(32), rb.sample(32)
     sample = interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)},
                          args.reps, args.block)
     del rb  # its RAM back before the floor's array is filled
