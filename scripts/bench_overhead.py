@@ -237,9 +237,7 @@ def per_section(args: Args) -> dict[str, Any]:
 def uniform_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
     from ale_frames import record_frames
-    from benchlib.baselines import stacked_steps
     from benchlib.harness import feed_timed, numpy_gather
-    from cpprb import ReplayBuffer
 
     from mmreplay import ReplayStore
 
@@ -248,6 +246,24 @@ def uniform_section(args: Args) -> dict[str, Any]:
     store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
                                seed=args.seed)
     feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
+    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
+    sample = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's array
+    frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
+    rng = np.random.default_rng(args.seed)
+    floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
+                        args.reps, args.block)
+    store.close()
+    return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
+            "sample32_vs_floor": with_ratios(floor, "numpy_floor"), "frames": args.frames}
+
+
+def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], object]]
+                     ) -> dict[str, dict[str, float]]:
+    """`ours` alternated with ``sample(32)`` of cpprb's ``ReplayBuffer`` filled with the same
+    stream (freed on return)."""
+    from benchlib.baselines import stacked_steps
+    from cpprb import ReplayBuffer
+
     rb: Any = ReplayBuffer(
         args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
                       "act": {"dtype": np.int64}, "rew": {}, "done": {}},
@@ -257,19 +273,12 @@ def uniform_section(args: Args) -> dict[str, Any]:
             rb.on_episode_end()
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
-    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
     for _ in range(args.warmup):
-        store.sample(32), rb.sample(32)
-    sample = interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)},
-                         args.reps, args.block)
-    del rb  # its RAM back before the floor's array is filled
-    frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
-    rng = np.random.default_rng(args.seed)
-    floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
-                        args.reps, args.block)
-    store.close()
-    return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
-            "sample32_vs_floor": with_ratios(floor, "numpy_floor"), "frames": args.frames}
+        rb.sample(32)
+        for call in ours.values():
+            call(0)
+    return interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)}, args.reps,
+                       args.block)
 
 
 # -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
