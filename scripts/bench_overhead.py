@@ -15,6 +15,9 @@ imports mmreplay from that tree and measures, in that one process:
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, ``sample(32)``
             alone, and the update alone, against cpprb's ``PrioritizedReplayBuffer``
             (next_of + stack_compress) filled with the same stream
+    uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
+            ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
+            index of 32 five-frame windows from an in-RAM array of the same frames
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
@@ -57,13 +60,16 @@ class Args:
     """timed calls per sampling figure"""
     block: int = 50
     """calls per block when two buffers are timed in turns"""
+    warmup: int = 200
+    """per, uniform: untimed calls of each buffer first (the first touches of mapped files
+    and of the buffers' arrays are not what a learner's step costs)"""
     baseline: str = ""
     """a directory holding an older `mmreplay` package, measured after this checkout"""
     dqn_steps: int = 20_000
     """env steps of each CartPole DQN run"""
     dqn_rounds: int = 2
     """CartPole DQN runs per buffer, in turns"""
-    sections: str = "sb3,per,dqn"
+    sections: str = "sb3,per,uniform,dqn"
     """comma-separated sections to run"""
     baseline_sections: str = ""
     """sections to run on `--baseline` (default: `--sections`)"""
@@ -206,6 +212,9 @@ def per_section(args: Args) -> dict[str, Any]:
     def cpprb(i: int) -> None:
         rb.update_priorities(rb.sample(32, beta=0.4)["indexes"], new[i])
 
+    for i in range(min(args.warmup, args.reps)):
+        ours(i), cpprb(i)
+
     both = interleaved({"mmreplay_ReplayStore": ours, "cpprb_PrioritizedReplayBuffer": cpprb},
                        args.reps, args.block)
     sample = interleaved({"mmreplay_ReplayStore": lambda i: store.sample(32, beta=0.4),
@@ -222,6 +231,54 @@ def per_section(args: Args) -> dict[str, Any]:
             "sample32": with_ratios(sample, "cpprb_PrioritizedReplayBuffer"),
             "update32": with_ratios(update, "cpprb_PrioritizedReplayBuffer"),
             "frames": args.frames}
+
+
+# -- uniform: uniform sample with frames, and the numpy floor -----------------------------------
+def uniform_section(args: Args) -> dict[str, Any]:
+    sys.path.insert(0, str(SCRIPTS))
+    from ale_frames import record_frames
+    from benchlib.harness import feed_timed, numpy_gather
+
+    from mmreplay import ReplayStore
+
+    rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
+    path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/uniform"
+    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed)
+    feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
+    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
+    sample = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's array
+    frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
+    rng = np.random.default_rng(args.seed)
+    floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
+                        args.reps, args.block)
+    store.close()
+    return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
+            "sample32_vs_floor": with_ratios(floor, "numpy_floor"), "frames": args.frames}
+
+
+def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], object]]
+                     ) -> dict[str, dict[str, float]]:
+    """`ours` alternated with ``sample(32)`` of cpprb's ``ReplayBuffer`` filled with the same
+    stream (freed on return)."""
+    from benchlib.baselines import stacked_steps
+    from cpprb import ReplayBuffer
+
+    rb: Any = ReplayBuffer(
+        args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
+                      "act": {"dtype": np.int64}, "rew": {}, "done": {}},
+        next_of="obs", stack_compress="obs")
+    for step in stacked_steps(rec, args.frames + 100, channels_last=True, desc="fill cpprb"):
+        if step.new_episode and rb.get_stored_size():
+            rb.on_episode_end()
+        rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
+               done=float(step.terminated))
+    for _ in range(args.warmup):
+        rb.sample(32)
+        for call in ours.values():
+            call(0)
+    return interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)}, args.reps,
+                       args.block)
 
 
 # -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
@@ -260,7 +317,8 @@ def dqn_section(args: Args) -> dict[str, Any]:
     return result
 
 
-SECTIONS = {"sb3": sb3_section, "per": per_section, "dqn": dqn_section}
+SECTIONS = {"sb3": sb3_section, "per": per_section, "uniform": uniform_section,
+            "dqn": dqn_section}
 
 
 # -- one code tree per subprocess ----------------------------------------------------------------

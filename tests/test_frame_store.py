@@ -228,3 +228,63 @@ def test_chunk_table_reads_what_uncached_reads_read(tmp_path, shard_chunks):
 
 def torch_equal(a, b) -> bool:
     return bool((a == b).all())
+
+
+@pytest.mark.parametrize("slots", [13, 16])
+def test_one_pass_read_matches_the_frames_written(tmp_path, slots):
+    """The one-call read of an lz4 shard store with no cache (`read_frames`): random reads
+    beside the writer, and of a read-only store after it, return the frames last written
+    at each slot (RAM tails, chunks pending in a shard not yet written, partial shard
+    writes by `drain`, files not mapped yet, wraparound, a short last chunk, -1 = zeros),
+    whichever order and duplicates the slots come in."""
+    spec, fs = new_frame_store(tmp_path, slots=slots, chunk=2, shard=3, envs=2,
+                               obs_shape=(3, 2))
+    assert fs._one_pass
+    rng = np.random.default_rng(slots)
+    shadow = np.zeros((2, slots, 3, 2), np.uint8)
+    written = np.zeros(2, bool)
+    for step in range(5 * slots):
+        env = int(rng.integers(2))
+        slot = int(fs.next_slot[env])
+        frame = rng.integers(1, 255, (1, 3, 2), dtype=np.uint8)
+        fs.append(np.array([env]), np.array([slot]), frame)
+        shadow[env, slot] = frame[0]
+        written[env] |= slot == slots - 1
+        if step % 11 == 0:
+            fs.drain()
+        flat = _readable(rng, fs, written, slots)
+        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, 3, 2)[flat])
+        assert np.array_equal(fs.read(flat), want)
+    fs.drain()
+    reader = FrameStore(tmp_path, spec, writable=False)
+    assert reader._one_pass
+    flat = _readable(rng, fs, written, slots)
+    want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, 3, 2)[flat])
+    reader.load_tail(fs.tail_frames(), fs.next_slot)
+    assert np.array_equal(reader.read(flat), want)
+
+
+def _readable(rng, fs, written, slots):
+    """Random flat slots (and -1) that hold a written frame: below an env's cursor, or
+    anywhere once its ring wrapped."""
+    out = []
+    for _ in range(40):
+        env = int(rng.integers(2))
+        top = slots if written[env] else int(fs.next_slot[env])
+        out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
+    return np.array(out, np.int64)
+
+
+def test_one_pass_read_reports_a_damaged_chunk(tmp_path):
+    spec, fs = new_frame_store(tmp_path, slots=12, chunk=2, shard=3, obs_shape=(3, 2))
+    for slot in range(12):
+        fs.append(np.array([0]), np.array([slot]), np.full((1, 3, 2), slot + 1, np.uint8))
+    fs.drain()
+    path = fs.file_path(0, 0)
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF  # inside the first chunk's bytes
+    path.write_bytes(bytes(data))
+    reader = FrameStore(tmp_path, spec, writable=False)
+    with pytest.raises(InvalidStoreError, match="crc32c"):
+        reader.read(np.array([1, 7], np.int64))
+    assert np.array_equal(reader.read(np.array([7], np.int64))[0], np.full((3, 2), 8))

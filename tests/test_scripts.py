@@ -256,7 +256,8 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     blocks = tree["sb3"]["add_per_call_in_blocks"]
     assert blocks["block"] == 300 // 8
     for figures in (tree["sb3"]["add"], tree["sb3"]["sample64"], blocks["figures"],
-                    tree["per"]["sample32_plus_update32"], tree["per"]["update32"]):
+                    tree["per"]["sample32_plus_update32"], tree["per"]["update32"],
+                    tree["uniform"]["sample32"], tree["uniform"]["sample32_vs_floor"]):
         for row in figures.values():
             assert 0 < row["median_us"] <= row["p90_us"]
     dqn = tree["dqn"]
@@ -264,6 +265,8 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     assert len(dqn["mmreplay_sb3_adapter"]["steps_per_s_each"]) == 1
     assert tree["sb3"]["add"]["sb3_ReplayBuffer"]["ratio_to_sb3_ReplayBuffer"] == 1.0
     assert "cpprb_PrioritizedReplayBuffer" in tree["per"]["update32"]
+    assert tree["uniform"]["sample32_vs_floor"]["numpy_floor"]["ratio_to_numpy_floor"] == 1.0
+    assert "cpprb_ReplayBuffer" in tree["uniform"]["sample32"]
 
 
 def test_bench_codec_smoke(tmp_path: Path) -> None:

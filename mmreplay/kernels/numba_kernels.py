@@ -388,3 +388,122 @@ def tree_stratified(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
     tree_find(prefix, off, fan, targets, slots)
     for b in range(size):
         weights[b] = np.float32((leaf_sums[slots[b]] / min_mass) ** -beta)
+
+
+# -- a whole read in one call: plan, decode and gather (`frame_store.FrameStore.read`) ---------
+
+
+@numba.njit(nogil=True, cache=True)
+def read_keys(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
+              next_slot: np.ndarray, tail_fill: np.ndarray, raw: np.ndarray,
+              offset: np.ndarray) -> np.ndarray:
+    """Each frame's chunk key (`chunk_plan`'s keys: on disk, an env's RAM tail, the zero
+    frame) into ``raw`` and its frame in that chunk into ``offset``; returns the frames'
+    order by key."""
+    envs = next_slot.size
+    tails = envs * num_chunks
+    for i in range(flat.size):
+        if flat[i] < 0:
+            raw[i], offset[i] = tails + envs, 0
+            continue
+        env, slot = flat[i] // slots, flat[i] % slots
+        c, offset[i] = slot // chunk, slot % chunk
+        if c == next_slot[env] // chunk and offset[i] < tail_fill[env]:
+            raw[i] = tails + env
+        else:
+            raw[i] = env * num_chunks + c
+    return np.argsort(raw)
+
+
+@numba.njit(nogil=True, cache=True)
+def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, src: np.ndarray,
+                 size: np.ndarray, ram_src: np.ndarray, ram_size: np.ndarray,
+                 used: np.ndarray, tick: int, shard_chunks: int, where: np.ndarray,
+                 length: np.ndarray, missing: np.ndarray) -> int:
+    """Bytes of each distinct chunk on disk a read takes: from ``ram_src``/``ram_size``
+    (encoded chunks held in RAM; 0 = none) or else the mapped files' ``src``/``size``,
+    into ``where``/``length`` at the frame that opens its run of ``order``; the file of
+    each is marked used at ``tick`` (``used[env * shards + shard]``). Returns how many
+    chunks have neither (their keys in ``missing[:count]``, to be mapped first)."""
+    count = 0
+    disk_keys = src.size  # envs * num_chunks
+    shards = -(-num_chunks // shard_chunks)
+    for j in range(order.size):
+        i = order[j]
+        key = raw[i]
+        if key >= disk_keys or (j > 0 and raw[order[j - 1]] == key):
+            continue
+        if key < ram_src.size and ram_src[key] != 0:
+            where[i], length[i] = ram_src[key], ram_size[key]
+            continue
+        where[i], length[i] = src[key], size[key]
+        used[(key // num_chunks) * shards + (key % num_chunks) // shard_chunks] = tick
+        if where[i] == 0:
+            missing[count] = key
+            count += 1
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
+def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_keys: int,
+                where: np.ndarray, length: np.ndarray, tail_rows: np.ndarray,
+                scratch: np.ndarray, out: np.ndarray, failed: np.ndarray) -> int:
+    """``out[i]`` = frame ``i`` of a read planned by `read_keys` and `read_sources`: a chunk
+    on disk is decoded (lz4, only up to the last frame the read takes from it, as
+    `decode_prefixes`) into ``scratch`` and its frames copied out at once, while they are
+    still in the CPU's cache; a tail's frames come from ``tail_rows`` (``env * chunk +
+    offset``), the zero frame is zeros. Returns 0, or a chunk's decode status with the
+    position of a frame of that chunk in ``failed[0]``."""
+    fb = out.shape[1]
+    chunk = scratch.size // fb
+    envs = tail_rows.shape[0] // chunk
+    start = 0
+    while start < order.size:
+        key, last, stop = raw[order[start]], 0, start
+        while stop < order.size and raw[order[stop]] == key:
+            last = max(last, offset[order[stop]])
+            stop += 1
+        first = order[start]
+        if key < disk_keys:
+            status = _decode_one(where[first], length[first], scratch.ctypes.data,
+                                 scratch.size, LZ4, 0, 0, (last + 1) * fb)
+            if status != OK:
+                failed[0] = first
+                return status
+            base = scratch.ctypes.data
+        elif key - disk_keys < envs:
+            base = tail_rows.ctypes.data + (key - disk_keys) * chunk * fb
+        else:
+            base = 0
+        for j in range(start, stop):
+            i = order[j]
+            if base == 0:
+                out[i, :] = 0
+            else:
+                _memcpy(out.ctypes.data + i * fb, base + offset[i] * fb, fb)
+        start = stop
+    return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def read_frames(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
+                tail_fill: np.ndarray, tail_rows: np.ndarray, src: np.ndarray,
+                size: np.ndarray, ram_src: np.ndarray, ram_size: np.ndarray, used: np.ndarray,
+                tick: int, shard_chunks: int, scratch: np.ndarray, out: np.ndarray,
+                missing: np.ndarray) -> int:
+    """A whole read in one call: `read_keys`, `read_sources`, then `read_gather` (``chunk`` =
+    ``scratch.size // out.shape[1]`` frames a chunk). Returns 0; or, gathering nothing, the
+    count of chunks whose files are not mapped (keys in ``missing[:count]``: map them and
+    call again); or ``-status`` of a chunk that fails to decode, with a frame of it in
+    ``missing[0]``."""
+    n = flat.size
+    raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
+    order = read_keys(flat, slots, scratch.size // out.shape[1], num_chunks, next_slot,
+                      tail_fill, raw, offset)
+    where, length = np.empty(n, np.int64), np.empty(n, np.int64)
+    count = read_sources(raw, order, num_chunks, src, size, ram_src, ram_size, used, tick,
+                         shard_chunks, where, length, missing)
+    if count:
+        return count
+    return -read_gather(raw, offset, order, src.size, where, length, tail_rows, scratch, out,
+                        missing)

@@ -87,6 +87,11 @@ class ChunkCodec:
             self.set_dictionary(dictionary)
 
     @property
+    def lz4(self) -> bool:
+        """lz4 chunks: a read may decode each only up to its last frame it takes."""
+        return self._lz4
+
+    @property
     def needs_dictionary(self) -> bool:
         """A ``"zstd-dict"`` codec with no dictionary yet: it can encode nothing."""
         return self.kind == _KINDS["zstd-dict"] and self.dictionary is None

@@ -205,6 +205,9 @@ class FrameStore:
         self._shards: ShardFiles | None = None
         self._shard_writer: ShardWriter | None = None
         self._read_chunk = self._chunk_file_bytes
+        # `_read_one_pass`: chunks come from mapped files or the writer's RAM, none kept decoded
+        self._one_pass = (sharded and self._codec.lz4 and self._table is None
+                          and fetch is None and cache_bytes < self._codec.nbytes)
         if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
                                       self._max_bytes, num_envs=spec.num_envs,
@@ -367,18 +370,19 @@ class FrameStore:
         `out`, if given, is a C-contiguous uint8 buffer of at least the result's bytes that
         the result is written into (a view of it is returned).
 
-        Every distinct chunk the slots touch (the zero frame and each env's RAM tail
-        count as chunks too) is fetched once into one table: from RAM, or decoded by the
-        compiled kernel straight from the mapped file; one compiled gather of that table
-        is the result, so each frame is copied once.
+        Default lz4 shard stores read in one compiled call (`_read_one_pass`). Else every
+        distinct chunk the slots touch (the zero frame and RAM tails count as chunks) is
+        fetched once into one table, from RAM or decoded from the mapped file, and one
+        compiled gather of that table is the result (each frame copied once).
         """
         flat = np.asarray(flat_slots, dtype=np.int64)
         shape = (*flat.shape, *self.spec.obs_shape)
         flat = flat.reshape(-1)
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
-        if self._table is not None:
-            return _read_table(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
+        if self._table is not None or self._one_pass:
+            read = _read_table if self._table is not None else _read_one_pass
+            return read(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
         count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
@@ -552,6 +556,50 @@ def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
         failed = fs._writer.failed.get((env, chunk))
         found = None if failed is None else failed[1]
     return found
+
+
+_NO_RAM = np.zeros(0, np.int64)
+
+
+def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """`read` of an lz4 store of shard files with no cache, in one compiled call
+    (`read_frames`): each frame's chunk; each chunk's bytes (pending in the writer's RAM,
+    else in its mapped file; files not mapped yet are mapped and the call made again); one
+    pass that decodes each chunk up to the last frame it gives into a scratch buffer and
+    copies its frames out while they are in the CPU's cache. Returns ``(flat.size,
+    frame_bytes)`` uint8."""
+    shards, writer = fs._shards, fs._shard_writer
+    assert shards is not None
+    ram_src, ram_size = (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src,
+                                                                   writer.ram_size)
+    frame_bytes = fs._tail_rows.shape[1]
+    size = flat.size * frame_bytes
+    if out is None or out.size < size:
+        out = np.empty(size, np.uint8)
+    dest = out[:size].reshape(flat.size, frame_bytes)
+    missing, scratch = np.empty(flat.size, np.int64), np.empty(fs._codec.nbytes, np.uint8)
+    while True:
+        mapped = shards.read_state()
+        status = compiled().read_frames(
+            flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot, fs.tail_fill,
+            fs._tail_rows, mapped.src, mapped.size, ram_src, ram_size, mapped.used,
+            mapped.tick, mapped.shard_chunks, scratch, dest, missing)
+        if status <= 0:
+            break
+        shards.addresses(missing[:status])  # maps their files, or raises if one is absent
+    if status:
+        _raise_damaged(fs, int(flat[missing[0]]), -int(status))
+    return dest
+
+
+def _raise_damaged(fs: FrameStore, flat_slot: int, status: int) -> None:
+    """`InvalidStoreError` saying how the chunk of `flat_slot` is damaged."""
+    env, slot = divmod(flat_slot, fs.spec.slots_per_env)
+    chunk = slot // fs._chunk_len
+    held = None if fs._shard_writer is None else fs._shard_writer.get(env, chunk)
+    data, place = ((held, "a finished chunk in RAM") if held is not None
+                   else fs.chunk_bytes(env, chunk))
+    raise InvalidStoreError(fs._codec.damage(data, status, place))
 
 
 def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:

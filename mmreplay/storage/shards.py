@@ -22,6 +22,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
@@ -100,6 +101,17 @@ def read_shard(path: str, where: str, shard_chunks: int, max_chunk: int) -> dict
     return {j: data[o:o + n] for j, (o, n) in enumerate(index.tolist()) if o >= 0}
 
 
+@dataclass(frozen=True)
+class MappedChunks:
+    """`ShardFiles.read_state`: chunk addresses and lengths, file use ticks, this read's tick."""
+
+    src: np.ndarray
+    size: np.ndarray
+    used: np.ndarray
+    tick: int
+    shard_chunks: int
+
+
 class ShardFiles:
     """Shard files mapped read-only, with their checked index; at most `max_open` mapped.
 
@@ -135,6 +147,17 @@ class ShardFiles:
 
     def path(self, env: int, shard: int) -> str:
         return f"{self._dir}/c.{env}.{shard}{self._suffix}"
+
+    @property
+    def fetches(self) -> bool:
+        """Whether chunks must be fetched before they are read (a bucket's sparse files)."""
+        return self._fetch is not None
+
+    def read_state(self) -> MappedChunks:
+        """The tables a compiled read looks its chunks up in, for one read: it marks the
+        files it takes bytes from used at the returned tick (`addresses` does it in Python)."""
+        self._tick += 1
+        return MappedChunks(self.src, self.size, self._used, self._tick, self.shard_chunks)
 
     @property
     def mapped(self) -> int:
@@ -285,11 +308,18 @@ class ShardWriter:
         self._durable = durable
         self.pending: dict[Key, dict[int, bytes]] = {}  # not in the file yet
         self.written: list[str] = []
+        # address and length of every pending chunk's bytes (0: not pending), by
+        # ``env * num_chunks + chunk``: what a compiled read takes before the files
+        self.ram_src = np.zeros(files.src.size, np.int64)
+        self.ram_size = np.zeros(files.src.size, np.int64)
 
     def add(self, env: int, chunk: int, data: bytes) -> None:
         shard, j = divmod(chunk, self._files.shard_chunks)
         key = (env, shard)
-        self.pending.setdefault(key, {})[j] = data
+        self.pending.setdefault(key, {})[j] = data  # keeps the bytes ram_src points at
+        flat = env * self._num_chunks + chunk
+        self.ram_src[flat] = np.frombuffer(data, np.uint8).ctypes.data if data else 0
+        self.ram_size[flat] = len(data)
         if j == self._real_chunks(shard) - 1:
             self._write(key)
 
@@ -327,4 +357,6 @@ class ShardWriter:
                      Path(self._tmp_dir), durable=self._durable)
         self._files.forget(env, shard)
         self.written.append(path)
+        first = env * self._num_chunks + shard * self._files.shard_chunks
+        self.ram_src[first:first + self._real_chunks(shard)] = 0
         del self.pending[key]  # all in the file now; a later write merges them from it
