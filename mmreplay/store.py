@@ -232,8 +232,11 @@ class ReplayStore(BucketMethods):
         do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
         exactly the declared ones) belong to this step, like `action`. With a rate
         limiter, waits first until the learners let these steps in."""
-        limiter = self._limits.limiter  # no context manager: this is the ingest's hot path
-        steps = 0 if limiter is None else _admit(limiter, self.spec.num_envs, env_ids, autoreset)
+        limiter, steps = self._limits.limiter, 0  # the ingest's hot path: no call to spare
+        if limiter is not None:  # wait until the limiter lets these steps in (inserts)
+            steps = self.spec.num_envs if env_ids is None and autoreset is None else \
+                _steps(self.spec.num_envs, env_ids, autoreset)
+            limiter.await_insert(steps)
         try:
             with self._lock:
                 _check_writable(self, "add")
@@ -579,15 +582,10 @@ def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
         return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
 
 
-def _admit(limiter: RateLimiter, num_envs: int, env_ids: Any, autoreset: Any) -> int:
-    """Wait until `limiter` lets the steps of one `add` in (what it counts as inserts), and
-    return how many they are (the count `cancel_insert` takes back if the add is refused)."""
-    if env_ids is None and autoreset is None:
-        steps = num_envs
-    else:
-        steps = steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
-    limiter.await_insert(steps)
-    return steps
+def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
+    """How many steps one `add` brings (what the rate limiter counts as inserts, and what
+    `cancel_insert` takes back if the add is refused): its env rows less autoreset rows."""
+    return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
 
 
 def _set_rate_limiter(store: ReplayStore, limiter: RateLimiter | None) -> None:

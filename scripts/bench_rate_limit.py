@@ -16,7 +16,7 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    blocks (`RateLimiter.min_size(1)`, an endless gate; and a ratio band too wide to reach,
    a finite gate: both admit inserts by ticket, without the lock), on one store whose
    limiter is switched on and off chunk by chunk (alternated, so the machine's drift falls
-   on every arm).
+   on every arm). Sections 3 and 4 add real Breakout frames (`ale_frames`).
 4. Per call (`--sections percall`): each `add` timed alone, arms (none, `min_size(1)`, the
    wide band) alternated in chunks of 50 calls, percentiles per arm. Low percentiles leave
    out the calls that compress a chunk and the machine's stalls: the admission's own cost
@@ -81,6 +81,14 @@ def make_store(root: Path, limiter: RateLimiter | None) -> ReplayStore:
 def frames(n: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     return rng.integers(0, 255, (n, *OBS), dtype=np.uint8)
+
+
+def atari_frames(n: int = 1500) -> np.ndarray:
+    """`n` consecutive real Breakout frames (cached by `ale_frames`): what the overhead
+    sections add, so an `add` compresses as much as an Atari run's does (random frames
+    do not compress, which makes every `add` slower and the limiter's share smaller)."""
+    from ale_frames import record_frames
+    return record_frames("ALE/Breakout-v5", n, seed=0).frames
 
 
 def ratio_case(args: Args, root: Path, *, env_ms: float, learner_ms: float) -> dict[str, Any]:
@@ -165,7 +173,7 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
     per-chunk times (a shared machine stalls a chunk now and then, for seconds). Samples
     are timed on the filled store with no adds in between, so every chunk draws from the
     same store."""
-    pool, rng = frames(256), np.random.default_rng(0)
+    pool, rng = atari_frames(), np.random.default_rng(0)
     store = make_store(root / "o", None)
     limiters = {"with": RateLimiter.min_size(1),
                 "with_band": RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)}
@@ -208,7 +216,7 @@ def per_call(args: Args, root: Path) -> dict[str, Any]:
     ("with_band"), the arms alternated in chunks of 50 calls in a seeded random order,
     `rounds` chunks each; the percentile differences to "without", and each as a share of
     the mean `add` without a limiter."""
-    pool, rng = frames(256), np.random.default_rng(0)
+    pool, rng = atari_frames(), np.random.default_rng(0)
     store = make_store(root, None)
     arms = {"without": None, "with": RateLimiter.min_size(1),
             "with_band": RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)}
