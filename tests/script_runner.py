@@ -58,13 +58,19 @@ def _process_state_kept():
         torch.random.set_rng_state(torch_rng)
 
 
-def run_here(name: str, *args: str) -> Outcome:
-    """`scripts/<name> args...` run as ``__main__`` in this process (module docstring)."""
+def run_here(name: str, *args: str, torch_threads: int | None = None) -> Outcome:
+    """`scripts/<name> args...` run as ``__main__`` in this process (module docstring);
+    `torch_threads` sets torch's thread count for the run, as ``OMP_NUM_THREADS`` would for
+    a process."""
     path = SCRIPTS / name
     out, err = io.StringIO(), io.StringIO()
     code: object = 0
     with _process_state_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sys.argv[:] = [str(path), *args]
+        if torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(torch_threads)
         try:
             runpy.run_path(str(path), run_name="__main__")
         except SystemExit as exc:
