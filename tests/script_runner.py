@@ -42,7 +42,7 @@ def _process_state_kept():
     """Put back what a script run changes in the process (module docstring)."""
     argv, handlers = sys.argv[:], {s: signal.getsignal(s) for s in (signal.SIGINT,
                                                                   signal.SIGTERM)}
-    py_rng, np_rng = random.getstate(), np.random.get_state()
+    py_rng, np_rng = random.getstate(), np.random.get_state()  # noqa: NPY002 (SB3 seeds it)
     import torch  # the scripts run here use it; its state is kept from before the run
 
     threads, torch_rng = torch.get_num_threads(), torch.random.get_rng_state()
@@ -53,7 +53,7 @@ def _process_state_kept():
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         random.setstate(py_rng)
-        np.random.set_state(np_rng)
+        np.random.set_state(np_rng)  # noqa: NPY002
         torch.set_num_threads(threads)
         torch.random.set_rng_state(torch_rng)
 

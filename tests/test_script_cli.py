@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from script_runner import Outcome as ScriptRun
 from script_runner import run_here
 

@@ -31,7 +31,6 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 import torch  # noqa: E402
-
 from script_runner import Outcome, run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
