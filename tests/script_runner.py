@@ -9,7 +9,8 @@ command line: those tests start a real process).
 
 What a script changes in the process and a real run would leave behind with its process is
 put back afterwards: ``sys.argv``, the SIGINT/SIGTERM handlers (`common.StopFlag` takes them),
-torch's thread count, and the global RNGs of torch, numpy and `random` (scripts seed them).
+the global RNGs of numpy and `random`, and torch's thread count and RNG where torch was
+imported before the run (the test modules that run torch scripts import it first).
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ def _process_state_kept():
     argv, handlers = sys.argv[:], {s: signal.getsignal(s) for s in (signal.SIGINT,
                                                                   signal.SIGTERM)}
     py_rng, np_rng = random.getstate(), np.random.get_state()  # noqa: NPY002 (SB3 seeds it)
-    import torch  # the scripts run here use it; its state is kept from before the run
-
-    threads, torch_rng = torch.get_num_threads(), torch.random.get_rng_state()
+    torch = sys.modules.get("torch")  # not imported for a script that does not use it
+    kept = (torch.get_num_threads(), torch.random.get_rng_state()) if torch else None
     try:
         yield
     finally:
@@ -54,8 +54,9 @@ def _process_state_kept():
             signal.signal(sig, handler)
         random.setstate(py_rng)
         np.random.set_state(np_rng)  # noqa: NPY002
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(torch_rng)
+        if torch is not None and kept is not None:
+            torch.set_num_threads(kept[0])
+            torch.random.set_rng_state(kept[1])
 
 
 def run_here(name: str, *args: str, torch_threads: int | None = None) -> Outcome:
@@ -65,11 +66,11 @@ def run_here(name: str, *args: str, torch_threads: int | None = None) -> Outcome
     path = SCRIPTS / name
     out, err = io.StringIO(), io.StringIO()
     code: object = 0
+    if torch_threads is not None:
+        import torch  # before the state is kept, so that its thread count is put back
     with _process_state_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         sys.argv[:] = [str(path), *args]
         if torch_threads is not None:
-            import torch
-
             torch.set_num_threads(torch_threads)
         try:
             runpy.run_path(str(path), run_name="__main__")
