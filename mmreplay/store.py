@@ -227,15 +227,14 @@ class ReplayStore(BucketMethods):
 
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any = None, env_ids: Any = None, *, extras: Any = None) -> None:
-        """Record one step of every env, or of the listed `env_ids` (each at most once;
-        every argument then has a leading ``len(env_ids)`` dimension and the other envs
-        do not advance). See README for the autoreset rule. `extras` (``{name: array}``,
-        exactly the declared ones) belong to this step, like `action`. With a rate
-        limiter, waits first until the learners let these steps in."""
-        limiter, steps = self._limits.limiter, 0  # the ingest's hot path: no call to spare
-        if limiter is not None:  # wait until the limiter lets these steps in (inserts)
-            steps = self.spec.num_envs if env_ids is None and autoreset is None else \
-                _steps(self.spec.num_envs, env_ids, autoreset)
+        """Record one step of every env, or of the listed `env_ids` (each once; every argument
+        then has a leading ``len(env_ids)`` dimension, the other envs wait). Autoreset rule:
+        README. `extras` (``{name: array}``, the declared ones) belong to this step, like
+        `action`. With a rate limiter, waits first until the learners let these steps in."""
+        limiter, steps = self._limits.limiter, self.spec.num_envs  # the hot path: no calls
+        if limiter is not None:
+            if env_ids is not None or autoreset is not None:  # fewer steps than envs
+                steps = _steps(steps, env_ids, autoreset)
             limiter.await_insert(steps)
         try:
             with self._lock:
@@ -258,9 +257,7 @@ class ReplayStore(BucketMethods):
     # -- rate limiting ------------------------------------------------------------
     def set_rate_limiter(self, limiter: RateLimiter | None) -> None:
         """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`,
-        `batches`, `sample_sequences` on its samples; None removes it.
-
-        The limiter takes the counters this store committed (so a resumed run keeps its
+        `batches`, `sample_sequences` on its samples; None removes it. The limiter takes the counters this store committed (so a resumed run keeps its
         ratio) and counts this store's steps as inserts; every flush commits its counters
         (``mmreplay info`` shows them). Only a writable store takes one, and `close`
         closes it (waiters wake with `RateLimiterClosedError`).

@@ -274,9 +274,9 @@ class Run:
 
 
 def open_run(args: Args, run_dir: Path, bucket: RunBucket | None = None) -> Run:
-    """A new run (store actor creating the store) or the one in `run_dir` resumed; with
-    `bucket` the store comes down from there into an empty `run_dir`, and the store actor
-    mirrors every flush back there (taking the prefix's writer lease as it starts)."""
+    """A new run (store actor creating the store) or the one in `run_dir` resumed (from a
+    bucket, `main` brought the store down first); with `bucket` the store actor mirrors every
+    flush back there (taking the prefix's writer lease as it starts)."""
     probe = make_env(args.env)
     obs_space, num_actions = probe.observation_space, int(probe.action_space.n)
     probe.close()
@@ -284,8 +284,6 @@ def open_run(args: Args, run_dir: Path, bucket: RunBucket | None = None) -> Run:
     run = Run(args, run_dir, Learner.create((k, *obs_space.shape), num_actions,
                                             args.learning_rate))
     create = None
-    if bucket is not None and args.resume:
-        bucket.pull_store(run_dir, take_over=args.take_over)
     if args.resume:
         ckpt = torch.load(run_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
         run.learner.load(ckpt)
@@ -481,6 +479,8 @@ def main() -> int:
     run_dir, bucket = prepare_run(  # before Ray starts: a refused run dir costs nothing
         Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}"),
         resume=args.resume, overwrite=args.overwrite, store=args.store)
+    if bucket is not None and args.resume:  # before Ray too: a prefix another writer holds
+        bucket.pull_store(run_dir, take_over=args.take_over)  # is refused at once
     again = resume_command(run_dir, store=args.store)
     stop = StopFlag()
     on_interrupt(lambda: None, message=f"to continue from the last checkpoint: "

@@ -9,6 +9,9 @@ Helpers (import them: ``from conftest import frame``; pytest puts tests/ on sys.
 
 `scripts/` is put on sys.path too, so tests can import the scripts and their shared module
 (`common`) as `python scripts/x.py` does.
+
+`pytest_runtest_teardown` stops the Ray cluster of test_ray's `cluster` fixture once the next
+test does not use it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
@@ -54,3 +58,14 @@ def new_frame_store(path: Path, *, slots: int, chunk: int, shard: int = 1, envs:
     create_frames_array(path, spec)
     (path / "tmp").mkdir()
     return spec, FrameStore(path, spec, writable=True, before_chunk_write=hook)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the Ray cluster that test_ray's `cluster` fixture started (for test_ray and
+    test_ray_mirror in a row) after the last test that uses it: the next one does not."""
+    if "cluster" not in item.fixturenames or \
+            (nextitem is not None and "cluster" in nextitem.fixturenames):
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

@@ -117,7 +117,10 @@ class S3Server:
                 f"-filer.port={filer}", f"-filer.port.grpc={fgrpc}", f"-s3.port={s3}",
                 f"-s3.port.grpc={s3grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-debug.port={debug}", f"-metricsPort={metrics}", "-master.telemetry=false",
-                "-master.volumeSizeLimitMB=64", "-volume.max=32", *self._auth_args()]
+                "-master.volumeSizeLimitMB=64", "-volume.max=32",
+                # one master: no Raft quorum to wait for (a restart otherwise waits ~15 s
+                # for an election)
+                "-master.peers=none", *self._auth_args()]
         log = open(self.data_dir.parent / "weed.log", "ab")  # noqa: SIM115 -- the process owns it
         # weed turns AWS_* variables into an identity (and refuses unsigned requests)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}

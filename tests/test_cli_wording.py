@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from script_runner import run_here
 
 from mmreplay import ReplayStore
 from mmreplay.tools.cli import main
@@ -121,10 +122,8 @@ def test_record_atari_reports_the_compression_info_reports(tmp_path: Path,
     pytest.importorskip("ale_py")
     pytest.importorskip("cv2")
     out = tmp_path / "store"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_atari.py"), "--steps",
-                           "300", "--out", str(out), "--seed", "1", "--capacity", "1000"],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    proc = run_here("record_atari.py", "--steps", "300", "--out", str(out), "--seed", "1",
+                    "--capacity", "1000")  # in this process: its output is what is checked
     assert proc.returncode == 0, proc.stderr
     printed = re.search(r"^compression\s+([\d.]+)x", proc.stdout, re.MULTILINE)
     assert printed is not None, proc.stdout

@@ -308,7 +308,7 @@ def test_server_killed_mid_push_keeps_last_generation(s3: S3Server, tmp_path: Pa
     with make(tmp_path / "a") as store:
         fill(store, 2800)
         acked = store.push(url).generation
-        for round_ in range(2):  # each restart of weed takes ~18 s
+        for round_ in range(2):
             fill(store, 600, seed=10 + round_)
             store.flush()
             assert store.generation > acked + 1, "no give-up generation between the pushes"

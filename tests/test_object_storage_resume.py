@@ -27,6 +27,7 @@ from mmreplay.tools.cli import main as cli
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")
 from s3_server import FaultProxy, S3Server, free_ports  # noqa: E402
+from script_runner import Outcome, run_here  # noqa: E402
 from test_object_storage import OBS, assert_same, continue_run, fill, make  # noqa: E402
 
 pytest_plugins = ["s3_server"]
@@ -274,6 +275,14 @@ def script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedP
     return proc
 
 
+def in_process(name: str, *args: str, status: int = 0) -> Outcome:
+    """A script run in this process (`run_here`), its exit status checked: what the DQN tests
+    check is the runs' outcome (the s3 fixture's AWS variables are this process's)."""
+    done = run_here(name, *args)
+    assert done.returncode == status, done.stderr[-3000:]
+    return done
+
+
 def test_train_dqn_resumes_from_the_bucket_exactly_as_locally(s3: S3Server,
                                                               tmp_path: Path) -> None:
     """Run A mirrored to the bucket; resume it on a "new machine" (empty run dir B) from the
@@ -282,20 +291,18 @@ def test_train_dqn_resumes_from_the_bucket_exactly_as_locally(s3: S3Server,
 
     url = s3.url(prefix("dqn"))
     a, b = tmp_path / "A", tmp_path / "new-machine" / "B"
-    script("train_dqn.py", *TINY_DQN, "--total-timesteps", "500", "--run-dir", str(a),
-           "--store", url)
+    in_process("train_dqn.py", *TINY_DQN, "--total-timesteps", "500", "--run-dir", str(a),
+               "--store", url)
     objects = open_objects(url)
     assert {"checkpoint.pt", "summary.json", "store/manifest.json"} <= set(objects.list())
-    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_dqn.py"),
-                              *TINY_DQN, "--run-dir", str(tmp_path / "C"), "--store", url],
-                             capture_output=True, text=True, check=False,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert refused.returncode == 2 and "already holds a run" in refused.stderr
-    there = script("train_dqn.py", *TINY_DQN, "--total-timesteps", "900", "--run-dir", str(b),
-                   "--store", url, "--resume")
+    refused = in_process("train_dqn.py", *TINY_DQN, "--run-dir", str(tmp_path / "C"),
+                         "--store", url, status=2)
+    assert "already holds a run" in refused.stderr
+    there = in_process("train_dqn.py", *TINY_DQN, "--total-timesteps", "900", "--run-dir",
+                       str(b), "--store", url, "--resume")
     assert "resumed at step 500" in there.stdout + there.stderr
-    script("train_dqn.py", *TINY_DQN, "--total-timesteps", "900", "--run-dir", str(a),
-           "--resume")
+    in_process("train_dqn.py", *TINY_DQN, "--total-timesteps", "900", "--run-dir", str(a),
+               "--resume")
     with ReplayStore.open(a / "store", "r") as here, ReplayStore.open(b / "store", "r") as bb:
         assert_same(here, bb)  # get of every id, priorities, RNG state, counters
         assert here.counts.transitions > 500
@@ -420,15 +427,14 @@ def test_train_dqn_preempted_resumes_from_the_bucket_with_take_over(s3: S3Server
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    resume = [*cmd, "--run-dir", str(tmp_path / "B"), "--store", url, "--resume"]
-    refused = subprocess.run([*resume, "--total-timesteps", "5000"], env=env,
-                             capture_output=True, text=True, check=False, timeout=300)
-    assert refused.returncode == 2 and "another writer" in refused.stderr, refused.stderr
+    refused = in_process("train_dqn.py", *TINY_DQN, "--run-dir", str(tmp_path / "B"),
+                         "--store", url, "--resume", "--total-timesteps", "5000", status=2)
+    assert "another writer" in refused.stderr, refused.stderr
     assert not (tmp_path / "B" / "store").exists()  # refused before anything was pulled
     saved = torch.load(io.BytesIO(objects.get("checkpoint.pt")), weights_only=True)
     step = int(saved["global_step"])
-    again = script("train_dqn.py", *TINY_DQN, "--run-dir", str(tmp_path / "B"), "--store",
-                   url, "--resume", "--take-over", "--total-timesteps", str(step + 300))
+    again = in_process("train_dqn.py", *TINY_DQN, "--run-dir", str(tmp_path / "B"), "--store",
+                       url, "--resume", "--take-over", "--total-timesteps", str(step + 300))
     assert f"resumed at step {step} " in again.stdout + again.stderr or \
         f"resumed at step {step + 200} " in again.stdout + again.stderr  # a pending one
     done = json.loads(objects.get("summary.json"))

@@ -39,13 +39,17 @@ LONG = os.environ.get("MMREPLAY_LONG") == "1"
 OBS = (6, 5)
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def cluster() -> Any:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
-             configure_logging=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    """One local Ray cluster for this module and the modules that import this fixture
+    (test_ray_mirror): started by the first test that uses it, stopped by conftest's
+    `pytest_runtest_teardown` after the last of a row of such tests (one start, not one per
+    module)."""
+    if not ray.is_initialized():
+        os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 << 20,
+                 configure_logging=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     yield
-    ray.shutdown()
 
 
 class Stream:

@@ -1,4 +1,6 @@
-"""Smoke tests of `scripts/sb3_dqn.py` with tiny arguments, run as a user runs it."""
+"""Smoke tests of `scripts/sb3_dqn.py` with tiny arguments, run as a user runs it: in this
+process (`script_runner.run_here`, one thread as ``OMP_NUM_THREADS=1``), and as a real process
+where the test kills it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import pytest
 pytest.importorskip("stable_baselines3")
 pytest.importorskip("sb3_contrib")
 
+from script_runner import run_here  # noqa: E402
+
 from mmreplay import ReplayStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +32,8 @@ def command(*args: str) -> tuple[list[str], dict[str, str]]:
 
 
 def run(*args: str) -> list[dict]:
-    cmd, env = command(*args)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    """The JSON lines the script prints, run in this process."""
+    proc = run_here(SCRIPT.name, *args, torch_threads=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_runner import Outcome as ScriptRun
+from script_runner import run_here
 
 from mmreplay import ReplayStore
 
@@ -42,7 +44,8 @@ def run(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> None:
+def assert_one_line_error(proc: subprocess.CompletedProcess[str] | ScriptRun,
+                          *words: str) -> None:
     """Exit status 2, one line on stderr naming `words`, no traceback."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
@@ -119,12 +122,12 @@ def test_sb3_dqn_takes_flag_equals_value_and_refuses_a_second_run(tmp_path: Path
     pytest.importorskip("stable_baselines3")
     args = ["--total-timesteps=256", "--learning-starts", "1000", "--eval-episodes=0",
             "--run-dir", str(tmp_path)]
-    first = run("sb3_dqn.py", "--seed=1", *args)
+    first = run_here("sb3_dqn.py", "--seed=1", *args, torch_threads=1)
     assert first.returncode == 0, first.stderr[-2000:]
     result = (tmp_path / "result.json").read_text()
     assert json.loads(result)["seed"] == 1 and json.loads(result)["buffer_transitions"] == 256
 
-    again = run("sb3_dqn.py", "--seed=1", *args)
+    again = run_here("sb3_dqn.py", "--seed=1", *args)
     assert_one_line_error(again, str(tmp_path), "--resume or --overwrite")
     assert (tmp_path / "result.json").read_text() == result
     with ReplayStore.open(tmp_path / "store", mode="r") as store:
@@ -156,11 +159,11 @@ def test_a_bad_value_from_a_real_command_line() -> None:
 def test_train_r2d2_refuses_a_run_dir_that_holds_a_run(tmp_path: Path) -> None:
     ReplayStore.create(tmp_path / "store", capacity=64, obs_shape=(2,), seed=0).close()
     (tmp_path / "summary.json").write_text("{}")
-    proc = run("train_r2d2.py", "--run-dir", str(tmp_path), "--total-steps", "8")
+    proc = run_here("train_r2d2.py", "--run-dir", str(tmp_path), "--total-steps", "8")
     assert_one_line_error(proc, str(tmp_path), "--overwrite")
     assert (tmp_path / "summary.json").read_text() == "{}"
 
-    again = run("train_r2d2.py", "--run-dir", str(tmp_path), "--total-steps", "40",
+    again = run_here("train_r2d2.py", "--run-dir", str(tmp_path), "--total-steps", "40",
                 "--learning-starts", "1000", "--num-envs", "2", "--hidden", "4", "--overwrite")
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 40
@@ -230,8 +233,8 @@ def test_ctrl_c_checkpoints_says_where_to_resume_and_exits_130(tmp_path: Path) -
     with ReplayStore.open(run_dir / "store", mode="r") as store:
         assert store.counts.transitions == ckpt["transitions"] == summary["store_transitions"]
 
-    resumed = run("train_dqn.py", *CARTPOLE_DQN, "--resume", "--run-dir", str(run_dir),
-                  "--total-timesteps", str(summary["global_step"] + 50))
+    resumed = run_here("train_dqn.py", *CARTPOLE_DQN, "--resume", "--run-dir", str(run_dir),
+                       "--total-timesteps", str(summary["global_step"] + 50))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed at step {summary['global_step']}" in resumed.stdout
 

@@ -1,6 +1,8 @@
 """Smoke tests: every script runs with tiny arguments and leaves sensible output.
 
-Scripts run as subprocesses, the way a user runs them (cleanrl ``tests/test_atari_gymnasium.py``).
+Scripts run as a user runs them (cleanrl ``tests/test_atari_gymnasium.py``): as subprocesses
+where the script starts worker processes of its own (`run_script`), else in this process
+(`script_runner.run_here`), which pays their imports once per test session.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ pytest.importorskip("gymnasium")
 pytest.importorskip("cv2")
 
 import zarr  # noqa: E402
+from script_runner import run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
 
@@ -49,8 +52,8 @@ def ale_frames(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 def test_record_atari_writes_a_store_that_reopens(tmp_path: Path) -> None:
     out = tmp_path / "store"
     steps = 200
-    proc = run_script("record_atari.py", "--steps", str(steps), "--out", str(out), "--seed", "1",
-                      "--capacity", "1000")
+    proc = run_here("record_atari.py", "--steps", str(steps), "--out", str(out), "--seed", "1",
+                    "--capacity", "1000")
     assert proc.returncode == 0, proc.stderr
     assert "sample(32)" in proc.stdout
 
@@ -75,11 +78,11 @@ def test_record_atari_writes_a_store_that_reopens(tmp_path: Path) -> None:
 
 def test_record_atari_refuses_to_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "store"
-    assert run_script("record_atari.py", "--steps", "20", "--out", str(out)).returncode == 0
-    again = run_script("record_atari.py", "--steps", "20", "--out", str(out))
+    assert run_here("record_atari.py", "--steps", "20", "--out", str(out)).returncode == 0
+    again = run_here("record_atari.py", "--steps", "20", "--out", str(out))
     assert again.returncode != 0
     assert "--overwrite" in again.stderr
-    forced = run_script("record_atari.py", "--steps", "30", "--out", str(out), "--overwrite")
+    forced = run_here("record_atari.py", "--steps", "30", "--out", str(out), "--overwrite")
     assert forced.returncode == 0, forced.stderr
     with ReplayStore.open(out, mode="r") as store:
         assert len(store) <= 30
@@ -205,10 +208,10 @@ def test_bench_quick_compares_with_cpprb_when_installed(
 
 def test_bench_scale_smoke(tmp_path: Path) -> None:
     out_dir = tmp_path / "bench"
-    proc = run_script("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
-                      "--reps", "6", "--warmup", "1", "--report-every", "1000",
-                      "--compare-frames", "2000", "--rounds", "2", "--ab-cache-mib", "1",
-                      "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+    proc = run_here("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
+                    "--reps", "6", "--warmup", "1", "--report-every", "1000",
+                    "--compare-frames", "2000", "--rounds", "2", "--ab-cache-mib", "1",
+                    "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "scale.json").read_text())
     fill = result["fill"]
@@ -232,9 +235,9 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
 
 def test_bench_sequences_smoke(tmp_path: Path) -> None:
     out_dir = tmp_path / "bench"
-    proc = run_script("bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
-                      "--reps", "3", "--warmup", "1", "--length", "20", "--torchrl-frames", "0",
-                      "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+    proc = run_here("bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
+                    "--reps", "3", "--warmup", "1", "--length", "20", "--torchrl-frames", "0",
+                    "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "sequences.json").read_text())["mmreplay"]
     for mode in ("within_episodes", "across_episodes"):
@@ -271,10 +274,10 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
 
 def test_bench_codec_smoke(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
-    proc = run_script("bench_codec.py", "--games", "Pong", "--frames", "600",
-                      "--dict-train-chunks", "8", "--sample-plan", "Pong:1200",
-                      "--c4-sizes", "1200", "--push-steps", "300", "--reps", "10",
-                      "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
+    proc = run_here("bench_codec.py", "--games", "Pong", "--frames", "600",
+                    "--dict-train-chunks", "8", "--sample-plan", "Pong:1200",
+                    "--c4-sizes", "1200", "--push-steps", "300", "--reps", "10",
+                    "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     pong = result["games"]["Pong"]

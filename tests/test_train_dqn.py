@@ -1,8 +1,10 @@
 """`scripts/train_dqn.py`: smoke runs, a CartPole learning check, checkpoint/resume after a kill
 (Ctrl-C: tests/test_script_cli.py).
 
-The script runs as a subprocess, the way a user runs it (cleanrl ``tests/test_atari_gymnasium.py``);
-the checkpoint helpers are also imported to drive the crash windows of the two-phase commit.
+The runs whose outcome is checked execute the script in this process (`script_runner.run_here`,
+its imports paid once per session); the run that is killed is a real process (cleanrl
+``tests/test_atari_gymnasium.py`` runs its scripts that way). The checkpoint helpers are also
+imported to drive the crash windows of the two-phase commit.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 import torch  # noqa: E402
+from script_runner import Outcome, run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
 
@@ -53,9 +56,9 @@ def script_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command(*args), env=script_env(), capture_output=True, text=True,
-                          timeout=timeout, check=False)
+def run(*args: str) -> Outcome:
+    """The script run in this process (`run_here`)."""
+    return run_here(SCRIPT.name, *args)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -123,7 +126,7 @@ def test_breakout_tiny_run(tmp_path: Path, extra: list[str]) -> None:
 def test_cartpole_learns(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = run(*CARTPOLE, "--seed", "1", "--total-timesteps", "100000", "--stop-at-return", "195",
-               "--checkpoint-every", "50000", "--run-dir", str(run_dir), timeout=900)
+               "--checkpoint-every", "50000", "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     returns = np.loadtxt(run_dir / "episodes.csv", delimiter=",", skiprows=1, ndmin=2)[:, 2]

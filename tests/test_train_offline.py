@@ -1,6 +1,8 @@
 """The offline scripts with small arguments: `train_offline.py` learns CartPole from a
 recorded store and runs on an imported Dopamine checkpoint of real ALE frames (pixel path);
-`bench_datasets.py` writes its figures."""
+`bench_datasets.py` writes its figures. `train_offline.py` runs in this process
+(`script_runner.run_here`); `bench_datasets.py`, which starts a process per measured step,
+as a user's shell runs it."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ pytest.importorskip("ale_py")
 pytest.importorskip("cv2")
 
 from dopamine_format import DopamineBuffer, episode_records  # noqa: E402
+from script_runner import Outcome, run_here  # noqa: E402
 
 from mmreplay.datasets.dopamine import import_dopamine  # noqa: E402
 from mmreplay.integrations.gymnasium import RecordToStore, create_store_for  # noqa: E402
@@ -25,11 +28,8 @@ from mmreplay.integrations.gymnasium import RecordToStore, create_store_for  # n
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train_offline.py"), *args],
-                          env={**os.environ, "PYTHONPATH": path}, capture_output=True,
-                          text=True, timeout=300, check=False)
+def run(*args: str) -> Outcome:
+    return run_here("train_offline.py", *args)
 
 
 def test_offline_cql_learns_cartpole_from_random_data(tmp_path: Path) -> None:

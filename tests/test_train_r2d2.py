@@ -1,4 +1,7 @@
-"""Smoke run of scripts/train_r2d2.py (tiny arguments) and unit checks of its n-step targets."""
+"""Smoke run of scripts/train_r2d2.py (tiny arguments) and unit checks of its n-step targets.
+
+The smoke runs execute the script in this process (`script_runner.run_here`): what they check
+is the run's outcome, and the script's imports are then paid once per session."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_scripts import run_script
+from script_runner import run_here
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in the test extra
@@ -17,7 +20,7 @@ train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in th
 
 @pytest.mark.parametrize("network", ["--no-feed-forward", "--feed-forward"])
 def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
-    proc = run_script("train_r2d2.py", "--total-steps", "320", "--learning-starts", "200",
+    proc = run_here("train_r2d2.py", "--total-steps", "320", "--learning-starts", "200",
                       "--batch-size", "4", "--num-envs", "2", "--hidden", "8", "--buffer-size",
                       "1000", "--exploration-steps", "200", "--run-dir", str(tmp_path), network)
     assert proc.returncode == 0, proc.stderr
@@ -31,7 +34,7 @@ def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
 
 def test_train_r2d2_pixels_smoke(tmp_path: Path) -> None:
     """An ALE game end to end: 84x84 frames stored once, CNN torso, LSTM, sequences."""
-    proc = run_script("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "160",
+    proc = run_here("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "160",
                       "--learning-starts", "120", "--batch-size", "2", "--num-envs", "2",
                       "--hidden", "8", "--buffer-size", "1000", "--burn-in", "2", "--learn",
                       "4", "--n-step", "2", "--period", "2", "--run-dir", str(tmp_path))

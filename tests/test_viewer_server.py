@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hostile_stores import save_manifest
 from PIL import Image
+from script_runner import run_here
 from viewer_support import OBS, frame, record_episodes, serving, small_store
 
 from mmreplay import ReplayStore
@@ -493,10 +494,8 @@ def test_view_command_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
 
 def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
     out = tmp_path / "viewer.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_viewer.py"),
-                           "--frames", "2000", "--envs", "2", "--no-browser", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_here("bench_viewer.py", "--frames", "2000", "--envs", "2", "--no-browser",
+                    "--out", str(out))  # in this process: the figures it writes are checked
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert figures["frames_kept"] == 2000 and figures["episodes"] >= 2
