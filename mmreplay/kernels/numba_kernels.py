@@ -350,21 +350,9 @@ def chunk_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
     frames (``rows``). A key is ``env * num_chunks + chunk`` for a chunk on disk, then
     ``envs * num_chunks + env`` for an env's unfinished tail, then one more for the zero
     frame of stack padding (slot -1)."""
-    envs = next_slot.size
-    tails = envs * num_chunks
     raw = np.empty(flat.size, np.int64)
     offset = np.empty(flat.size, np.int64)
-    for i in range(flat.size):
-        if flat[i] < 0:
-            raw[i], offset[i] = tails + envs, 0
-            continue
-        env, slot = flat[i] // slots, flat[i] % slots
-        c, offset[i] = slot // chunk, slot % chunk
-        if c == next_slot[env] // chunk and offset[i] < tail_fill[env]:
-            raw[i] = tails + env
-        else:
-            raw[i] = env * num_chunks + c
-    order = np.argsort(raw)
+    order = read_keys(flat, slots, chunk, num_chunks, next_slot, tail_fill, raw, offset)
     count = 0
     for j in range(order.size):
         i = order[j]
