@@ -256,12 +256,11 @@ class ReplayStore(BucketMethods):
 
     # -- rate limiting ------------------------------------------------------------
     def set_rate_limiter(self, limiter: RateLimiter | None) -> None:
-        """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`,
-        `batches`, `sample_sequences` on its samples; None removes it. The limiter takes the counters this store committed (so a resumed run keeps its
-        ratio) and counts this store's steps as inserts; every flush commits its counters
-        (``mmreplay info`` shows them). Only a writable store takes one, and `close`
-        closes it (waiters wake with `RateLimiterClosedError`).
-        """
+        """Make `add` (and blocks of steps) wait on `limiter`'s inserts and `sample`, `batches`,
+        `sample_sequences` on its samples; None removes it. The limiter takes the counters this
+        store committed (so a resumed run keeps its ratio) and counts this store's steps as inserts;
+        every flush commits its counters (``mmreplay info`` shows them). Only a writable store takes
+        one, and `close` closes it (waiters wake with `RateLimiterClosedError`)."""
         _set_rate_limiter(self, limiter)
 
     @property

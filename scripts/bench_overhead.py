@@ -154,9 +154,10 @@ def sb3_section(args: Args) -> dict[str, Any]:
 
 def add_blocks(args: Args, space: Any, act: Any, obs: np.ndarray, actions: np.ndarray,
                reward: np.ndarray, done: np.ndarray) -> dict[str, Any]:
-    """``add`` timed per block of `ADD_BLOCK` calls (fewer for short runs) (every cost of the calls included, the
-    adapter's recording of staged steps too), fresh buffers, blocks alternated; the first
-    block of each (kernel loading) is left out. Figures: per-call time of a block."""
+    """``add`` timed per block of `ADD_BLOCK` calls (fewer for short runs; every cost of the
+    calls included, the adapter's recording of staged steps too), fresh buffers, blocks
+    alternated; the first block of each (kernel loading) is left out. Figures: per-call time
+    of a block."""
     from stable_baselines3.common.buffers import ReplayBuffer
 
     from mmreplay.integrations.sb3 import FrameOnceReplayBuffer

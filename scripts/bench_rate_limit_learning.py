@@ -1,6 +1,8 @@
 """Learning with and without the rate limiter: Ape-X DQN on CartPole, same seeds.
 
-    python scripts/bench_rate_limit_learning.py     # ~15 min on 2 cores; data/bench/rate_limit_learning.json
+    python scripts/bench_rate_limit_learning.py  # ~15 min on 2 cores
+
+writes data/bench/rate_limit_learning.json.
 
 Runs `scripts/apex_dqn.py` on CartPole-v1 (2 env actors on a local Ray cluster, small
 budgets) once per seed and setting, the settings alternated seed by seed so that the

@@ -1,17 +1,16 @@
 """The Ray section of `bench_rate_limit.py`: the limiter held by a store actor.
 
 An env actor (one env, 32x32 frames, frame stack 4: the ratio does not depend on the frame
-size, and small frames let a short run hold enough steps on a loaded machine) sends `BlockWriter` blocks to a
-`StoreActor` whose `RateLimiter.sample_to_insert_ratio` paces it against a learner (this
-process) drawing `RemoteBatches`. First the natural rates through Ray (no limiter), then
-two cases: the env actor ~10x faster than the learner needs (the learner "trains"
-`learner_ms` per batch) and the learner ~10x faster (each env step "takes" `env_ms`).
-Per case, after `min_size`: the achieved samples per insert over the run and the lowest
-and highest error the limiter saw after any admission (`RateLimiter.stats`), against the
-band; a call of n items may pass an edge by n - 1 items (a block of `block_steps` steps
+size, and small frames let a short run hold enough steps on a loaded machine) sends
+`BlockWriter` blocks to a `StoreActor` whose `RateLimiter.sample_to_insert_ratio` paces it
+against a learner (this process) drawing `RemoteBatches`. First the natural rates through
+Ray (no limiter), then two cases: the env actor ~10x faster than the learner needs (the
+learner "trains" `learner_ms` per batch) and the learner ~10x faster (each env step "takes"
+`env_ms`). Per case, after `min_size`: the achieved samples per insert over the run and the
+lowest and highest error the limiter saw after any admission (`RateLimiter.stats`), against
+the band; a call of n items may pass an edge by n - 1 items (a block of `block_steps` steps
 on the insert side, a batch on the sample side), and the worst deviation past the band is
-logged.
-"""
+logged. """
 
 from __future__ import annotations
 

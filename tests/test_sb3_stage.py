@@ -27,7 +27,7 @@ def feed(buffers, steps: int, seed: int) -> None:
     ``done``) and resets without a done flag (a second ``learn()``)."""
     rng = np.random.default_rng(seed)
     obs = rng.standard_normal((1, 4)).astype(np.float32)
-    for t in range(steps):
+    for _ in range(steps):
         if rng.random() < 0.02:  # envs reset without done: the episode ends truncated
             obs = rng.standard_normal((1, 4)).astype(np.float32)
         nxt = rng.standard_normal((1, 4)).astype(np.float32)
