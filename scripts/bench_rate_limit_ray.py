@@ -10,7 +10,8 @@ learner "trains" `learner_ms` per batch) and the learner ~10x faster (each env s
 lowest and highest error the limiter saw after any admission (`RateLimiter.stats`), against
 the band; a call of n items may pass an edge by n - 1 items (a block of `block_steps` steps
 on the insert side, a batch on the sample side), and the worst deviation past the band is
-logged. """
+logged.
+"""
 
 from __future__ import annotations
 
