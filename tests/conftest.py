@@ -17,7 +17,7 @@ test does not use it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,15 @@ def new_frame_store(path: Path, *, slots: int, chunk: int, shard: int = 1, envs:
     create_frames_array(path, spec)
     (path / "tmp").mkdir()
     return spec, FrameStore(path, spec, writable=True, before_chunk_write=hook)
+
+
+@pytest.fixture
+def fast_switches() -> Iterator[None]:
+    """Switch threads every microsecond, so that races happen in a short test."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

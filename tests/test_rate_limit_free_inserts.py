@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -25,15 +25,6 @@ from mmreplay.errors import RateLimiterClosedError
 from mmreplay.rate_limit import RateLimiter
 
 BIG = sys.float_info.max
-
-
-@pytest.fixture
-def fast_switches() -> Iterator[None]:
-    """Switch threads every microsecond, so that races happen in a short test."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(before)
 
 
 class LockedOnly(RateLimiter):
@@ -60,44 +51,55 @@ def test_min_size_admits_by_ticket_and_the_reference_takes_the_lock() -> None:
     assert not free._gates.live.slots  # noqa: SLF001 - state folded the count in
 
 
-def test_writers_racing_folds_count_exactly(fast_switches: None) -> None:
-    lim = RateLimiter.min_size(10, timeout_s=30)
-    writers, calls = 4, 3000
+def race(lim: RateLimiter, writers: int, calls: int, work: Callable[[], None]) -> int:
+    """`writers` threads insert `calls` seeded counts of 0..4 each while `work` runs in a
+    loop on another thread; the steps they inserted."""
     errors: list[BaseException] = []
     stop = threading.Event()
 
     def write(seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        for n in rng.integers(0, 5, calls).tolist():
+        for n in np.random.default_rng(seed).integers(0, 5, calls).tolist():
             lim.await_insert(n)
 
-    def fold() -> None:  # every locked operation folds the queue
+    def loop() -> None:
         try:
             while not stop.is_set():
-                lim.await_sample(1)
-                lim.stats()
-                lim.cancel_sample(1)
+                work()
         except BaseException as exc:  # noqa: BLE001 - checked below
             errors.append(exc)
 
-    folder = threading.Thread(target=fold)
+    other = threading.Thread(target=loop)
     threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
-    folder.start()
+    other.start()
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=120)
     stop.set()
-    folder.join(timeout=60)
-    want = sum(int(np.random.default_rng(i).integers(0, 5, calls).sum())
+    other.join(timeout=60)
+    assert not errors, errors
+    return sum(int(np.random.default_rng(i).integers(0, 5, calls).sum())
                for i in range(writers))
-    assert not errors and lim.state()["inserts"] == want and lim.state()["samples"] == 0
+
+
+def test_writers_racing_folds_count_exactly(fast_switches: None) -> None:
+    lim = RateLimiter.min_size(10, timeout_s=30)
+
+    def fold() -> None:  # every locked operation folds the queue
+        lim.await_sample(1)
+        lim.stats()
+        lim.cancel_sample(1)
+
+    want = race(lim, 4, 3000, fold)
+    assert lim.state()["inserts"] == want and lim.state()["samples"] == 0
     lim.check_valid()
 
 
-def test_a_waiting_sample_is_woken_by_lock_free_inserts(fast_switches: None) -> None:
-    for _ in range(200):  # the sample starts waiting before, during or after the insert
-        lim = RateLimiter.min_size(1, timeout_s=120)
+def check_one_insert_wakes_a_waiting_sample(make: Callable[[], RateLimiter]) -> None:
+    """200 times, a sample of `make()` waits (it starts waiting before, during or after the
+    insert) and one insert must wake it at once: a lost wakeup sleeps the limiter's 120 s."""
+    for _ in range(200):
+        lim = make()
         errors: list[BaseException] = []
 
         def sample(lim: RateLimiter = lim, errors: list[BaseException] = errors) -> None:
@@ -109,13 +111,17 @@ def test_a_waiting_sample_is_woken_by_lock_free_inserts(fast_switches: None) -> 
         thread = threading.Thread(target=sample)
         thread.start()
         lim.await_insert(1)
-        thread.join(timeout=30)  # woken at once; a lost wakeup would sleep 120 s
+        thread.join(timeout=30)
         asleep = thread.is_alive()
         lim.close()  # wakes it if it slept
         thread.join()
         assert not asleep, "the insert went in and the waiting sample slept on"
         assert not errors, errors
         assert lim.state()["samples"] == 1
+
+
+def test_a_waiting_sample_is_woken_by_lock_free_inserts(fast_switches: None) -> None:
+    check_one_insert_wakes_a_waiting_sample(lambda: RateLimiter.min_size(1, timeout_s=120))
 
 
 def test_an_insert_queued_while_a_sample_starts_waiting_is_seen(

@@ -12,10 +12,9 @@ of the same band admitted under the lock only (hypothesis).
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +22,15 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_rate_limit_free_inserts import LockedOnly
+from test_rate_limit_free_inserts import (
+    LockedOnly,
+    check_one_insert_wakes_a_waiting_sample,
+    race,
+)
 
 from mmreplay import InvalidInputError, ReplayStore
 from mmreplay.errors import RateLimiterClosedError, RateLimitTimeoutError
 from mmreplay.rate_limit import RateLimiter
-
-
-@pytest.fixture
-def fast_switches() -> Iterator[None]:
-    """Switch threads every microsecond, so that races happen in a short test."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    yield
-    sys.setswitchinterval(before)
 
 
 def refused(lim: RateLimiter, n: int) -> bool:
@@ -149,37 +143,6 @@ def test_switches_restore_and_close_retire_the_gate(change: str) -> None:
     assert refused(lim, 1) and lim.stats()["error"] == pytest.approx(9.0)
 
 
-def race(lim: RateLimiter, writers: int, calls: int, work: Callable[[], None]) -> int:
-    """`writers` threads insert `calls` seeded counts of 0..4 each while `work` runs in a
-    loop on another thread; the steps they inserted."""
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def write(seed: int) -> None:
-        for n in np.random.default_rng(seed).integers(0, 5, calls).tolist():
-            lim.await_insert(n)
-
-    def loop() -> None:
-        try:
-            while not stop.is_set():
-                work()
-        except BaseException as exc:  # noqa: BLE001 - checked below
-            errors.append(exc)
-
-    other = threading.Thread(target=loop)
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
-    other.start()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    stop.set()
-    other.join(timeout=60)
-    assert not errors, errors
-    return sum(int(np.random.default_rng(i).integers(0, 5, calls).sum())
-               for i in range(writers))
-
-
 def test_writers_racing_folds_and_retirements_count_exactly(fast_switches: None) -> None:
     lim = RateLimiter.sample_to_insert_ratio(1.0, 10, 1e9, timeout_s=30)
 
@@ -211,26 +174,12 @@ def test_a_reached_band_holds_with_writers_on_threads(fast_switches: None) -> No
 
 
 def test_a_waiting_sample_is_woken_by_gated_inserts(fast_switches: None) -> None:
-    for _ in range(200):  # the sample starts waiting before, during or after the insert
+    def make() -> RateLimiter:
         lim = RateLimiter.sample_to_insert_ratio(1.0, 1, 100.0, timeout_s=120)
         assert lim._gates.live.budget > 0  # noqa: SLF001 - the insert goes by ticket
-        errors: list[BaseException] = []
+        return lim
 
-        def sample(lim: RateLimiter = lim, errors: list[BaseException] = errors) -> None:
-            try:
-                lim.await_sample(1)
-            except BaseException as exc:  # noqa: BLE001 - checked below
-                errors.append(exc)
-
-        thread = threading.Thread(target=sample)
-        thread.start()
-        lim.await_insert(1)
-        thread.join(timeout=30)  # woken at once; a lost wakeup would sleep 120 s
-        asleep = thread.is_alive()
-        lim.close()
-        thread.join()
-        assert not asleep and not errors, errors
-        assert lim.state()["samples"] == 1
+    check_one_insert_wakes_a_waiting_sample(make)
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["insert", "insert", "sample", "cancel_insert",
