@@ -148,11 +148,6 @@ class ShardFiles:
     def path(self, env: int, shard: int) -> str:
         return f"{self._dir}/c.{env}.{shard}{self._suffix}"
 
-    @property
-    def fetches(self) -> bool:
-        """Whether chunks must be fetched before they are read (a bucket's sparse files)."""
-        return self._fetch is not None
-
     def read_state(self) -> MappedChunks:
         """The tables a compiled read looks its chunks up in, for one read: it marks the
         files it takes bytes from used at the returned tick (`addresses` does it in Python)."""
