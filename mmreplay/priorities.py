@@ -14,9 +14,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, id_map, spilled
-from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler
+from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
 from mmreplay.spec import StoreSpec
 
 Listener = Callable[[np.ndarray, np.ndarray], None]
@@ -38,6 +39,9 @@ class Priorities:
         self.spec = spec
         self.sampler = None if spec.sampler == "uniform" else cast(PrioritySampler, sampler)
         self.dirty: set[int] = set()  # step blocks whose priorities changed since the commit
+        # ... and those a compiled update marked (folded into `dirty` by `commit_fields`)
+        blocks = -(-spec.slots_per_env // spec.block_slots)
+        self.marks = SlotMarks(np.zeros(blocks, np.bool_), spec.slots_per_env, spec.block_slots)
         self.listeners: list[Listener] = []  # told (flat, values) of every write
 
     def require(self, what: str, kinds: tuple[str, ...]) -> PrioritySampler:
@@ -60,17 +64,22 @@ class Priorities:
 
     def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
         """The priorities of transition `ids` found sampleable in `ring` (others ignored; the
-        last value of a slot wins); returns how many slots were set. Proportional stores do
-        it in one compiled call, from ids to tree leaves."""
+        last value of a slot wins); returns how many slots were set. NaN, inf or negative
+        values raise and change nothing. Proportional stores do it in one compiled call,
+        from ids to tree leaves (values checked there)."""
         sampler = self.sampler
         if not isinstance(sampler, PrioritizedSampler):
+            validate.priority_values(values)
             flat, found = ring.flat_of_ids(ids)
             return self.set(flat[found], values[found])
-        applied = sampler.set_id_priorities(ids, values, id_map(ring))
+        where = id_map(ring)
+        applied = sampler.set_id_priorities(ids, values, where, marks=self.marks)
         if applied is None:  # some ids live in the ring's spill table
-            applied = sampler.set_id_priorities(ids, values, id_map(ring), spilled(ring, ids))
+            applied = sampler.set_id_priorities(ids, values, where, spilled(ring, ids),
+                                                marks=self.marks)
         assert applied is not None  # their slots given: nothing is missed
-        self._written(applied.slots, applied.priorities)
+        for listener in self.listeners:
+            listener(applied.slots, applied.priorities)
         return int(applied.slots.size)
 
     def _written(self, flat: np.ndarray, values: np.ndarray) -> None:
@@ -92,8 +101,12 @@ class Priorities:
                              max_priority=float(self.sampler.max_priority()))
 
     def commit_fields(self) -> dict[str, Any]:
-        """What `Committer.commit` persists of the column (and which blocks changed)."""
-        sampler = self.sampler
+        """What `Committer.commit` persists of the column (and which blocks changed: the
+        blocks compiled updates marked move into `dirty`, which the commit then clears)."""
+        sampler, marked = self.sampler, self.marks.mask
+        if marked.any():
+            self.dirty.update(np.flatnonzero(marked).tolist())
+            marked[:] = False
         return {"priorities": None if sampler is None else sampler.priorities(),
                 "max_priority": 1.0 if sampler is None else sampler.max_priority(),
                 "prio_dirty": self.dirty}

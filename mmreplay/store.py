@@ -309,8 +309,7 @@ class ReplayStore(BucketMethods):
         wins; NaN, inf or negative priorities raise and change nothing.
         """
         _check_writable(self, "update_priorities")
-        wanted = validate.transition_ids(ids)
-        values = validate.priorities(priorities, wanted.size)
+        wanted, values = validate.id_priorities(ids, priorities)
         self._priorities.require("update_priorities", ("prioritized", "rank"))
         self._reader.refresh()
         return self._priorities.set_ids(wanted, values, self._ring)

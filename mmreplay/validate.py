@@ -138,17 +138,49 @@ def beta(value: Any) -> float:
 
 
 def priorities(value: Any, count: int) -> np.ndarray:
+    """`count` priorities as float64, each finite and >= 0."""
+    return priority_values(priority_array(value, count))
+
+
+def priority_array(value: Any, count: int) -> np.ndarray:
+    """`count` numbers (one per id) as a contiguous, writable float64 array; the values are
+    not looked at (`priority_values` checks them)."""
     arr = np.atleast_1d(np.asarray(to_numpy(value)))
     if arr.shape != (count,) or arr.dtype.kind not in "iuf":
         raise InvalidInputError(
             f"priorities must be {count} numbers (one per id), got {arr.dtype} {arr.shape}")
     if not (arr.dtype == np.float64 and arr.flags.c_contiguous and arr.flags.writeable):
         arr = arr.astype(np.float64)  # the compiled update takes one array type only
+    return arr
+
+
+def priority_values(arr: np.ndarray) -> np.ndarray:
+    """`arr` (float64) if every value is finite and >= 0, else `InvalidInputError`."""
     if arr.size and not (np.minimum.reduce(arr) >= 0.0  # NaN fails both
                          and np.maximum.reduce(arr) < np.inf):
         bad = arr[~(np.isfinite(arr) & (arr >= 0))][:3].tolist()
         raise InvalidInputError(f"priorities must be finite and >= 0, got {bad}")
     return arr
+
+
+def id_priorities(ids: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The ids and priorities of an update as `transition_ids` and `priority_array` give
+    them (the values are checked where they are applied, before anything is written).
+
+    A learner's usual call, an int64 id array and a float64 one of its size, passes
+    through untouched: no conversion, copy or scan."""
+    if type(ids) is np.ndarray and type(values) is np.ndarray and ids.dtype == np.int64 \
+            and values.dtype == np.float64 and ids.ndim == 1 and values.shape == ids.shape \
+            and _plain(ids) and _plain(values):
+        return ids, values
+    wanted = transition_ids(ids)
+    return wanted, priority_array(values, wanted.size)
+
+
+def _plain(arr: np.ndarray) -> bool:
+    """Contiguous and writable: the one array type the compiled kernels are built for."""
+    flags = arr.flags
+    return bool(flags.c_contiguous and flags.writeable)
 
 
 AUTO_CACHE_BYTES = 256 << 20

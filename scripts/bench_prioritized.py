@@ -4,23 +4,31 @@
     python scripts/bench_prioritized.py --slots 10000   # smaller
 
 Times, per repetition, ``sample(rng, batch, beta)`` plus ``set_priorities`` of the drawn slots
-(deduplicated first, as the store does) on mmreplay's `PrioritizedSampler` and `RankSampler`,
-and, if `cpprb` imports, ``sample(batch, beta)`` plus ``update_priorities(indexes, new)`` on
-cpprb's `PrioritizedReplayBuffer` filled to the same size. New priorities are drawn before the
-clock starts. Prints median and mean microseconds (the rank sampler's mean includes its
-amortized re-sorts) and the ratio of medians against cpprb. Figures only, nothing asserted.
+on mmreplay's `PrioritizedSampler` (the batch as drawn: of a slot drawn twice the last value
+wins, as in cpprb) and `RankSampler` (deduplicated first, as the store does), and, if `cpprb`
+imports, ``sample(batch, beta)`` plus ``update_priorities(indexes, new)`` on cpprb's
+`PrioritizedReplayBuffer` filled to the same size. New priorities are drawn before the clock
+starts. The buffers are timed in turns, `--block` calls each, so a shared machine's load hits
+them alike. Prints median, 90th percentile and mean microseconds (the rank sampler's mean
+includes its amortized re-sorts) and the ratio of medians against cpprb, and writes them to
+`--out`. Figures only, nothing asserted.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from common import parse_args, run_main
 
+import mmreplay
 from mmreplay.index.samplers import PrioritizedSampler, RankSampler
 
 Step = Callable[[np.ndarray], None]  # one timed learner step, given the new priorities
@@ -35,7 +43,9 @@ class Args:
     reps: int = 2000
     """timed steps per figure"""
     warmup: int = 50
-    """untimed steps before timing"""
+    """untimed steps of each buffer before timing"""
+    block: int = 50
+    """steps of one buffer timed in a row before the next buffer's turn"""
     alpha: float = 0.6
     """priority exponent"""
     beta: float = 0.4
@@ -48,19 +58,27 @@ class Args:
     """if > 0: also time the pair with this many real Breakout frames (4-stacks + next stacks)
     in a prioritized `ReplayStore` and in cpprb's `PrioritizedReplayBuffer` (next_of,
     stack_compress), filled with the same stream"""
+    out: str = "data/bench/prioritized.json"
+    """where the JSON of figures goes ('' for none)"""
 
 
-def time_steps(step: Step, args: Args, rng: np.random.Generator) -> np.ndarray:
-    """Seconds per call of `step`, after `args.warmup` untimed calls."""
-    for _ in range(args.warmup):
-        step(rng.random(args.batch_size))
-    times = np.empty(args.reps)
-    for i in range(args.reps):
-        new = rng.random(args.batch_size)
-        start = time.perf_counter()
-        step(new)
-        times[i] = time.perf_counter() - start
-    return times
+def time_in_turns(steps: dict[str, Step], args: Args,
+                  rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Seconds per call of each step, `args.block` calls of one after the other's, after
+    `args.warmup` untimed calls of each."""
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step(rng.random(args.batch_size))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    clock = time.perf_counter
+    while len(times[next(iter(steps))]) < args.reps:
+        for name, step in steps.items():
+            for _ in range(min(args.block, args.reps - len(times[name]))):
+                new = rng.random(args.batch_size)
+                start = clock()
+                step(new)
+                times[name].append(clock() - start)
+    return {name: np.asarray(got) for name, got in times.items()}
 
 
 def ours(cls: type[PrioritizedSampler] | type[RankSampler], args: Args,
@@ -72,10 +90,14 @@ def ours(cls: type[PrioritizedSampler] | type[RankSampler], args: Args,
 
     def step(new: np.ndarray) -> None:
         draw = sampler.sample(rng, args.batch_size, args.beta)
-        slots, first = np.unique(draw.slots, return_index=True)  # the store dedupes
-        sampler.set_priorities(slots, new[first])
+        sampler.set_priorities(draw.slots, new)  # a slot drawn twice: the last value wins
 
-    return step
+    def rank_step(new: np.ndarray) -> None:
+        draw = sampler.sample(rng, args.batch_size, args.beta)
+        slots, first = np.unique(draw.slots[::-1], return_index=True)  # the store dedupes
+        sampler.set_priorities(slots, new[::-1][first])
+
+    return rank_step if cls is RankSampler else step
 
 
 def store_step(args: Args, rng: np.random.Generator) -> Step:
@@ -161,40 +183,51 @@ def frame_steps(args: Args, rng: np.random.Generator) -> dict[str, Step]:
     return steps
 
 
-def report(name: str, times: np.ndarray) -> float:
-    median = float(np.median(times)) * 1e6
-    print(f"{name:<34} median {median:9.1f} us   mean {times.mean() * 1e6:9.1f} us")
-    return median
+def report(name: str, times: np.ndarray, baseline: np.ndarray | None) -> dict[str, float]:
+    us = times * 1e6
+    got = {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)),
+           "mean_us": float(us.mean()), "reps": int(us.size)}
+    if baseline is not None:
+        got["ratio_to_cpprb"] = got["median_us"] / float(np.median(baseline * 1e6))
+    ratio = f"   {got['ratio_to_cpprb']:.2f}x cpprb" if "ratio_to_cpprb" in got else ""
+    print(f"{name:<44} median {got['median_us']:8.1f} us   p90 {got['p90_us']:8.1f} us   "
+          f"mean {got['mean_us']:8.1f} us{ratio}")
+    return got
+
+
+def report_all(times: dict[str, np.ndarray], cpprb_name: str) -> dict[str, dict[str, float]]:
+    baseline = times.get(cpprb_name)
+    return {name: report(name, got, baseline) for name, got in times.items()}
 
 
 def main() -> None:
     args = parse_args(Args, description=__doc__)
     rng = np.random.default_rng(args.seed)
     print(f"{args.slots:,} slots, batch {args.batch_size}, {args.reps} reps, "
-          f"alpha {args.alpha}, beta {args.beta}")
-    medians = {
-        "mmreplay PrioritizedSampler": report(
-            "mmreplay PrioritizedSampler", time_steps(ours(PrioritizedSampler, args, rng), args,
-                                                      rng)),
-        "mmreplay RankSampler": report(
-            "mmreplay RankSampler", time_steps(ours(RankSampler, args, rng), args, rng)),
-    }
+          f"alpha {args.alpha}, beta {args.beta}; load average {os.getloadavg()}")
+    steps = {"mmreplay PrioritizedSampler": ours(PrioritizedSampler, args, rng),
+             "mmreplay RankSampler": ours(RankSampler, args, rng)}
     if args.store:
-        medians["mmreplay ReplayStore (whole API)"] = report(
-            "mmreplay ReplayStore (whole API)", time_steps(store_step(args, rng), args, rng))
-    step = cpprb_step(args, rng)
-    if step is None:
-        print("cpprb not importable: skipped (pip install cpprb)")
-        return
-    theirs = report("cpprb PrioritizedReplayBuffer", time_steps(step, args, rng))
-    for name, median in medians.items():
-        print(f"{name} / cpprb median ratio: {median / theirs:.1f}x")
+        steps["mmreplay ReplayStore (whole API)"] = store_step(args, rng)
+    theirs = cpprb_step(args, rng)
+    if theirs is None:
+        print("cpprb not importable: no ratios (pip install cpprb)")
+    else:
+        steps["cpprb PrioritizedReplayBuffer"] = theirs
+    result: dict[str, Any] = {
+        "command": "python scripts/bench_prioritized.py " + " ".join(sys.argv[1:]),
+        "args": vars(args), "load_average_at_start": list(os.getloadavg()),
+        "mmreplay_from": str(Path(mmreplay.__file__).parent),
+        "samplers": report_all(time_in_turns(steps, args, rng), "cpprb PrioritizedReplayBuffer")}
     if args.frames > 0:
-        with_frames = {name: report(name, time_steps(fn, args, rng))
-                       for name, fn in frame_steps(args, rng).items()}
-        ours_ms, *rest = with_frames.values()
-        if rest:
-            print(f"with frames: mmreplay / cpprb median ratio: {ours_ms / rest[0]:.1f}x")
+        frames = frame_steps(args, rng)
+        result["with_frames"] = report_all(
+            time_in_turns(frames, args, rng),
+            f"cpprb PrioritizedReplayBuffer, {args.frames:,} frames")
+    result["load_average_at_end"] = list(os.getloadavg())
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

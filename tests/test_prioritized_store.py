@@ -188,3 +188,78 @@ def test_overflowing_update_changes_nothing(tmp_path):
         store.update_priorities(ids[:3], [1.0, 1e40, 2.0])
     assert np.array_equal(before, store._sampler.priorities())
     store._sampler.check_valid()
+
+
+def test_update_takes_torch_float32_lists_and_empty_input(tmp_path):
+    torch = pytest.importorskip("torch")
+    store = make(tmp_path, capacity=16)
+    record(store, 40)
+    ids = store.valid_ids()
+    flat, _ = store._ring.flat_of_ids(ids[:3])
+    assert store.update_priorities(torch.tensor(ids[:3]),
+                                   torch.tensor([1.5, 2.25, 3.0], dtype=torch.float32)) == 3
+    np.testing.assert_array_equal(store._sampler.priorities()[flat], [1.5, 2.25, 3.0])
+    assert store.update_priorities(ids[:2].astype(np.int32), np.array([4.0, 5.0], np.float32)) == 2
+    assert store.update_priorities([int(ids[2])], [6]) == 1  # Python ints as priorities
+    np.testing.assert_array_equal(store._sampler.priorities()[flat], [4.0, 5.0, 6.0])
+    assert store.update_priorities(ids[::-1][::2].copy(), np.ones(ids[::2].size)) > 0
+    assert store.update_priorities(ids[::2], np.ones(ids[::2].size)) > 0  # a strided view
+    for empty in ([], np.empty(0, np.int64), torch.empty(0, dtype=torch.int64)):
+        assert store.update_priorities(empty, np.empty(0)) == 0
+    with pytest.raises(InvalidInputError, match="ints"):
+        store.update_priorities(np.array([1.0]), [1.0])
+    store._sampler.check_valid()
+
+
+def test_ids_past_the_ring_or_negative_are_ignored(tmp_path):
+    store = make(tmp_path, capacity=16)
+    record(store, 40)
+    ids = store.valid_ids()
+    before = store._sampler.probabilities()
+    past = [store.counts.transitions, store.counts.transitions + 5, 10**12, -1, -(2**62)]
+    assert store.update_priorities(past, np.full(len(past), 5.0)) == 0
+    np.testing.assert_array_equal(store._sampler.probabilities(), before)
+    assert store.update_priorities([10**12, int(ids[-1]), -3], [9.0, 2.0, 9.0]) == 1
+    flat, _ = store._ring.flat_of_ids(ids[-1:])
+    assert store._sampler.priorities()[flat[0]] == 2.0 and store._sampler.max_priority() < 9.0
+    store._sampler.check_valid()
+
+
+@pytest.mark.parametrize("bad", [np.nan, -1e-30, np.inf, -np.inf])
+def test_a_bad_value_changes_nothing_even_for_a_stale_id(tmp_path, bad):
+    """Every value is checked before any write, those of ignored ids too: the tree, the
+    priorities and the max priority stay as they were."""
+    store = make(tmp_path, capacity=16)
+    record(store, 40)
+    ids = store.valid_ids()
+    store.update_priorities(ids, np.linspace(0.5, 3.0, ids.size))
+    before = (store._sampler.probabilities(), store._sampler.priorities(),
+              store._sampler.max_priority())
+    for wanted, values in (([0, int(ids[0])], [bad, 7.0]), ([int(ids[0]), 0], [7.0, bad]),
+                           (ids[:3], np.array([7.0, 7.0, bad], np.float32))):
+        with pytest.raises(InvalidInputError, match="finite and >= 0"):
+            store.update_priorities(wanted, values)
+    np.testing.assert_array_equal(store._sampler.probabilities(), before[0])
+    np.testing.assert_array_equal(store._sampler.priorities(), before[1])
+    assert store._sampler.max_priority() == before[2]
+    store._sampler.check_valid()
+
+
+def test_updated_priorities_of_every_block_are_committed(tmp_path):
+    """The compiled update marks the step blocks it writes; a flush saves exactly those
+    blocks' priorities, so a reopened store holds every value set."""
+    store = make(tmp_path, capacity=64, block_slots=5)
+    record(store, 70, done_every=17)
+    store.flush()
+    ids = store.valid_ids()
+    rng = np.random.default_rng(3)
+    for part in np.array_split(rng.permutation(ids), 4):
+        store.update_priorities(part, rng.random(part.size) * 4)
+        store.flush()
+    pick = rng.choice(ids, 7)
+    store.update_priorities(pick, rng.random(7) + 5)  # left for close to commit
+    want = store._sampler.priorities()
+    store.close()
+    with ReplayStore.open(tmp_path / "s") as again:
+        np.testing.assert_array_equal(again._sampler.priorities(), want)
+        again._sampler.check_valid()

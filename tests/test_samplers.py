@@ -445,3 +445,39 @@ def test_make_sampler_uses_the_spec(name: str, cls: type) -> None:
     if not isinstance(sampler, UniformSampler):
         assert (sampler.alpha, sampler.eps) == (0.3, 0.5)
         assert sampler.priorities().shape == (20,)  # num_envs * (capacity // num_envs)
+
+
+# ----------------------------------------------------------------------------- compiled writes
+
+
+def test_proportional_set_priorities_takes_repeats_last_value_wins() -> None:
+    """One compiled call takes a drawn batch as it is: of a slot given twice the last value
+    wins, in the priorities, the tree and the max; an invalid slot keeps its value, no mass."""
+    sampler, ref = _filled(PrioritizedSampler, 50, seed=11)
+    sampler.update(np.array([9]), np.array([False]), np.array([9]))
+    ref.update([9], [False], [9])
+    slots = np.array([3, 7, 3, 9, 7, 3])
+    prios = np.array([1.0, 2.0, 4.0, 8.0, 0.5, 6.0])
+    sampler.set_priorities(slots, prios)
+    ref.set_priorities([3, 7, 9], [6.0, 0.5, 8.0])  # each slot's last value
+    np.testing.assert_array_equal(sampler.priorities(), ref.p)
+    np.testing.assert_allclose(sampler.probabilities(), ref.probabilities(), rtol=1e-12)
+    assert sampler.probabilities()[9] == 0.0 and sampler.max_priority() == ref.max_p >= 8.0
+    sampler.check_valid()
+
+
+def test_proportional_set_priorities_refuses_slots_outside_the_table() -> None:
+    sampler, _ = _filled(PrioritizedSampler, 7, seed=12)
+    before = (sampler.priorities(), sampler.probabilities())
+    for slots in (np.array([2, 7]), np.array([-1, 2])):
+        with pytest.raises(IndexError, match="out of range"):
+            sampler.set_priorities(slots, np.array([5.0, 5.0]))
+    with pytest.raises(TypeError, match="integers"):
+        sampler.set_priorities(np.array([2.0, 3.0]), np.array([5.0, 5.0]))
+    np.testing.assert_array_equal(sampler.priorities(), before[0])
+    np.testing.assert_array_equal(sampler.probabilities(), before[1])
+    sampler.set_priorities(np.array([], np.int64), np.array([]))  # nothing to do
+    sampler.set_priorities([1, 2], [3.0, np.float32(4.0)])  # lists and int32 slots convert
+    sampler.set_priorities(np.array([4], np.int32), np.array([2.5], np.float32))
+    np.testing.assert_array_equal(sampler.priorities()[[1, 2, 4]], [3.0, 4.0, 2.5])
+    sampler.check_valid()

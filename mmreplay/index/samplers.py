@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from mmreplay import validate
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
 from mmreplay.index.ring import IdMap
 from mmreplay.index.sum_tree import SumTree
@@ -45,7 +46,17 @@ class Applied:
     priorities: np.ndarray
 
 
+@dataclass(frozen=True)
+class SlotMarks:
+    """Where a compiled update marks the slots it writes: ``mask[slot % period // group]``."""
+
+    mask: BoolArray
+    period: int
+    group: int
+
+
 _NO_SLOTS = np.empty(0, np.int64)
+_NO_MARKS = SlotMarks(np.empty(0, np.bool_), 1, 1)
 
 
 class Sampler(Protocol):
@@ -176,13 +187,25 @@ class _PriorityTable:
             raise RuntimeError("a valid slot holds no transition id")
 
 
-def _as_priorities(priorities: np.ndarray, n: int) -> FloatArray:
-    p = np.asarray(priorities, dtype=np.float64)
+def _as_priorities(priorities: np.ndarray, n: int, *, check: bool = True) -> FloatArray:
+    """`n` priorities as a contiguous, writable float64 array; with `check`, each finite
+    and >= 0 (else `InvalidInputError`)."""
+    p = np.asarray(priorities)
+    if not (p.dtype == np.float64 and p.flags.c_contiguous and p.flags.writeable):
+        p = np.array(p, dtype=np.float64)
     if p.shape != (n,):
         raise InvalidInputError(f"priorities shape {p.shape} != slots shape ({n},)")
-    if not (np.all(np.isfinite(p)) and np.all(p >= 0.0)):
-        raise InvalidInputError("priorities must be finite and >= 0")
-    return p
+    return validate.priority_values(p) if check else p
+
+
+def _as_slots(slots: np.ndarray) -> IntArray:
+    """Flat slots as a contiguous, writable int64 array (`TypeError` if not integers)."""
+    idx = np.asarray(slots)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"slots must be integers, got dtype {idx.dtype}")
+    if not (idx.dtype == np.int64 and idx.flags.c_contiguous and idx.flags.writeable):
+        idx = np.array(idx, dtype=np.int64)
+    return idx.reshape(-1)
 
 
 def _checked_state(
@@ -218,7 +241,7 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     """
     if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    slots, weights = tree.stratified(rng.random(batch_size), beta)
+    slots, weights = tree.stratified_checked(rng.random(batch_size), float(beta))
     return Draw(slots=slots, weights=weights)
 
 
@@ -250,6 +273,7 @@ class PrioritizedSampler:
         # below this a priority's mass cannot overflow (checked without np.errstate's cost)
         # ((1e300 ** (1 / alpha)) ** alpha = 1e300; alpha <= 300 / 307 < 1 never enlarges)
         self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
+        self._top = np.zeros(1)  # the largest value a compiled update wrote
 
     def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._table.admit(slots, valid, ids)
@@ -262,43 +286,65 @@ class PrioritizedSampler:
         return _stratified_draw(self._tree, rng, batch_size, beta)
 
     def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        p = _as_priorities(priorities, len(slots))
-        masses = self._masses(p, self._table.valid[slots])
-        if not np.all(np.isfinite(masses)):  # checked before any write: rejection changes nothing
-            raise InvalidInputError(
-                f"priority {float(p.max())!r} overflows (p + eps)^alpha with alpha={self.alpha}")
-        self._tree.set(slots, masses)
-        self._table.set(slots, p)
+        """New raw priorities of flat `slots` in one compiled call (the last value of a slot
+        given twice wins; a slot not sampleable keeps it for later). Bad values raise and
+        change nothing."""
+        idx = _as_slots(slots)
+        p = _as_priorities(priorities, idx.size, check=False)  # the kernel checks the values
+        kernels, tree = priority_kernels(), self._arrays
+        out, values = np.empty(idx.size, np.int64), np.empty(idx.size, np.float64)
+        count = kernels.apply_slot_priorities(
+            idx, p, self._value_masses(p), self._table.valid, self._table.p, tree.sums,
+            tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
+            tree.leaf0, out, values, self._top)
+        self._check_status(count, idx, p)
+        self._table.max_p = max(self._table.max_p, float(self._top[0]))
 
     def set_id_priorities(self, ids: IntArray, priorities: FloatArray, where: IdMap,
-                          pre: IntArray | None = None) -> Applied | None:
+                          pre: IntArray | None = None,
+                          marks: SlotMarks | None = None) -> Applied | None:
         """New raw priorities of transition `ids` found sampleable through `where`, in one
-        compiled call (the last value of a slot wins; other ids are ignored). Returns None,
-        changing nothing, when `where` spills and an id needs `pre`: its flat slots (-1
-        unknown) from `StepRing.spilled`. Bad values raise and change nothing."""
+        compiled call (the last value of a slot wins; other ids are ignored), marking the
+        slots written in `marks`. Returns None, changing nothing, when `where` spills and an
+        id needs `pre`: its flat slots (-1 unknown) from `StepRing.spilled`. Bad values
+        (NaN, inf, negative) raise and change nothing."""
         kernels, tree = priority_kernels(), self._arrays
         slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
-        if priorities.size and 0.0 <= np.minimum.reduce(priorities) \
-                and np.maximum.reduce(priorities) < self._safe_p:
-            masses = (priorities + self.eps) ** self.alpha  # `_masses`' expression, in numpy
-        else:  # a value the kernel rejects, or one whose mass may overflow
-            with np.errstate(over="ignore", invalid="ignore"):
-                masses = (priorities + self.eps) ** self.alpha
+        mark = _NO_MARKS if marks is None else marks
         count = kernels.apply_priorities(
-            ids, priorities, masses, _NO_SLOTS if pre is None else pre, where.spills,
-            where.next_id, where.loc, where.slot_ids, where.valid, self._table.p, tree.sums,
-            tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
-            tree.leaf0, slots, values)
+            ids, priorities, self._value_masses(priorities), _NO_SLOTS if pre is None else pre,
+            where.spills, where.next_id, where.loc, where.slot_ids, where.valid, self._table.p,
+            tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts,
+            tree.shifts, tree.leaf0, mark.mask, mark.period, mark.group, slots, values,
+            self._top)
         if count == kernels.MISSED:
             return None
-        if count == kernels.BAD_VALUE:
-            _as_priorities(priorities, ids.size)  # raises, saying what is wrong
-        if count == kernels.OVERFLOW:
-            raise InvalidInputError(f"priority {float(priorities.max())!r} overflows "
-                                    f"(p + eps)^alpha with alpha={self.alpha}")
-        if count:
-            self._table.max_p = max(self._table.max_p, float(np.maximum.reduce(values[:count])))
+        self._check_status(count, ids, priorities)
+        self._table.max_p = max(self._table.max_p, float(self._top[0]))
         return Applied(slots[:count], values[:count])
+
+    def _value_masses(self, values: FloatArray) -> FloatArray:
+        """``(values + eps) ** alpha`` (`_masses`' expression) without np.errstate's cost
+        where no value can overflow or be negative; the kernels reject what can."""
+        if values.size and 0.0 <= np.minimum.reduce(values) \
+                and np.maximum.reduce(values) < self._safe_p:
+            return (values + self.eps) ** self.alpha
+        with np.errstate(over="ignore", invalid="ignore"):
+            return (values + self.eps) ** self.alpha
+
+    def _check_status(self, count: int, slots: IntArray, values: FloatArray) -> None:
+        """Raise the error a rejected compiled update stands for (nothing was written)."""
+        if count >= 0:
+            return
+        kernels = priority_kernels()
+        if count == kernels.BAD_SLOT:
+            bad = slots[(slots < 0) | (slots >= self._tree.capacity)]
+            raise IndexError(f"slot {int(bad[0])} out of range [0, {self._tree.capacity}) "
+                             f"({bad.size} bad of {slots.size})")
+        if count == kernels.BAD_VALUE:
+            validate.priority_values(values)  # raises, saying what arrived
+        raise InvalidInputError(f"priority {float(values.max())!r} overflows "
+                                f"(p + eps)^alpha with alpha={self.alpha}")
 
     def priorities(self) -> np.ndarray:
         return self._table.p.copy()

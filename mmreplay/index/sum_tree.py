@@ -207,15 +207,15 @@ class SumTree:
         [0, 1)) and its importance weight ``(mass / min_nonzero) ** -beta`` as float32."""
         if self.total() <= 0.0:
             raise ValueError("cannot draw from a sum tree whose total mass is 0")
-        slots = np.zeros(u.size, dtype=np.int64)
-        weights = np.ones(u.size, dtype=np.float32)
-        if self._levels:
-            offsets, fanouts, _, _ = self._walk
-            compiled().tree_stratified(self._prefix, offsets, fanouts, self._leaf_sums,
-                                      self.total(), self.min_nonzero(),
-                                      np.asarray(u, dtype=np.float64), float(beta), slots,
-                                      weights)
-        return slots, weights
+        return self.stratified_checked(np.asarray(u, dtype=np.float64), float(beta))
+
+    def stratified_checked(self, u: FloatArray,
+                           beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
+        """`stratified` of float64 `u` and a float `beta` on a tree the caller knows has
+        mass (no checks): one compiled call."""
+        offsets, fanouts, _, _ = self._walk
+        return compiled().tree_draw(self._prefix, offsets, fanouts, self._sum, self._min,
+                                    self._leaf0, u, beta)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------------------- updates
 

@@ -378,6 +378,21 @@ def tree_stratified(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
         weights[b] = np.float32((leaf_sums[slots[b]] / min_mass) ** -beta)
 
 
+@numba.njit(nogil=True, cache=True)
+def tree_draw(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray, sums: np.ndarray,
+              mins: np.ndarray, leaf0: int, u: np.ndarray,
+              beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """`tree_stratified` of a tree with mass, into new arrays: the total and the smallest
+    positive mass are read from the roots (``sums[1]``, ``mins[1]``), leaf ``j`` is
+    ``sums[leaf0 + j]``. A tree without levels (one leaf) draws leaf 0, weight 1."""
+    slots = np.zeros(u.size, np.int64)
+    weights = np.ones(u.size, np.float32)
+    if off.size:
+        tree_stratified(prefix, off, fan, sums[leaf0:], sums[1], mins[1], u, beta, slots,
+                        weights)
+    return slots, weights
+
+
 # -- a whole read in one call: plan, decode and gather (`frame_store.FrameStore.read`) ---------
 
 

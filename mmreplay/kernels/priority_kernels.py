@@ -1,19 +1,24 @@
-"""Compiled kernel of proportional priorities: a whole `update_priorities` in one call.
+"""Compiled kernels of proportional priorities: a whole priority update in one call.
 
 Plain arrays in, plain arrays out; no files, rings or torch. The caller passes each value's
 mass ``(p + eps) ** alpha`` computed by numpy, the one implementation of that expression (the
 sampler's `check_valid` compares tree leaves with it bit for bit). One learner update::
 
     ids --(id map)--> flat slots --(valid?)--> last value per slot wins --(masses finite?)-->
-        p[slot] = value, tree leaves + their ancestors' rows rebuilt (`tree_set`)
+        p[slot] = value, marks[slot % period // group] = True,
+        tree leaves + their ancestors' rows rebuilt (`tree_set`)
 
-Nothing is written unless every check passes; a rejected call returns a negative status:
+`apply_priorities` takes transition ids, `apply_slot_priorities` flat slots (a slot not
+sampleable keeps its priority for later and gets no mass). Nothing is written unless every
+check passes; a rejected call returns a negative status:
 
-    >= 0   slots written (the first `count` of ``flat_out``/``val_out``, slots increasing)
+    >= 0   slots written (the first `count` of ``flat_out``/``val_out``, slots increasing;
+           ``top[0]`` the largest value written, 0.0 if none)
     BAD_VALUE   a priority is NaN, inf or negative
-    OVERFLOW    a mass ``(p + eps) ** alpha`` overflows to inf
+    OVERFLOW    a mass ``(p + eps) ** alpha`` of a sampleable slot overflows to inf
     MISSED      an id in ``[0, next_id)`` is not where the id map points while some ids
                 are spilled (call again with their slots in ``pre``)
+    BAD_SLOT    a flat slot lies outside ``[0, p.size)`` (`apply_slot_priorities`)
 
 Loaded on first use through `mmreplay.kernels.priorities()`, never by ``import mmreplay``.
 """
@@ -25,7 +30,16 @@ import numpy as np
 
 from mmreplay.kernels.numba_kernels import tree_set
 
-BAD_VALUE, OVERFLOW, MISSED = -1, -2, -3
+BAD_VALUE, OVERFLOW, MISSED, BAD_SLOT = -1, -2, -3, -4
+
+
+@numba.njit(nogil=True, cache=True)
+def _bad_values(values: np.ndarray) -> bool:
+    """Whether a value is NaN, inf or negative."""
+    for i in range(values.size):
+        if not (values[i] >= 0.0 and values[i] != np.inf):  # NaN fails both
+            return True
+    return False
 
 
 @numba.njit(nogil=True, cache=True)
@@ -47,41 +61,87 @@ def _resolve(ids: np.ndarray, pre: np.ndarray, spills: bool, next_id: int, loc: 
 
 
 @numba.njit(nogil=True, cache=True)
+def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
+                   flat_out: np.ndarray, val_out: np.ndarray, leaves: np.ndarray) -> int:
+    """The slots of `flat` (-1 skipped) increasing and unique into `flat_out`, each with the
+    last value given for it and its leaf mass (0.0 where not `valid`); returns how many."""
+    order = np.argsort(flat, kind="mergesort")  # stable: a slot's entries keep their order
+    count = 0
+    for j in range(order.size):
+        i = order[j]
+        f = flat[i]
+        if f < 0:
+            continue
+        if not (count and flat_out[count - 1] == f):
+            count += 1
+        # a later entry of the same slot overwrites an earlier one: the last value wins
+        flat_out[count - 1], val_out[count - 1] = f, values[i]
+        leaves[count - 1] = mass[i] if valid[f] else 0.0
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
+def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
+           p: np.ndarray, sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray,
+           off: np.ndarray, fan: np.ndarray, first: np.ndarray, shift: np.ndarray, leaf0: int,
+           marks: np.ndarray, period: int, group: int, flat_out: np.ndarray,
+           val_out: np.ndarray, top: np.ndarray) -> int:
+    """The shared tail of both updates: last value per slot, overflow check, then writes."""
+    leaves = np.empty(flat.size)
+    count = _last_per_slot(flat, values, mass, valid, flat_out, val_out, leaves)
+    for j in range(count):
+        if leaves[j] == np.inf:
+            return OVERFLOW
+    high = 0.0
+    for j in range(count):
+        p[flat_out[j]] = val_out[j]
+        high = max(high, val_out[j])
+        if marks.size:
+            marks[flat_out[j] % period // group] = True
+    top[0] = high
+    tree_set(sums, mins, prefix, off, fan, first, shift, leaf0, flat_out[:count],
+             leaves[:count])
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
 def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, pre: np.ndarray,
                      spills: bool, next_id: int, loc: np.ndarray, slot_ids: np.ndarray,
                      valid: np.ndarray, p: np.ndarray, sums: np.ndarray,
                      mins: np.ndarray, prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
-                     first: np.ndarray, shift: np.ndarray, leaf0: int, flat_out: np.ndarray,
-                     val_out: np.ndarray) -> int:
+                     first: np.ndarray, shift: np.ndarray, leaf0: int, marks: np.ndarray,
+                     period: int, group: int, flat_out: np.ndarray, val_out: np.ndarray,
+                     top: np.ndarray) -> int:
     """Set the priorities of transition ids (see the module docstring for the statuses).
 
     An id's slot is ``loc[id % loc.size]`` (or ``pre[i]`` when `pre` is not empty), taken
     only if that slot still holds the id (``slot_ids``) and is ``valid``; other ids are
     ignored (with `spills`, an id the map misses returns `MISSED` unless `pre` is given).
-    Of ids landing on one slot the last value wins.
+    Of ids landing on one slot the last value wins. ``marks`` (if not empty) gets True at
+    ``slot % period // group`` of every slot written.
     """
-    for i in range(values.size):
-        if not (values[i] >= 0.0 and values[i] != np.inf):  # NaN fails both
-            return BAD_VALUE
+    if _bad_values(values):
+        return BAD_VALUE
     flat = np.empty(ids.size, np.int64)
     if _resolve(ids, pre, spills, next_id, loc, slot_ids, valid, flat) == MISSED:
         return MISSED
-    order = np.argsort(flat, kind="mergesort")  # stable: a slot's ids keep their order
-    leaves = np.empty(ids.size)
-    count = 0
-    for j in range(order.size):
-        i = order[j]
-        if flat[i] < 0:
-            continue
-        if not (count and flat_out[count - 1] == flat[i]):
-            count += 1
-        # a later id of the same slot overwrites an earlier one: the last value wins
-        flat_out[count - 1], val_out[count - 1], leaves[count - 1] = flat[i], values[i], mass[i]
-    for j in range(count):
-        if leaves[j] == np.inf:
-            return OVERFLOW
-    for j in range(count):
-        p[flat_out[j]] = val_out[j]
-    tree_set(sums, mins, prefix, off, fan, first, shift, leaf0, flat_out[:count],
-             leaves[:count])
-    return count
+    return _write(flat, values, mass, valid, p, sums, mins, prefix, off, fan, first, shift,
+                  leaf0, marks, period, group, flat_out, val_out, top)
+
+
+@numba.njit(nogil=True, cache=True)
+def apply_slot_priorities(slots: np.ndarray, values: np.ndarray, mass: np.ndarray,
+                          valid: np.ndarray, p: np.ndarray, sums: np.ndarray, mins: np.ndarray,
+                          prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
+                          first: np.ndarray, shift: np.ndarray, leaf0: int,
+                          flat_out: np.ndarray, val_out: np.ndarray, top: np.ndarray) -> int:
+    """Set the priorities of flat `slots` (see the module docstring for the statuses): every
+    slot's priority is written, its leaf gets its mass if ``valid``, else 0.0. Of entries
+    naming one slot the last value wins."""
+    for i in range(slots.size):
+        if slots[i] < 0 or slots[i] >= p.size:
+            return BAD_SLOT
+    if _bad_values(values):
+        return BAD_VALUE
+    return _write(slots, values, mass, valid, p, sums, mins, prefix, off, fan, first, shift,
+                  leaf0, np.empty(0, np.bool_), 1, 1, flat_out, val_out, top)
