@@ -167,14 +167,16 @@ def id_priorities(ids: Any, values: Any) -> tuple[np.ndarray, np.ndarray]:
     """The ids and priorities of an update as `transition_ids` and `priority_array` give
     them (the values are checked where they are applied, before anything is written).
 
-    A learner's usual call, an int64 id array and a float64 one of its size, passes
-    through untouched: no conversion, copy or scan."""
-    if type(ids) is np.ndarray and type(values) is np.ndarray and ids.dtype == np.int64 \
-            and values.dtype == np.float64 and ids.ndim == 1 and values.shape == ids.shape \
-            and _plain(ids) and _plain(values):
+    A learner's usual call, int64 ids and float64 values of their size (numpy arrays or
+    CPU tensors), passes through without a copy or a scan of the values."""
+    ids, values = to_numpy(ids), to_numpy(values)
+    if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1
+            and _plain(ids)):
+        ids = transition_ids(ids)
+    if type(values) is np.ndarray and values.dtype == np.float64 \
+            and values.shape == ids.shape and _plain(values):
         return ids, values
-    wanted = transition_ids(ids)
-    return wanted, priority_array(values, wanted.size)
+    return ids, priority_array(values, ids.size)
 
 
 def _plain(arr: np.ndarray) -> bool:

@@ -116,7 +116,8 @@ class PrioritySampler(Sampler, Protocol):
     """A `Sampler` with per-transition priorities: what the store calls beyond `Sampler`."""
 
     def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        """New raw priorities for valid, unique `slots` (the store validates the values)."""
+        """New raw priorities of `slots`; bad values raise and change nothing. Unique slots
+        (`PrioritizedSampler` also takes repeats: the last value of a slot wins)."""
 
     def priorities(self) -> np.ndarray:
         """Raw priority per slot, float64 ``(num_slots,)``, for persistence."""
