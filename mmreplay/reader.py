@@ -130,7 +130,7 @@ class Reader:
         with the frame chunks the read will need (fetched meanwhile, without the lock)."""
         draw = self.draw(rng, size, beta)
         look = self.ring.lookup(draw.slots)
-        chunks = disk_chunks(self.frames, np.stack([look.obs_slots, look.next_obs_slots]))
+        chunks = disk_chunks(self.frames, look.slots)
         return Planned(draw.slots, draw.weights, chunks)
 
     def assemble(self, planned: Planned, rng: np.random.Generator, size: int,
@@ -157,15 +157,14 @@ class Reader:
               pin_memory: bool = False) -> ArrayBatch:
         """The transitions at valid flat slots, frames read in one call into a buffer of
         the pool (`OutputBuffers`) when it has one for their size."""
-        look = self.ring.lookup(flat)
+        look = self.ring.lookup(flat)  # every field but the frames, in its batch dtype
         slots = look.slots
         frames = self.frames.read(slots, out=self.pool(pin_memory).take(
             slots.size * self.frame_nbytes))
         return ArrayBatch(frames=frames, action=native(look.action, look.action.dtype),
-                          reward=look.reward.astype(np.float32), terminated=look.terminated,
-                          truncated=look.truncated, discount=look.discount.astype(np.float32),
-                          weights=native(weights, np.float32), ids=native(look.ids, np.int64),
-                          steps=look.steps,
+                          reward=look.reward, terminated=look.terminated,
+                          truncated=look.truncated, discount=look.discount,
+                          weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
                           extras={k: native(a, a.dtype) for k, a in look.extras.items()})
 
     def pool(self, pin_memory: bool) -> OutputBuffers:

@@ -63,12 +63,12 @@ class Lookup:
     obs_slots: np.ndarray       # (B, k) flat slots of the stack, -1 = zero padding
     next_obs_slots: np.ndarray  # (B, k) flat slots of the next stack
     action: np.ndarray
-    reward: np.ndarray          # float64 n-step return
+    reward: np.ndarray          # float32 n-step return
     terminated: np.ndarray
     truncated: np.ndarray
-    discount: np.ndarray        # float64
-    steps: np.ndarray           # m: steps in the n-step window (fewer when the episode ends)
-    ids: np.ndarray
+    discount: np.ndarray        # float32
+    steps: np.ndarray           # int64 m: steps in the n-step window (fewer when the episode ends)
+    ids: np.ndarray             # int64
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
     slots: np.ndarray           # (2, B, k): obs_slots and next_obs_slots are its halves
 
@@ -166,6 +166,7 @@ class StepRing:
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
         self._blank = blank[0]  # the record of a fresh slot: no step, no id
         self._gamma_pow = np.array([spec.gamma ** j for j in range(spec.n_step + 1)])
+        self._lookup_args = _lookup_args(spec, self._flat_cols, self._gamma_pow)
         # Step ordinals, for windows of consecutive steps across episodes: frame f of env e
         # has ``ord_of_frame[e, f % S]`` steps before it (its step's ordinal if it has one),
         # and the step of ordinal o is at frame ``frame_of_ord[e, o % S]`` (steps <= frames,
@@ -400,22 +401,19 @@ class StepRing:
 
     # -- lookups ----------------------------------------------------------------
     def lookup(self, flat: np.ndarray) -> Lookup:
-        """Everything a batch needs for valid flat slots, computed by index (compiled)."""
-        spec, size = self.spec, flat.size
-        cols = self._flat_cols
-        both = np.empty((2, size, spec.frame_stack), np.int64)
-        obs, next_obs = both[0], both[1]
-        ret, discount = np.empty(size), np.empty(size)
+        """Everything a batch needs for valid flat slots, computed in one compiled call (each
+        field in the dtype a batch hands out: no conversion after it)."""
+        size = flat.size
+        both = np.empty((2, size, self.spec.frame_stack), np.int64)  # obs and next_obs stacks
+        ret, discount = np.empty(size, np.float32), np.empty(size, np.float32)
         term, trunc = np.empty(size, bool), np.empty(size, bool)
-        compiled().lookup(flat, self.written, self.slots_per_env, spec.frame_stack, spec.n_step,
-                         spec.stack_padding == "first", self._gamma_pow, cols["pos"],
-                         cols["reward"], cols["terminated"], cols["truncated"], obs, next_obs,
-                         ret, term, trunc, discount)
-        steps = (next_obs[:, -1] - obs[:, -1]) % self.slots_per_env  # frames t + m, t: one env
-        return Lookup(obs_slots=obs, next_obs_slots=next_obs, action=cols["action"][flat],
-                      reward=ret, terminated=term, truncated=trunc, discount=discount,
-                      steps=steps, ids=cols["id"][flat], extras=self.extras_at(flat),
-                      slots=both)
+        steps, ids = np.empty(size, np.int64), np.empty(size, np.int64)
+        compiled().lookup(flat, self.written, *self._lookup_args, both[0], both[1], ret, term,
+                          trunc, discount, steps, ids)
+        return Lookup(obs_slots=both[0], next_obs_slots=both[1],
+                      action=self._flat_cols["action"][flat], reward=ret, terminated=term,
+                      truncated=trunc, discount=discount, steps=steps, ids=ids,
+                      extras=self.extras_at(flat) if self.spec.extras else {}, slots=both)
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
@@ -436,6 +434,14 @@ class StepRing:
         if (self.oldest > self.written).any() or (self.written < 0).any():
             raise RuntimeError(
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
+
+
+def _lookup_args(spec: StoreSpec, cols: dict[str, np.ndarray],
+                 gamma_pow: np.ndarray) -> tuple[object, ...]:
+    """What `StepRing.lookup` passes its kernel besides the slots, the cursors and the outputs."""
+    return (spec.slots_per_env, spec.frame_stack, spec.n_step, spec.stack_padding == "first",
+            gamma_pow, cols["pos"], cols["reward"], cols["terminated"], cols["truncated"],
+            cols["id"])
 
 
 # -- blocks of events: what many begin_episodes / record_step calls do, in one call ------------

@@ -311,10 +311,13 @@ def tree_set(sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray, off: np.nda
 @numba.njit(nogil=True, cache=True)
 def lookup(flat: np.ndarray, written: np.ndarray, slots: int, stack: int, n_step: int,
            pad_first: bool, gamma_pow: np.ndarray, pos: np.ndarray, reward: np.ndarray,
-           terminated: np.ndarray, truncated: np.ndarray, obs: np.ndarray, next_obs: np.ndarray,
-           ret: np.ndarray, term: np.ndarray, trunc: np.ndarray, discount: np.ndarray) -> None:
+           terminated: np.ndarray, truncated: np.ndarray, step_id: np.ndarray, obs: np.ndarray,
+           next_obs: np.ndarray, ret: np.ndarray, term: np.ndarray, trunc: np.ndarray,
+           discount: np.ndarray, steps: np.ndarray, ids: np.ndarray) -> None:
     """For valid transitions at flat slots `flat`: the flat slots of their stacks (``obs``,
-    ``next_obs``: (B, stack), -1 = zero padding), n-step return, flags and discount.
+    ``next_obs``: (B, stack), -1 = zero padding), n-step return, flags, discount, the
+    window's length m (``steps``) and the transition ids, each written in its output's
+    dtype (the float32 return and discount are the float64 sums rounded once).
 
     Step columns are flat (``env * slots + slot``); ``gamma_pow[j] = gamma ** j``.
     """
@@ -333,6 +336,7 @@ def lookup(flat: np.ndarray, written: np.ndarray, slots: int, stack: int, n_step
                 break
         ret[b], term[b], trunc[b] = acc, ended_t, ended_tr
         discount[b] = 0.0 if ended_t else gamma_pow[m]
+        steps[b], ids[b] = m, step_id[flat[b]]
         for i in range(stack):
             for out, top in ((obs, t), (next_obs, t + m)):
                 f = top - (stack - 1 - i)
