@@ -231,20 +231,32 @@ class ReplayStore(BucketMethods):
         then has a leading ``len(env_ids)`` dimension, the other envs wait). Autoreset rule:
         README. `extras` (``{name: array}``, the declared ones) belong to this step, like
         `action`. With a rate limiter, waits first until the learners let these steps in."""
-        limiter, steps = self._limits.limiter, self.spec.num_envs  # the hot path: no calls
-        if limiter is not None:
-            if env_ids is not None or autoreset is not None:  # fewer steps than envs
-                steps = _steps(steps, env_ids, autoreset)
-            limiter.await_insert(steps)
-        try:
-            with self._lock:
+        limits, steps = self._limits, self.spec.num_envs  # the hot path: no calls
+        if limits.limiter is not None and (env_ids is not None or autoreset is not None):
+            steps = _steps(steps, env_ids, autoreset)  # fewer steps than envs
+        with self._lock:
+            lease = limits.lease  # the rate limiter's lease (`mmreplay.admission`)
+            if lease is None:  # no rate limiter
                 _check_writable(self, "add")
-                self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
-                                   env_ids, extras)
-        except BaseException:
-            if limiter is not None:
-                limiter.cancel_insert(steps)  # refused: these steps were never inserts
-            raise
+                self._recorder.add(action, reward, next_obs, terminated, truncated,
+                                   autoreset, env_ids, extras)
+                return
+            lease.busy = True
+            if lease.used + steps <= lease.limit:  # admitted without the limiter's lock
+                try:
+                    _check_writable(self, "add")
+                    self._recorder.add(action, reward, next_obs, terminated, truncated,
+                                       autoreset, env_ids, extras)
+                    lease.used += steps  # counted once recorded: a refused add never is
+                finally:
+                    lease.busy = False
+                if lease.wake:
+                    limits.limiter.settle()
+                return
+            lease.busy = False  # spent or revoked: the limiter's lock decides
+            limiter = limits.limiter
+        _add_waited(self, limiter, steps, (action, reward, next_obs, terminated, truncated,
+                                           autoreset, env_ids, extras))
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -582,6 +594,22 @@ def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
     """How many steps one `add` brings (what the rate limiter counts as inserts, and what
     `cancel_insert` takes back if the add is refused): its env rows less autoreset rows."""
     return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
+
+
+def _add_waited(store: ReplayStore, limiter: RateLimiter, steps: int,
+                step: tuple[Any, ...]) -> None:
+    """`add` once `limiter` let these steps in under its lock (counted there, taken back
+    if the store refuses them); the store holds a new lease from then on."""
+    limiter.await_insert(steps)
+    try:
+        lease = limiter.lease(store.spec.num_envs)
+        with store._lock:
+            store._limits.hold(limiter, lease)
+            _check_writable(store, "add")
+            store._recorder.add(*step)
+    except BaseException:
+        limiter.cancel_insert(steps)  # refused: these steps were never inserts
+        raise
 
 
 def _set_rate_limiter(store: ReplayStore, limiter: RateLimiter | None) -> None:
