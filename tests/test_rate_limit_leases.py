@@ -114,6 +114,27 @@ def test_a_lease_stops_short_of_min_size_and_endless_past_it() -> None:
     lim.check_valid()
 
 
+def test_a_lease_is_checked_in_the_locked_paths_floats() -> None:
+    """Steps of 0.1: the division says 62 steps fit, Reverb's rule in floats admits 61."""
+    lim, reference = (RateLimiter.sample_to_insert_ratio(0.1, 1, (-50.0, 3.7)) for _ in "ab")
+    lim.restore({"inserts": 254, "samples": 28, "offset": 0.0})
+    reference.restore({"inserts": 255, "samples": 28, "offset": 0.0})
+    holder = Holder(lim)
+    assert holder.insert(1) == "lock" and holder.limit == 61
+    assert sum(not refused(reference, 1) for _ in range(70)) == 61
+
+
+def test_no_lease_while_diff_is_below_the_lowest_error_seen() -> None:
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 1, (-10.0, 10.0))
+    lim.await_insert(5)  # diff 5
+    lim.await_sample(3)  # diff 2, the lowest seen
+    lim.cancel_insert(2)  # diff 0: the next insert sets a new lowest, under the lock
+    assert lim.lease(1).limit == REVOKED
+    lim.await_insert(1)
+    assert lim.stats()["error_low"] == 0.0  # diff 1, less the offset 1
+    assert lim.lease(1).limit == 9
+
+
 def test_an_insert_in_flight_on_a_revoked_lease_is_reserved_as_cap_steps() -> None:
     lim = RateLimiter.sample_to_insert_ratio(1.0, 1, (-20.0, 20.0))
     holder = Holder(lim, cap=4)
@@ -351,6 +372,26 @@ def test_a_waiting_sample_is_woken_by_a_lease_insert(fast_switches: None) -> Non
         assert made[id(lim)].insert(1) == "lease"
 
     check_one_insert_wakes_a_waiting_sample(make, insert)
+
+
+def test_a_store_add_by_lease_wakes_a_waiting_sample(tmp_path: Path,
+                                                      fast_switches: None) -> None:
+    lim = RateLimiter.sample_to_insert_ratio(1.0, 1, (0.0, 100.0), timeout_s=60)
+    store = ReplayStore.create(tmp_path / "s", capacity=1000, obs_shape=(2, 2), seed=0,
+                               rate_limiter=lim)
+    store.reset(np.zeros((2, 2), np.uint8))
+    frame = np.ones((2, 2), np.uint8)
+    store.add(0, 1.0, frame, False, False)  # min size, under the lock; then a lease
+    lim.await_sample(1)  # diff 0: each sample below waits for the add that follows it
+    for i in range(50):
+        thread = threading.Thread(target=lim.await_sample, args=(1,))
+        thread.start()
+        store.add(i % 3, 1.0, frame, False, False)
+        thread.join(timeout=20)
+        assert not thread.is_alive(), f"round {i}: the add went in, the sample slept on"
+    assert lim._leases.live is not None and lim._leases.live.used == 50  # noqa: SLF001
+    assert (lim.state()["inserts"], lim.state()["samples"]) == (51, 51)
+    store.close()
 
 
 def test_a_lease_insert_counted_while_a_sample_starts_waiting_is_seen(
