@@ -177,7 +177,7 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
     store = make_store(root / "o", None)
     limiters = {"with": RateLimiter.min_size(1),
                 "with_band": RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)}
-    adds_per_chunk, batches_per_chunk = 173, 10  # 173: prime, unaligned with frame chunks
+    adds_per_chunk, batches_per_chunk = 173, 29  # primes: unaligned with frame chunks
     adds_per_s(store, pool, 3000)  # warm up (and enough steps to sample)
     chunks: dict[tuple[str, str], list[float]] = {}
     for what, count in (("add", adds_per_chunk), ("sample", batches_per_chunk)):
