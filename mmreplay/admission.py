@@ -1,115 +1,115 @@
-"""Inserts admitted without the rate limiter's lock: its gates.
+"""Inserts admitted without the rate limiter's lock: its leases.
 
-A *gate* is a number of insert calls (`budget`), of at most `cap` steps each, that surely
-fit below the limiter's upper edge; the limiter computes it under its lock from the
-counters it has folded (`RateLimiter` in `rate_limit.py` owns the rule). An insert takes
-a ticket instead of the lock::
+A *lease* is a number of steps (`limit`) that one *holder* may insert without asking the
+limiter, because under its lock the limiter found that they surely fit below its upper
+edge (`RateLimiter.lease` in `rate_limit.py` owns the rule). The holder is a writer that
+serializes its own inserts under a lock of its own (`ReplayStore.add` under the store's
+lock), and it follows this protocol there::
 
-    i = next(gate.tickets)         # itertools.count: atomic with the GIL
-    if i < gate.budget:            # admitted: write the count (deque.append: atomic)
-        gate.slots.append(n)
-    else:                          # refused: void ticket i (a negative entry), take the lock
-        gate.slots.append(~i)
+    lease.busy = True                    # from here until its count, in flight
+    if lease.used + n <= lease.limit:    # admitted
+        try:
+            ...record the n steps...     # a refused record counts nothing
+            lease.used += n              # counted: the limiter reads `used` when it folds
+        finally:
+            lease.busy = False
+        if lease.wake:                   # someone waits on the limiter: let it look
+            limiter.settle()
+    else:                                # spent or revoked: the locked path decides
+        lease.busy = False
+        limiter.await_insert(n); lease = limiter.lease(cap)
 
-Every ticket is written exactly once, so a fold that pops the written entries knows how many
-admitted calls are still between their ticket and their write: at most `cap` steps each,
-which the next gate and the locked path reserve.
-
-`retire` closes a gate (new tickets are refused) and records its `end`, the tickets issued
-before: the limiter retires the live gate whenever something may raise `diff` or change the
-rules, and keeps folding retired gates until their last ticket is written. Samples only
-lower `diff`, so they leave the live gate open. This module knows no band, only counts.
+Only the holder writes `used` and `busy`; only the limiter writes `limit` and `wake`. With
+one writer per field and the GIL, a fold that reads `busy` and then `used` misses no count.
+The limiter *revokes* the live lease (``limit = REVOKED``) whenever something may raise
+`diff` or change the rules. A revoked lease whose holder is not busy admits nothing more
+and is dropped after its last fold; one whose holder is busy may still add one insert of at
+most `cap` steps, so it is folded again and `cap` steps are reserved for it until its
+holder is done. Samples only lower `diff`, so they leave the lease alone. This module
+knows no band, only counts.
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
-from collections import deque
 
-ENDLESS = sys.maxsize  # a budget or cap this large is never reached
-
-
-class Gate:
-    """`budget` calls of at most `cap` steps, each admitted by a ticket (see the module)."""
-
-    __slots__ = ("budget", "cap", "done", "end", "slots", "tickets")
-
-    def __init__(self, budget: int, cap: int) -> None:
-        self.budget = self.end = budget  # end: tickets below it are written, then folded
-        self.cap = cap
-        self.tickets = itertools.count()
-        self.slots: deque[int] = deque()  # steps of admitted calls; ~i: ticket i refused
-        self.done = 0  # tickets below `end` folded (an admitted one is always below)
-
-    def retire(self) -> None:
-        """Refuse new tickets; `end` becomes the tickets issued before (under the lock).
-        The budget goes first: a writer that read the old budget took its ticket before
-        this one, so it lies below `end`."""
-        self.budget = 0
-        self.end = min(next(self.tickets), self.end)
-
-    @property
-    def unwritten(self) -> int:
-        """Tickets below `end` not yet folded (of a retired gate: admitted or refused calls
-        still between ticket and write, or written after the last fold)."""
-        return self.end - self.done
+ENDLESS = sys.maxsize  # a limit this large is never reached
+REVOKED = -1  # a limit that admits nothing: `used + n <= REVOKED` never holds
 
 
-class Gates:
-    """The live gate and the retired ones still owed writes; the limiter calls it under its
-    lock only (writers read `live` and use the gate itself)."""
+class Lease:
+    """`limit` steps one holder may insert without the limiter's lock (see the module)."""
+
+    __slots__ = ("busy", "cap", "folded", "limit", "used", "wake")
+
+    def __init__(self, limit: int, cap: int, wake: bool) -> None:
+        self.limit = limit  # written by the limiter only (REVOKED when revoked)
+        self.cap = cap  # the most steps one insert of the holder brings
+        self.wake = wake  # written by the limiter only: someone waits, call `settle`
+        self.used = 0  # written by the holder only, after each insert it recorded
+        self.busy = False  # written by the holder only: between its check and its count
+        self.folded = 0  # the limiter's: `used` as of its last fold
+
+
+NO_LEASE = Lease(REVOKED, 1, False)  # a holder's lease before its first: admits nothing
+
+
+class Leases:
+    """The live lease and the revoked ones whose holders may still be busy; the limiter
+    calls it under its lock only."""
 
     def __init__(self) -> None:
-        self.live = Gate(0, 1)
-        self.retired: list[Gate] = []
+        self.live: Lease | None = None
+        self.revoked: list[Lease] = []
 
-    def retire(self) -> None:
-        """Retire the live gate (kept until its tickets are folded); a closed one takes
-        its place until `open`."""
-        self.live.retire()
-        if self.live.unwritten:
-            self.retired.append(self.live)
-        self.live = Gate(0, 1)
+    def revoke(self) -> None:
+        """Revoke the live lease (folded until its holder is seen not busy)."""
+        live = self.live
+        if live is not None:
+            live.limit = REVOKED
+            self.revoked.append(live)
+            self.live = None
 
-    def open(self, budget: int, cap: int) -> None:
-        """Open a gate of `budget` calls of at most `cap` steps (after `retire`: the
-        budget reserves what the retired gates may still add). A live gate with a budget
-        (one opened while an insert waited) is retired first: a gate without one owes
-        nothing (its tickets were all refused)."""
-        if self.live.budget:
-            self.retire()
-        self.live = Gate(budget, cap)
+    def issue(self, limit: int, cap: int, wake: bool) -> Lease:
+        """Revoke the live lease, then hand out a new one of `limit` steps."""
+        self.revoke()
+        self.live = Lease(limit, cap, wake)
+        return self.live
 
     def reserved_steps(self) -> int:
-        """Steps that retired gates may still add: `cap` for each ticket not yet folded."""
-        return sum(gate.unwritten * gate.cap for gate in self.retired)
+        """Steps that revoked leases may still add (after a `take`: each was busy then):
+        one insert of `cap` steps each."""
+        return sum(lease.cap for lease in self.revoked)
 
-    def take(self, inserts: int, min_size: int) -> tuple[int | None, int]:
-        """Pop every written slot, oldest gate first: (`inserts` after the first count that
-        brought it to `min_size` or past, None if none did; `inserts` plus every count).
-        Diff grows with inserts: these are where the folded inserts made it lowest and
-        highest past min size. Retired gates with nothing left to write are dropped."""
-        first = None
-        for gate in (*self.retired, self.live):
-            slots, end, done = gate.slots, gate.end, 0
-            for _ in range(len(slots)):  # writers go on appending behind these
-                n = slots.popleft()
-                if n >= 0:
-                    done += 1
-                    inserts += n
-                    if first is None and inserts >= min_size:
-                        first = inserts
-                else:
-                    done += ~n < end
-            gate.done += done
-        if self.retired:
-            self.retired = [gate for gate in self.retired if gate.unwritten]
-        return first, inserts
+    def take(self) -> int:
+        """The steps recorded under every lease since the last take. Revoked leases whose
+        holder was not busy before their count was read are dropped."""
+        steps, kept = 0, []
+        for lease in self.revoked:
+            busy = lease.busy  # before `used`: the holder counts, then is done
+            used = lease.used
+            steps += used - lease.folded
+            lease.folded = used
+            if busy:
+                kept.append(lease)
+        self.revoked = kept
+        live = self.live
+        if live is not None:
+            used = live.used
+            steps += used - live.folded
+            live.folded = used
+        return steps
+
+    def set_wake(self, wake: bool) -> None:
+        """Tell every holder whether someone waits on the limiter."""
+        for lease in self.revoked:
+            lease.wake = wake
+        if self.live is not None:
+            self.live.wake = wake
 
     def check_valid(self) -> None:
         """Internal invariants (tests call it through the limiter's)."""
-        for gate in (*self.retired, self.live):
-            assert 0 <= gate.done <= gate.end and gate.budget >= 0 and gate.cap >= 1
-        assert all(gate.budget == 0 for gate in self.retired)
-
+        for lease in self.revoked:
+            assert lease.limit == REVOKED and 0 <= lease.folded <= lease.used
+        live = self.live
+        assert live is None or 0 <= live.folded <= live.used <= max(live.limit, 0)

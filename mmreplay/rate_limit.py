@@ -27,14 +27,14 @@ time (preloading: counts go on, and enabling moves the band's reference so that 
 run resumes at its edge instead of paying back the preload). `state` is a flat dict of
 JSON numbers that the store commits with its manifest, and `restore` takes it back.
 
-Inserts that surely fit below the upper edge are admitted without the lock, by a ticket of
-a *gate* (`mmreplay.admission`): under the lock the limiter computes how many calls of at
-most `cap` steps fit, writers take tickets, and every locked operation folds their counts
-into the counters first (`_fold`). Samples only lower `diff`, so they leave the gate open;
-whatever may raise it or change the rules (an insert on the locked path, `cancel_sample`,
-`restore`, the switches, `close`) retires the gate and opens the next one. With no upper
-edge (`min_size`) or limiting off, the budget is endless. This module knows no store,
-frames or files.
+`await_insert` and `await_sample` take the lock. A writer that serializes its own inserts
+(a store's `add`) may instead hold a *lease* (`lease`, `mmreplay.admission`): steps that
+surely fit below the upper edge, which it inserts and counts without the lock; every
+locked operation folds their counts in first (`_fold`). Samples only lower `diff`, so they
+leave the lease alone; whatever may raise it or change the rules (an insert on the locked
+path, a cancel, `restore`, the switches, `close`) revokes it. With no upper edge
+(`min_size`) or limiting off, a lease is endless. This module knows no store, frames or
+files.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.admission import ENDLESS, Gates
+from mmreplay.admission import ENDLESS, NO_LEASE, REVOKED, Lease, Leases
 from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
 
 CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -75,7 +75,7 @@ def _count(name: str, value: Any, *, low: int = 0) -> int:
 
 class RateLimiter:
     """Reverb's rate limiter (see the module docstring); thread-safe, one lock (that the
-    inserts a gate admits skip).
+    inserts of a lease skip).
 
     `samples_per_insert` > 0, `min_size_to_sample` >= 1, and the band
     ``max_diff - min_diff`` must be at least ``2 * max(1, samples_per_insert)``:
@@ -99,14 +99,10 @@ class RateLimiter:
         self._blocked = {"insert": 0, "sample": 0}
         self._waiters = 0
         self._enabled, self._closed = True, False
-        self._gates = Gates()  # inserts admitted without the lock, not yet counted
-        # the most steps of a call that a gate admits: those of the last call that took the
-        # lock (a call with more takes it), so a one-off large call does not shut the gates
-        self._cap = 1
+        self._leases = Leases()  # inserts admitted without the lock, not yet counted
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
         self._low, self._high = math.inf, -math.inf
-        self._open()
 
     # -- Reverb's constructors ----------------------------------------------------------
     @classmethod
@@ -149,24 +145,8 @@ class RateLimiter:
     # -- admission ----------------------------------------------------------------------
     def await_insert(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until an insert may go, then count `n` inserts (`cancel_insert` undoes)."""
-        gate = self._gates.live
-        if n <= gate.cap:
-            i = next(gate.tickets)
-            if i < gate.budget:  # surely fits: counted without the lock
-                gate.slots.append(n)
-                # a waiter registers (under the lock) before it folds: if it registered
-                # after the test below, its fold sees this count; else the test sees it.
-                # Every 256th ticket folds the counts in (a literal: no global lookup)
-                if self._waiters or i & 255 == 255:
-                    self._settle()
-                return
-            gate.slots.append(~i)  # refused: void ticket i (a fold waits for every ticket)
-        self._insert_locked(n, timeout)
-
-    def _insert_locked(self, n: int, timeout: float | None) -> None:
-        """Reverb's exact rule, under the lock; then the next gate opens."""
         with self._lock:  # no Condition, no call unless it waits
-            self._gates.retire()
+            self._leases.revoke()  # this raises diff: the lease's steps may no longer fit
             self._fold()
             if n > 0 and (self._closed or self._enabled and not self._can_insert()):
                 _wait(self, "insert", n, self._can_insert, timeout)
@@ -174,10 +154,21 @@ class RateLimiter:
             if self._enabled and inserts >= self.min_size_to_sample:
                 diff = self._diff()
                 self._high, self._low = max(self._high, diff), min(self._low, diff)
-            self._cap = max(1, n)
-            self._open()
             if self._waiters:
                 self._cond.notify_all()
+
+    def lease(self, cap: int) -> Lease:
+        """A new lease for one holder whose inserts bring at most `cap` steps each: the steps
+        it may insert and count without this lock (the protocol: `mmreplay.admission`).
+        The lease handed out before is revoked. Its limit is what surely fits below the
+        upper edge (endless with none or limiting off; nothing when closed); it stops short
+        of `min_size_to_sample` and admits nothing while `diff` is below the lowest error
+        seen, so that the insert that sets `error_low` takes the lock. A holder that gets a
+        lease while another limiter is attached just never uses it."""
+        with self._lock:
+            self._leases.revoke()
+            self._fold()
+            return self._leases.issue(_lease_limit(self), max(1, cap), self._waiters > 0)
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
@@ -201,38 +192,30 @@ class RateLimiter:
 
     def cancel_insert(self, n: int) -> None:
         """Take back `n` counted inserts that did not happen (the store refused them)."""
-        with self._cond:
-            self._fold()
+        with self._changing():  # diff may drop below the lowest seen: no lease then
             self._inserts -= n
-            self._wake()
 
     def cancel_sample(self, n: int) -> None:
         """Take back `n` counted samples that were not drawn."""
         with self._changing():
             self._samples -= n
 
-    def _settle(self) -> None:
-        """Fold the lock-free inserts in and wake the waiters (they may go now)."""
+    def settle(self) -> None:
+        """Fold the inserts of leases in and wake the waiters (they may go now): what a
+        lease's holder calls after an insert while its lease says `wake`."""
         with self._cond:
             self._fold()
             self._wake()
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
-        """Under the lock: retire the gate and fold, run the body (which may raise `diff`
-        or change the rules), then open the gate that fits the new state and wake."""
+        """Under the lock: revoke the lease and fold, run the body (which may raise `diff`
+        or change the rules), then wake (holders come back for a new lease)."""
         with self._cond:
-            self._gates.retire()
+            self._leases.revoke()
             self._fold()
             yield
-            self._open()
             self._wake()
-
-    def _open(self) -> None:
-        """Under the lock, the gate retired: open the next, of as many calls of at most
-        `_cap` steps as surely fit below `max_diff` besides what retired gates may still
-        add (none when closed; endless when nothing limits inserts)."""
-        self._gates.open(_gate_budget(self), self._cap)
 
     def _fits(self, more: int) -> bool:
         """Would one insert go (past min size) after `more` inserts besides the counted?"""
@@ -240,25 +223,25 @@ class RateLimiter:
         return (self._inserts + more) * spi - self._samples - self._offset + spi <= self.max_diff
 
     def _fold(self) -> None:
-        """Under the lock: count the inserts the gates admitted, and widen the error range
-        by the lowest and highest diff they made."""
-        first, self._inserts = self._gates.take(self._inserts, self.min_size_to_sample)
-        if first is not None and self._enabled:
-            spi, base = self.samples_per_insert, self._samples + self._offset
-            self._low = min(self._low, first * spi - base)
-            self._high = max(self._high, self._inserts * spi - base)
+        """Under the lock: count the inserts of leases, and widen the error range by the
+        highest diff they made (the last; a lease never crosses min size nor starts below
+        the lowest error seen, so no lowest is missed: see `lease`)."""
+        steps = self._leases.take()
+        if steps:
+            self._inserts += steps
+            if self._enabled and self._inserts >= self.min_size_to_sample:
+                self._high = max(self._high, self._diff())
 
     def _diff(self) -> float:
         return self._inserts * self.samples_per_insert - self._samples - self._offset
 
     def _can_insert(self) -> bool:
-        """Reverb's rule, counting each ticket of a retired gate not yet folded as `cap`
-        steps (none in flight: exactly Reverb's). A gate opened while this insert waited
-        (by another insert, a switch, a cancel) is retired first: its tickets count too."""
-        if self._gates.live.budget:
-            self._gates.retire()
+        """Reverb's rule, counting each revoked lease whose holder is busy as `cap` steps
+        (none: exactly Reverb's). A lease issued while this insert waited is revoked first."""
+        if self._leases.live is not None:
+            self._leases.revoke()
             self._fold()
-        more = self._gates.reserved_steps()
+        more = self._leases.reserved_steps()
         return self._inserts + more + 1 <= self.min_size_to_sample or self._fits(more)
 
     def _can_sample(self) -> bool:
@@ -358,8 +341,9 @@ class RateLimiter:
         """Internal invariants (tests call it after operations)."""
         with self._cond:
             self._fold()
-            self._gates.check_valid()
-            assert not self._closed or self._gates.live.budget == 0
+            self._leases.check_valid()
+            live = self._leases.live
+            assert not self._closed or live is None or live.limit == REVOKED
             assert self._inserts >= 0 and self._samples >= 0, (self._inserts, self._samples)
             assert self._waiters >= 0 and min(self._wait_s.values()) >= 0
 
@@ -369,22 +353,32 @@ class RateLimiter:
                 f"max_diff={self.max_diff:g})")
 
 
-def _gate_budget(lim: RateLimiter) -> int:
-    """How many calls of at most `lim._cap` steps surely fit below `max_diff` besides what
-    retired gates may still add (under the lock, the gate retired and folded)."""
+def _lease_limit(lim: RateLimiter) -> int:
+    """How many steps a lease may admit (see `RateLimiter.lease`; under the lock, the live
+    lease revoked and folded): every insert it admits starts at a count Reverb's rule
+    admits, besides what revoked leases may still add."""
     if lim._closed:
-        return 0
-    if not lim._enabled or lim.max_diff >= _NO_EDGE:
+        return REVOKED
+    if not lim._enabled:
         return ENDLESS
-    reserved, spi, cap = lim._gates.reserved_steps(), lim.samples_per_insert, lim._cap
-    calls = (lim.max_diff - lim._diff() - spi * reserved) / (spi * cap)
-    budget = ENDLESS if calls >= ENDLESS else max(0, math.floor(calls))
-    # Reverb's rule for the last step, in the locked path's floats
-    if budget and not lim._fits(reserved + budget * cap - 1):
-        budget -= 1  # the division rounded up
-    if budget and not lim._fits(reserved + budget * cap - 1):
-        budget = 0  # too large for floats to tell: the locked path decides
-    return budget
+    reserved = lim._leases.reserved_steps()
+    below = lim.min_size_to_sample - lim._inserts - reserved - 1
+    if below >= 0 or lim._inserts < lim.min_size_to_sample:
+        return max(below, REVOKED)  # the insert that reaches min size takes the lock
+    if lim._diff() < lim._low:
+        return REVOKED  # the next insert may set the lowest error: the lock records it
+    if lim.max_diff >= _NO_EDGE:
+        return ENDLESS
+    spi = lim.samples_per_insert
+    steps = (lim.max_diff - lim._diff()) / spi - reserved
+    limit = ENDLESS if steps >= ENDLESS else max(0, math.floor(steps))
+    # an insert at `used` goes if one step fits after `reserved + used`: the last start
+    # is `limit - 1`, checked in the locked path's floats (the division may round up)
+    if limit and not lim._fits(reserved + limit - 1):
+        limit -= 1
+    if limit and not lim._fits(reserved + limit - 1):
+        limit = 0  # too large for floats to tell: the locked path decides
+    return limit
 
 
 def _wait(lim: RateLimiter, kind: str, n: int, can: Any, timeout: float | None) -> None:
@@ -392,7 +386,8 @@ def _wait(lim: RateLimiter, kind: str, n: int, can: Any, timeout: float | None) 
     limit = lim.timeout_s if timeout is _DEFAULT else timeout
     if lim._closed:
         raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
-    lim._waiters += 1  # before the fold: a gated insert from now on wakes us
+    lim._waiters += 1  # before the fold: an insert of a lease from now on wakes us
+    lim._leases.set_wake(True)
     try:
         lim._fold()
         if not lim._enabled or can():
@@ -415,6 +410,8 @@ def _wait(lim: RateLimiter, kind: str, n: int, can: Any, timeout: float | None) 
             lim._wait_s[kind] += time.monotonic() - start
     finally:
         lim._waiters -= 1
+        if not lim._waiters:
+            lim._leases.set_wake(False)
 
 
 def _check_band(spi: float, min_diff: float, max_diff: float) -> None:
@@ -498,12 +495,14 @@ class LimiterSlot:
     `sampling(n)` is a context manager: it waits until the limiter lets `n` samples
     through, runs the body, and gives the count back if the body raises (a refused call was
     never a sample). With no limiter it costs nothing. Inserts (`ReplayStore.add`, one per
-    env step) call `limiter.await_insert` and `cancel_insert` themselves: a context manager
-    is a measurable share of an `add`.
+    env step) are the store's: it holds `lease` (None with no limiter) and follows the
+    protocol of `mmreplay.admission` under its own lock, written out in `add` (a call is a
+    measurable share of an `add`); `hold` takes a new one on its slow path.
     """
 
     def __init__(self) -> None:
         self.limiter: RateLimiter | None = None
+        self.lease: Lease | None = None  # the holder's: under the store's lock only
 
     def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
                inserts: int, capacity: int) -> None:
@@ -516,6 +515,13 @@ class LimiterSlot:
                     f"capacity {capacity}: samples would wait forever")
             limiter.attach(saved, inserts=inserts)
         self.limiter = limiter
+        self.lease = None if limiter is None else NO_LEASE
+
+    def hold(self, limiter: RateLimiter, lease: Lease) -> None:
+        """Under the holder's lock: use `lease` from now on if `limiter` is still the one
+        held (else it is left unused: the limiter drops it when it revokes it)."""
+        if self.limiter is limiter:
+            self.lease = lease
 
     def state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The limiter's counters if one is held, else the committed ones (`saved`)."""

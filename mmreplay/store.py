@@ -231,20 +231,31 @@ class ReplayStore(BucketMethods):
         then has a leading ``len(env_ids)`` dimension, the other envs wait). Autoreset rule:
         README. `extras` (``{name: array}``, the declared ones) belong to this step, like
         `action`. With a rate limiter, waits first until the learners let these steps in."""
-        limiter, steps = self._limits.limiter, self.spec.num_envs  # the hot path: no calls
-        if limiter is not None:
-            if env_ids is not None or autoreset is not None:  # fewer steps than envs
-                steps = _steps(steps, env_ids, autoreset)
-            limiter.await_insert(steps)
-        try:
-            with self._lock:
+        limits, steps = self._limits, self.spec.num_envs  # the hot path: no calls
+        if limits.limiter is not None and (env_ids is not None or autoreset is not None):
+            steps = _steps(steps, env_ids, autoreset)  # fewer steps than envs
+        with self._lock:
+            lease = limits.lease  # the rate limiter's lease (`mmreplay.admission`)
+            if lease is None:  # no rate limiter
                 _check_writable(self, "add")
-                self._recorder.add(action, reward, next_obs, terminated, truncated, autoreset,
-                                   env_ids, extras)
-        except BaseException:
-            if limiter is not None:
-                limiter.cancel_insert(steps)  # refused: these steps were never inserts
-            raise
+                self._recorder.add(action, reward, next_obs, terminated, truncated,
+                                   autoreset, env_ids, extras)
+                return
+            lease.busy = True
+            if lease.used + steps <= lease.limit:  # admitted without the limiter's lock
+                try:
+                    _check_writable(self, "add")
+                    self._recorder.add(action, reward, next_obs, terminated, truncated,
+                                       autoreset, env_ids, extras)
+                    lease.used += steps  # counted once recorded: a refused add never is
+                finally:
+                    lease.busy = False
+                if lease.wake:  # someone waits on the limiter
+                    limits.limiter.settle()
+                return
+            lease.busy = False  # spent or revoked: the limiter's lock decides
+        step = (action, reward, next_obs, terminated, truncated, autoreset, env_ids, extras)
+        _add_waited(self, limits.limiter, steps, step)
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -337,9 +348,8 @@ class ReplayStore(BucketMethods):
                       period: int = 1) -> SequenceBatch:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
-        wanted = validate.transition_ids(ids)
         key = sequence_key(self.spec, length, cross_episodes, period)
-        return _sequence_batch(self._sequences.get(key, wanted))
+        return _sequence_batch(self._sequences.get(key, validate.transition_ids(ids)))
 
     @_locked
     def sequence_starts(self, length: int, *, cross_episodes: bool = False,
@@ -378,11 +388,7 @@ class ReplayStore(BucketMethods):
     @_locked
     def counts(self) -> StoreCounts:
         """How much the store has seen and holds now."""
-        ring = self._ring
-        return StoreCounts(
-            frames_written=int(ring.written.sum()),
-            frames_kept=int((ring.written - ring.oldest).sum()),
-            transitions=ring.next_id, episodes=ring.next_episode, sampleable=len(self))
+        return _counts(self)
 
     # -- for tools, besides the read-only `views` --------------------------------------
     @_locked
@@ -403,11 +409,7 @@ class ReplayStore(BucketMethods):
 
     def flush(self, *, wait_mirror: bool = False) -> None:
         """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
-        with self._lock:
-            _check_writable(self, "flush")
-            _commit(self)
-        if self.mirror is not None:
-            self.mirror.notify(self.generation, wait=wait_mirror)
+        _flush(self, wait_mirror)
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
@@ -515,6 +517,22 @@ def _commit(store: ReplayStore) -> None:
     store._priorities.dirty.clear()
 
 
+def _counts(store: ReplayStore) -> StoreCounts:
+    ring = store._ring
+    return StoreCounts(frames_written=int(ring.written.sum()),
+                       frames_kept=int((ring.written - ring.oldest).sum()),
+                       transitions=ring.next_id, episodes=ring.next_episode,
+                       sampleable=len(store))
+
+
+def _flush(store: ReplayStore, wait_mirror: bool) -> None:
+    with store._lock:
+        _check_writable(store, "flush")
+        _commit(store)
+    if store.mirror is not None:
+        store.mirror.notify(store.generation, wait=wait_mirror)
+
+
 def _close(store: ReplayStore) -> None:
     store._limits.close()  # wakes prefetch threads waiting on it
     for it in list(store._prefetchers):
@@ -581,6 +599,28 @@ def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
     """How many steps one `add` brings (what the rate limiter counts as inserts, and what
     `cancel_insert` takes back if the add is refused): its env rows less autoreset rows."""
     return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
+
+
+def _add_waited(store: ReplayStore, limiter: Any, steps: int,
+                step: tuple[Any, ...]) -> None:
+    """`add` once `limiter` let these steps in under its lock (counted there, taken back
+    if the store refuses them); the store holds a new lease from then on. (None: the
+    limiter was taken away meanwhile, so the step goes in unlimited.)"""
+    if limiter is None:
+        with store._lock:
+            _check_writable(store, "add")
+            store._recorder.add(*step)
+        return
+    limiter.await_insert(steps)
+    try:
+        lease = limiter.lease(store.spec.num_envs)
+        with store._lock:
+            store._limits.hold(limiter, lease)
+            _check_writable(store, "add")
+            store._recorder.add(*step)
+    except BaseException:
+        limiter.cancel_insert(steps)  # refused: these steps were never inserts
+        raise
 
 
 def _set_rate_limiter(store: ReplayStore, limiter: RateLimiter | None) -> None:

@@ -13,10 +13,10 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    `RemoteBatches` from it; the limiter lives in the store actor and records the lowest and
    highest error after every admission (`error_low`, `error_high`).
 3. Overhead: `add` steps/s and `sample` batches/s without a limiter and with one that never
-   blocks (`RateLimiter.min_size(1)`, an endless gate; and a ratio band too wide to reach,
-   a finite gate: both admit inserts by ticket, without the lock), on one store whose
-   limiter is switched on and off chunk by chunk (alternated, so the machine's drift falls
-   on every arm). Sections 3 and 4 add real Breakout frames (`ale_frames`).
+   blocks (`RateLimiter.min_size(1)`, an endless lease; and a ratio band too wide to
+   reach, a finite lease: both admit inserts inside `add`, without the limiter's lock), on
+   one store whose limiter is switched on and off chunk by chunk (alternated, so the
+   machine's drift falls on every arm). Sections 3 and 4 add real Breakout frames (`ale_frames`).
 4. Per call (`--sections percall`): each `add` timed alone, arms (none, `min_size(1)`, the
    wide band) alternated in chunks of 50 calls, percentiles per arm. Low percentiles leave
    out the calls that compress a chunk and the machine's stalls: the admission's own cost
@@ -159,8 +159,8 @@ def natural_rates(args: Args, root: Path) -> dict[str, float]:
     return {"env_steps_per_s": env, "learner_samples_per_s": learner}
 
 
-# "with": `RateLimiter.min_size(1)` (no upper edge: an endless gate);
-# "with_band": a ratio band far wider than the run (a finite gate, never exhausted);
+# "with": `RateLimiter.min_size(1)` (no upper edge: an endless lease);
+# "with_band": a ratio band far wider than the run (a finite lease, never spent);
 # "without_again": the noise floor (A/A)
 ARMS = ("without", "with", "with_band", "without_again")
 
@@ -177,7 +177,7 @@ def overhead(args: Args, root: Path) -> dict[str, Any]:
     store = make_store(root / "o", None)
     limiters = {"with": RateLimiter.min_size(1),
                 "with_band": RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)}
-    adds_per_chunk, batches_per_chunk = 173, 10  # 173: prime, unaligned with frame chunks
+    adds_per_chunk, batches_per_chunk = 173, 29  # primes: unaligned with frame chunks
     adds_per_s(store, pool, 3000)  # warm up (and enough steps to sample)
     chunks: dict[tuple[str, str], list[float]] = {}
     for what, count in (("add", adds_per_chunk), ("sample", batches_per_chunk)):
@@ -248,35 +248,24 @@ def per_call(args: Args, root: Path) -> dict[str, Any]:
 
 
 def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
-    """What admission costs per call with a limiter that admits at once, less what it
-    costs without one (best of 15 repeats: steadier than the rates above on a shared
-    machine), against the time of one `add` and one `sample`. Inserts: what `add` does
-    (`await_insert` on the slot's limiter, if any); samples: the `LimiterSlot.sampling`
-    context manager that `sample` enters."""
-    with_limiter, with_band, without = LimiterSlot(), LimiterSlot(), LimiterSlot()
+    """What admitting a sample costs per batch with a limiter that admits at once, less
+    what it costs without one (best of 15 repeats: steadier than the rates above on a
+    shared machine), against the time of one `sample`: the `LimiterSlot.sampling` context
+    manager that `sample` enters. (An insert's admission is the store's own lease check
+    inside `add`: `per_call` times it there.)"""
+    with_limiter, without = LimiterSlot(), LimiterSlot()
     with_limiter.limiter = RateLimiter.min_size(1)
-    with_band.limiter = RateLimiter.sample_to_insert_ratio(1.0, 1, 1e12)
-
-    def insert(slot: LimiterSlot) -> None:
-        limiter = slot.limiter
-        if limiter is not None:
-            limiter.await_insert(1)
 
     def sample(slot: LimiterSlot) -> None:
         with slot.sampling(args.batch_size):
             pass
 
-    def cost(call: Any, slot: LimiterSlot) -> float:
+    def cost(slot: LimiterSlot) -> float:
         calls = 50_000
-        return min(timeit.repeat(lambda: call(slot), number=calls, repeat=15)) / calls
+        return min(timeit.repeat(lambda: sample(slot), number=calls, repeat=15)) / calls
 
-    insert_s = cost(insert, with_limiter) - cost(insert, without)
-    band_s = cost(insert, with_band) - cost(insert, without)
-    sample_s = cost(sample, with_limiter) - cost(sample, without)
-    return {"admit_insert_us": insert_s * 1e6, "admit_insert_us_band": band_s * 1e6,
-            "admit_sample_us": sample_s * 1e6,
-            "admit_insert_share_of_add": insert_s * rates["ingest_steps_per_s_without"],
-            "admit_insert_share_of_add_band": band_s * rates["ingest_steps_per_s_without"],
+    sample_s = cost(with_limiter) - cost(without)
+    return {"admit_sample_us": sample_s * 1e6,
             "admit_sample_share_of_batch": sample_s * rates["learner_batches_per_s_without"]}
 
 
