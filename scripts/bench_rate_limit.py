@@ -255,6 +255,7 @@ def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
     inside `add`: `per_call` times it there.)"""
     with_limiter, without = LimiterSlot(), LimiterSlot()
     with_limiter.limiter = RateLimiter.min_size(1)
+    with_limiter.limiter.await_insert(1)  # min size: samples go from here
 
     def sample(slot: LimiterSlot) -> None:
         with slot.sampling(args.batch_size):
