@@ -87,17 +87,12 @@ class Leases:
         steps, kept = 0, []
         for lease in self.revoked:
             busy = lease.busy  # before `used`: the holder counts, then is done
-            used = lease.used
-            steps += used - lease.folded
-            lease.folded = used
+            steps += _fold(lease)
             if busy:
                 kept.append(lease)
         self.revoked = kept
-        live = self.live
-        if live is not None:
-            used = live.used
-            steps += used - live.folded
-            live.folded = used
+        if self.live is not None:
+            steps += _fold(self.live)
         return steps
 
     def set_wake(self, wake: bool) -> None:
@@ -113,3 +108,10 @@ class Leases:
             assert lease.limit == REVOKED and 0 <= lease.folded <= lease.used
         live = self.live
         assert live is None or 0 <= live.folded <= live.used <= max(live.limit, 0)
+
+
+def _fold(lease: Lease) -> int:
+    """The steps `lease`'s holder counted since its last fold (now folded)."""
+    used = lease.used
+    steps, lease.folded = used - lease.folded, used
+    return steps

@@ -254,8 +254,9 @@ class ReplayStore(BucketMethods):
                     limits.limiter.settle()
                 return
             lease.busy = False  # spent or revoked: the limiter's lock decides
+            limiter = limits.limiter  # held with the lease (both set under this lock)
         step = (action, reward, next_obs, terminated, truncated, autoreset, env_ids, extras)
-        _add_waited(self, limits.limiter, steps, step)
+        _add_waited(self, limiter, steps, step)
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -601,16 +602,10 @@ def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
     return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
 
 
-def _add_waited(store: ReplayStore, limiter: Any, steps: int,
+def _add_waited(store: ReplayStore, limiter: RateLimiter, steps: int,
                 step: tuple[Any, ...]) -> None:
     """`add` once `limiter` let these steps in under its lock (counted there, taken back
-    if the store refuses them); the store holds a new lease from then on. (None: the
-    limiter was taken away meanwhile, so the step goes in unlimited.)"""
-    if limiter is None:
-        with store._lock:
-            _check_writable(store, "add")
-            store._recorder.add(*step)
-        return
+    if the store refuses them); the store holds a new lease from then on."""
     limiter.await_insert(steps)
     try:
         lease = limiter.lease(store.spec.num_envs)
