@@ -38,8 +38,9 @@ class Priorities:
     def __init__(self, spec: StoreSpec, sampler: Sampler) -> None:
         self.spec = spec
         self.sampler = None if spec.sampler == "uniform" else cast(PrioritySampler, sampler)
-        self.dirty: set[int] = set()  # step blocks whose priorities changed since the commit
-        # ... and those a compiled update marked (folded into `dirty` by `commit_fields`)
+        # step blocks whose priorities changed since the commit: every write marks them in
+        # `marks` (a compiled update there too), `commit_fields` moves them into `dirty`
+        self.dirty: set[int] = set()
         blocks = -(-spec.slots_per_env // spec.block_slots)
         self.marks = SlotMarks(np.zeros(blocks, np.bool_), spec.slots_per_env, spec.block_slots)
         self.listeners: list[Listener] = []  # told (flat, values) of every write
@@ -86,8 +87,7 @@ class Priorities:
         """Tell the listeners, and mark the step blocks for the next commit."""
         for listener in self.listeners:
             listener(flat, values)
-        blocks = flat % self.spec.slots_per_env // self.spec.block_slots
-        self.dirty.update(blocks.tolist())
+        self.marks.mask[flat % self.spec.slots_per_env // self.spec.block_slots] = True
 
     def of_starts(self, flat: np.ndarray) -> np.ndarray:
         """The priorities of these step slots (what sequence starts take)."""

@@ -108,6 +108,7 @@ def test_priorities_survive_reopen_and_resume_exactly(tmp_path, sampler):
 
     def run(store, reopen_at: int | None):
         record(store, 40, done_every=13)
+        store.flush()  # from here only the updates change step blocks
         drawn = []
         for step in range(6):
             if step == reopen_at:
