@@ -74,7 +74,7 @@ _blosc_decompress: Any = types.ExternalFunction(
 _lz4_decompress_partial: Any = types.ExternalFunction(
     "LZ4_decompress_safe_partial",
     types.int32(types.int64, types.int64, types.int32, types.int32, types.int32))
-_memcpy: Any = types.ExternalFunction("memcpy", types.int64(types.int64, types.int64, types.intp))
+memcpy: Any = types.ExternalFunction("memcpy", types.int64(types.int64, types.int64, types.intp))
 _zstd_content_size: Any = types.ExternalFunction(
     "ZSTD_getFrameContentSize", types.uint64(types.int64, types.intp))
 _zstd_create_dctx: Any = types.ExternalFunction("ZSTD_createDCtx", types.int64())
@@ -139,7 +139,7 @@ def _lz4_prefix(src: int, payload: int, dst: int, n: int, need: int) -> int:
     if flags & 0x02:  # the chunk was stored as it is, after the header
         if payload < BLOSC_HEADER + n:
             return NO_DECODE
-        _memcpy(dst, src + BLOSC_HEADER, need)
+        memcpy(dst, src + BLOSC_HEADER, need)
         return OK
     if (typesize != 1 or flags & 0x05 or flags >> 5 != 1 or _u32_at(src + 8) < n
             or payload < BLOSC_HEADER + 8):
@@ -151,15 +151,17 @@ def _lz4_prefix(src: int, payload: int, dst: int, n: int, need: int) -> int:
     if stream < 1 or start + 4 + stream > payload:
         return NO_DECODE
     if stream == n:  # the block was stored as it is
-        _memcpy(dst, src + start + 4, need)
+        memcpy(dst, src + start + 4, need)
         return OK
     got = _lz4_decompress_partial(src + start + 4, dst, stream, need, n)
     return OK if got >= need else NO_DECODE
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode_one(src: int, size: int, dst: int, n: int, codec: int, dctx: int,
-                ddict: int, need: int) -> int:
+def decode_one(src: int, size: int, dst: int, n: int, codec: int, dctx: int,
+               ddict: int, need: int) -> int:
+    """Decode one chunk (`size` bytes at address `src`) into the `n` bytes at `dst`, the
+    first `need` of them at least (lz4); its status. The other kernels' one decode."""
     payload = size - 4
     if payload < (BLOSC_HEADER if codec == LZ4 else 1):
         return TOO_SHORT
@@ -197,7 +199,7 @@ def decode_chunks(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: np.
     own = dctx == 0 and codec != LZ4 and src.size > 0
     ctx = _zstd_create_dctx() if own else dctx
     for i in range(src.size):
-        status[i] = _decode_one(src[i], size[i], base + dest[i] * n, n, codec, ctx, ddict, n)
+        status[i] = decode_one(src[i], size[i], base + dest[i] * n, n, codec, ctx, ddict, n)
     if own and ctx != 0:
         _zstd_free_dctx(ctx)
     return status
@@ -222,7 +224,7 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
     status = np.empty(src.size, np.int32)
     base = rows.ctypes.data
     for i in range(src.size):
-        status[i] = _decode_one(src[i], size[i], base + dest[i] * n, n, LZ4, 0, 0,
+        status[i] = decode_one(src[i], size[i], base + dest[i] * n, n, LZ4, 0, 0,
                                 need[dest[i]])
     return status
 
@@ -472,7 +474,7 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_key
             stop += 1
         first = order[start]
         if key < disk_keys:
-            status = _decode_one(where[first], length[first], scratch.ctypes.data,
+            status = decode_one(where[first], length[first], scratch.ctypes.data,
                                  scratch.size, LZ4, 0, 0, (last + 1) * fb)
             if status != OK:
                 failed[0] = first
@@ -487,7 +489,7 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_key
             if base == 0:
                 out[i, :] = 0
             else:
-                _memcpy(out.ctypes.data + i * fb, base + offset[i] * fb, fb)
+                memcpy(out.ctypes.data + i * fb, base + offset[i] * fb, fb)
         start = stop
     return OK
 

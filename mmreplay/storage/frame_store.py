@@ -208,6 +208,9 @@ class FrameStore:
         # `_read_one_pass`: chunks come from mapped files or the writer's RAM, none kept decoded
         self._one_pass = (sharded and self._codec.lz4 and self._table is None
                           and fetch is None and cache_bytes < self._codec.nbytes)
+        # `_read_table_one_call`: the same, through the table (chunks decoded whole, kept)
+        self._table_one_call = (sharded and self._codec.lz4 and self._table is not None
+                                and fetch is None)
         if sharded:
             self._shards = ShardFiles(self._dir_str, self._key_suffix, spec.shard_chunks,
                                       self._max_bytes, num_envs=spec.num_envs,
@@ -381,7 +384,8 @@ class FrameStore:
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
         if self._table is not None or self._one_pass:
-            read = _read_table if self._table is not None else _read_one_pass
+            read = (_read_table_one_call if self._table_one_call else
+                    _read_table if self._table is not None else _read_one_pass)
             return read(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
@@ -391,7 +395,7 @@ class FrameStore:
         unique = keys[:count]
         table = np.empty((count, self._chunk_len, *self.spec.obs_shape), self.spec.obs_dtype)
         rows = table.reshape(count, -1).view(np.uint8)
-        on_disk = self._fill_from_ram(unique, table)
+        on_disk = _fill_from_ram(self, unique, table)
         if on_disk.size:
             self._decode(unique[on_disk], on_disk, rows, rows_of)
         frame_bytes = self._codec.nbytes // self._chunk_len
@@ -401,24 +405,6 @@ class FrameStore:
         dest = out[:size].reshape(flat.size, frame_bytes)
         compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
-
-    def _fill_from_ram(self, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
-        """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
-        the rows left to decode from disk. `unique` is sorted (`chunk_plan`): chunks on
-        disk first, then the tails and the zero chunk."""
-        tails = self.spec.num_envs * self.num_chunks
-        on_disk = int(np.searchsorted(unique, tails))
-        for i in range(on_disk, unique.size):
-            k = int(unique[i]) - tails
-            table[i] = self.tail[k] if k < self.spec.num_envs else 0
-        found = []
-        for i in _maybe_in_ram(self, unique[:on_disk]):
-            chunk = _in_ram(self, *divmod(int(unique[i]), self.num_chunks))
-            if chunk is not None:
-                table[i] = chunk
-                found.append(i)
-        disk = np.arange(on_disk)
-        return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
                 frame_rows: np.ndarray | None = None) -> None:
@@ -488,6 +474,25 @@ def append_run(fs: FrameStore, env: int, slot: int, frames: np.ndarray) -> None:
                 error = error or exc
     if error is not None:
         raise error
+
+
+def _fill_from_ram(fs: FrameStore, unique: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Fill the table rows of tails, the zero chunk and chunks held in RAM; returns
+    the rows left to decode from disk. `unique` is sorted (`chunk_plan`): chunks on
+    disk first, then the tails and the zero chunk."""
+    tails = fs.spec.num_envs * fs.num_chunks
+    on_disk = int(np.searchsorted(unique, tails))
+    for i in range(on_disk, unique.size):
+        k = int(unique[i]) - tails
+        table[i] = fs.tail[k] if k < fs.spec.num_envs else 0
+    found = []
+    for i in _maybe_in_ram(fs, unique[:on_disk]):
+        chunk = _in_ram(fs, *divmod(int(unique[i]), fs.num_chunks))
+        if chunk is not None:
+            table[i] = chunk
+            found.append(i)
+    disk = np.arange(on_disk)
+    return np.setdiff1d(disk, found, assume_unique=True) if found else disk
 
 
 def _address(data: bytes) -> int:
@@ -589,6 +594,39 @@ def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> 
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
     if status:
         _raise_damaged(fs, int(flat[missing[0]]), -int(status))
+    return dest
+
+
+def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
+                         ) -> np.ndarray:
+    """`read` of an lz4 store of shard files through the table, in one compiled call
+    (`table_read`): each frame's source; the chunks the table lacks decoded whole from the
+    writer's RAM or their mapped file straight into their rows (files not mapped yet are
+    mapped and the call made again); one gather. Returns ``(flat.size, frame_bytes)``
+    uint8."""
+    shards, writer, table = fs._shards, fs._shard_writer, fs._table
+    assert shards is not None and table is not None
+    ram_src, ram_size = (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src,
+                                                                   writer.ram_size)
+    frame_bytes = fs._tail_rows.shape[1]
+    size = flat.size * frame_bytes
+    if out is None or out.size < size:
+        out = np.empty(size, np.uint8)
+    dest = out[:size].reshape(flat.size, frame_bytes)
+    sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    rows, kernel = table.rows, tables().table_read
+    while True:
+        mapped = shards.read_state()
+        status = kernel(flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot,
+                        fs.tail_fill, fs._tail_rows, rows, table.loaded, mapped.src,
+                        mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
+                        mapped.shard_chunks, sources, dest, missing)
+        if status <= 0:
+            break
+        shards.addresses(missing[:status])  # maps their files, or raises if one is absent
+    if status:
+        env, chunk = divmod(int(missing[0]), fs.num_chunks)
+        _raise_damaged(fs, env * fs.spec.slots_per_env + chunk * fs._chunk_len, -int(status))
     return dest
 
 

@@ -1,0 +1,156 @@
+"""Reads through the table of decoded chunks (`storage.chunk_table`) against reads with no
+cache: the one-call table read of lz4 shard stores (`table_kernels.table_read`) and its
+paths: chunks decoded from mapped files, from files not mapped yet, from a finished chunk
+still in the writer's RAM, RAM tails, the zero frame, wraparound, a damaged chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import numbered_frame
+
+from mmreplay import ReplayStore, UnknownIdError
+from mmreplay.errors import InvalidStoreError
+from mmreplay.spec import make_spec
+from mmreplay.storage.frame_store import FrameStore, create_frames_array
+
+SHAPE = (3, 2)
+
+
+def _stores(tmp_path, slots: int, envs: int = 2):
+    spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=SHAPE, chunk_frames=2,
+                     shard_chunks=3)
+    create_frames_array(tmp_path, spec)
+    (tmp_path / "tmp").mkdir()
+    writer = FrameStore(tmp_path, spec, writable=True, cache_bytes=1 << 30)
+    assert writer._table is not None and writer._table_one_call
+    return spec, writer
+
+
+def _slots(rng, fs, written, slots, envs=2, n=40):
+    """Random flat slots (and -1) that hold a written frame."""
+    out = []
+    for _ in range(n):
+        env = int(rng.integers(envs))
+        top = slots if written[env] else int(fs.next_slot[env])
+        out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
+    return np.array(out, np.int64)
+
+
+@pytest.mark.parametrize("slots", [13, 16])
+def test_table_read_matches_the_frames_written(tmp_path, slots):
+    """Random reads beside the writer through its table return the frames last written at
+    each slot, also when the table forgot what it held (its chunks come back from the
+    writer's RAM, pending in a shard not written yet, or from their files, mapped or not),
+    over several laps of the ring; a read-only table reader and a reader with no cache
+    read the same after it."""
+    spec, fs = _stores(tmp_path, slots)
+    rng = np.random.default_rng(slots)
+    shadow = np.zeros((2, slots, *SHAPE), np.uint8)
+    written = np.zeros(2, bool)
+    from_ram = 0
+    for step in range(6 * slots):
+        env = int(rng.integers(2))
+        slot = int(fs.next_slot[env])
+        frame = rng.integers(1, 255, (1, *SHAPE), dtype=np.uint8)
+        fs.append(np.array([env]), np.array([slot]), frame)
+        shadow[env, slot] = frame[0]
+        written[env] |= slot == slots - 1
+        if step % 11 == 0:
+            fs.drain()
+        if rng.random() < 0.4:  # every chunk read again from RAM or its file
+            fs._table.loaded[:] = False
+            from_ram += int(np.count_nonzero(fs._shard_writer.ram_src))
+        if rng.random() < 0.3:
+            fs.forget_shard(int(rng.integers(2)), int(rng.integers(-(-slots // 6))))
+        flat = _slots(rng, fs, written, slots)
+        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
+        assert np.array_equal(fs.read(flat), want)
+    assert from_ram  # some reads took chunks from the writer's RAM
+    fs.drain()
+    table = FrameStore(tmp_path, spec, writable=False, cache_bytes=1 << 30)
+    plain = FrameStore(tmp_path, spec, writable=False, cache_bytes=0)
+    assert table._table_one_call and plain._one_pass
+    for reader in (table, plain):
+        reader.load_tail(fs.tail_frames(), fs.next_slot)
+    for _ in range(20):
+        flat = _slots(rng, fs, written, slots)
+        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
+        assert np.array_equal(table.read(flat), want)
+        assert np.array_equal(plain.read(flat), want)
+    assert table.cache_stats().chunks == int(np.count_nonzero(table._table.loaded)) > 0
+
+
+def test_table_read_of_many_chunks_and_shapes(tmp_path):
+    """Reads of any shape, with repeats, touching every chunk at once, and into `out`."""
+    spec, fs = _stores(tmp_path, 16)
+    for t in range(40):
+        env = t % 2
+        fs.append(np.array([env]), np.array([fs.next_slot[env]]),
+                  np.full((1, *SHAPE), t + 1, np.uint8))
+    fs.drain()
+    reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=1 << 30)
+    plain = FrameStore(tmp_path, spec, writable=False, cache_bytes=0)
+    for r in (reader, plain):
+        r.load_tail(fs.tail_frames(), fs.next_slot)
+    flat = np.concatenate([np.arange(32), np.arange(32)[::-1], [-1, -1]]).reshape(2, 3, 11)
+    out = np.full(flat.size * 6 + 5, 7, np.uint8)
+    got = reader.read(flat, out=out)
+    assert got.shape == (2, 3, 11, *SHAPE) and np.shares_memory(got, out)
+    assert np.array_equal(got, plain.read(flat))
+    assert np.array_equal(reader.read(flat), plain.read(flat))  # now all from the table
+
+
+def test_table_read_reports_a_damaged_chunk_as_the_default_read_does(tmp_path):
+    spec, fs = _stores(tmp_path, 12, envs=1)
+    for slot in range(12):
+        fs.append(np.array([0]), np.array([slot]), np.full((1, *SHAPE), slot + 1, np.uint8))
+    fs.drain()
+    path = fs.file_path(0, 0)
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0xFF  # inside the first chunk's bytes
+    path.write_bytes(bytes(data))
+    messages = []
+    for cache in (1 << 30, 0):
+        reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
+        with pytest.raises(InvalidStoreError, match="crc32c") as info:
+            reader.read(np.array([7, 1], np.int64))
+        messages.append(str(info.value))
+        assert np.array_equal(reader.read(np.array([7], np.int64))[0], np.full(SHAPE, 8))
+        with pytest.raises(InvalidStoreError, match="crc32c"):  # not kept as loaded
+            reader.read(np.array([0], np.int64))
+    assert messages[0] == messages[1]
+
+
+def test_a_table_reader_beside_a_writer_that_wraps_reads_each_id_s_frames(tmp_path):
+    """A read-only store with the whole ring decoded in RAM, beside a writer that laps the
+    ring and flushes: every transition it returns has its own frames (or is refused)."""
+    kw = dict(capacity=60, obs_shape=(8,), frame_stack=1, seed=0, chunk_frames=4,
+              shard_chunks=3)
+    writer = ReplayStore.create(tmp_path / "s", cache_bytes=0, **kw)
+    writer.reset(numbered_frame(0, (8,)))
+    t = 0
+    checked = 0
+    reader = None
+    for lap in range(5):
+        for _ in range(25):
+            t += 1
+            writer.add(0, float(t), numbered_frame(t, (8,)), False, False)
+        writer.flush()
+        if reader is None:
+            reader = ReplayStore.open(tmp_path / "s", "r", cache_bytes=1 << 30)
+            assert reader._frames._table_one_call
+        for _ in range(3):
+            try:
+                batch = reader.get(reader.valid_ids())
+            except UnknownIdError:
+                continue
+            ids = batch.ids.numpy()
+            first = batch.obs.numpy().reshape(ids.size, -1)[:, :4].copy().view("<u4").reshape(-1)
+            assert np.array_equal(first, ids)
+            checked += ids.size
+        reader.close()
+        reader = ReplayStore.open(tmp_path / "s", "r", cache_bytes=1 << 30)
+    assert checked
+    reader.close()
+    writer.close()
