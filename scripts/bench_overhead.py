@@ -18,6 +18,11 @@ imports mmreplay from that tree and measures, in that one process:
     uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
             ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
             index of 32 five-frame windows from an in-RAM array of the same frames
+
+per and uniform also time a copy of the same store opened with a decoded-chunk cache that
+holds the whole store (``mmreplay_decoded_in_ram``: every frame decoded in RAM, as cpprb keeps
+them), warmed before timing (every chunk read once), in the same interleaved run; its
+``cache_bytes``, warm-up seconds and RSS growth are recorded beside cpprb's RSS growth.
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
@@ -108,6 +113,40 @@ def with_ratios(figures: dict[str, dict[str, float]], baseline: str) -> dict[str
             for name, f in figures.items()}
 
 
+def rss_bytes() -> int:
+    """This process's resident set now (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def decoded_in_ram(path: str) -> tuple[Any, dict[str, Any]]:
+    """A copy of the closed store at `path`, opened with a decoded-chunk cache holding all of
+    it and warmed (every chunk read once through `get`); and what that cost."""
+    import shutil
+
+    from mmreplay import ReplayStore
+
+    shutil.copytree(path, path + "-decoded")
+    before = rss_bytes()
+    store = ReplayStore.open(path + "-decoded")
+    spec = store.spec
+    cache_bytes = spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
+    store.close()
+    store = ReplayStore.open(path + "-decoded", cache_bytes=cache_bytes)
+    begin = time.perf_counter()
+    ids = store.valid_ids()[::spec.chunk_frames]  # a transition in every chunk
+    for lo in range(0, ids.size, 512):
+        store.get(ids[lo:lo + 512])
+    warm_s = time.perf_counter() - begin
+    cache = store.views.memory().cache
+    return store, {"cache_bytes": cache_bytes, "warm_up_s": warm_s,
+                   "cached_chunks": cache.chunks, "cached_bytes": cache.nbytes,
+                   "rss_growth_bytes": rss_bytes() - before}
+
+
 # -- sb3: small observations -------------------------------------------------------------------
 def sb3_section(args: Args) -> dict[str, Any]:
     from gymnasium import spaces
@@ -196,6 +235,10 @@ def per_section(args: Args) -> dict[str, Any]:
     store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
                                seed=args.seed, sampler="prioritized", alpha=0.6)
     feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
+    store.close()
+    decoded, decoded_info = decoded_in_ram(path)
+    store = ReplayStore.open(path)
+    before = rss_bytes()
     rb: Any = PrioritizedReplayBuffer(
         args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
                       "act": {"dtype": np.int64}, "rew": {}, "done": {}},
@@ -205,22 +248,26 @@ def per_section(args: Args) -> dict[str, Any]:
             rb.on_episode_end()
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
+    cpprb_rss = rss_bytes() - before
     new = rng.random((args.reps, 32))
 
-    def ours(i: int) -> None:
-        store.update_priorities(store.sample(32, beta=0.4).ids, new[i])
+    def ours(buf: Any) -> Callable[[int], None]:
+        return lambda i: buf.update_priorities(buf.sample(32, beta=0.4).ids, new[i])
 
     def cpprb(i: int) -> None:
         rb.update_priorities(rb.sample(32, beta=0.4)["indexes"], new[i])
 
     for i in range(min(args.warmup, args.reps)):
-        ours(i), cpprb(i)
+        ours(store)(i), ours(decoded)(i), cpprb(i)
 
-    both = interleaved({"mmreplay_ReplayStore": ours, "cpprb_PrioritizedReplayBuffer": cpprb},
-                       args.reps, args.block)
+    both = interleaved({"mmreplay_ReplayStore": ours(store),
+                        "mmreplay_decoded_in_ram": ours(decoded),
+                        "cpprb_PrioritizedReplayBuffer": cpprb}, args.reps, args.block)
     sample = interleaved({"mmreplay_ReplayStore": lambda i: store.sample(32, beta=0.4),
+                          "mmreplay_decoded_in_ram": lambda i: decoded.sample(32, beta=0.4),
                           "cpprb_PrioritizedReplayBuffer": lambda i: rb.sample(32, beta=0.4)},
                          args.reps, args.block)
+    decoded.close()
     drawn = [store.sample(32).ids for _ in range(args.reps)]
     indexes = [rb.sample(32)["indexes"] for _ in range(args.reps)]
     update = interleaved({
@@ -231,6 +278,7 @@ def per_section(args: Args) -> dict[str, Any]:
     return {"sample32_plus_update32": with_ratios(both, "cpprb_PrioritizedReplayBuffer"),
             "sample32": with_ratios(sample, "cpprb_PrioritizedReplayBuffer"),
             "update32": with_ratios(update, "cpprb_PrioritizedReplayBuffer"),
+            "decoded_in_ram": decoded_info, "cpprb_rss_growth_bytes": cpprb_rss,
             "frames": args.frames}
 
 
@@ -247,24 +295,33 @@ def uniform_section(args: Args) -> dict[str, Any]:
     store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
                                seed=args.seed)
     feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
-    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32)}
-    sample = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's array
+    store.close()
+    decoded, decoded_info = decoded_in_ram(path)
+    store = ReplayStore.open(path)
+    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32),
+            "mmreplay_decoded_in_ram": lambda i: decoded.sample(32)}
+    sample, cpprb_rss = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's
+    decoded.close()  # its RAM back too
+    del ours["mmreplay_decoded_in_ram"]
     frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
     rng = np.random.default_rng(args.seed)
     floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
                         args.reps, args.block)
     store.close()
     return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
-            "sample32_vs_floor": with_ratios(floor, "numpy_floor"), "frames": args.frames}
+            "sample32_vs_floor": with_ratios(floor, "numpy_floor"),
+            "decoded_in_ram": decoded_info, "cpprb_rss_growth_bytes": cpprb_rss,
+            "frames": args.frames}
 
 
 def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], object]]
-                     ) -> dict[str, dict[str, float]]:
+                     ) -> tuple[dict[str, dict[str, float]], int]:
     """`ours` alternated with ``sample(32)`` of cpprb's ``ReplayBuffer`` filled with the same
-    stream (freed on return)."""
+    stream (freed on return); and the RSS growth of filling cpprb's buffer."""
     from benchlib.baselines import stacked_steps
     from cpprb import ReplayBuffer
 
+    before = rss_bytes()
     rb: Any = ReplayBuffer(
         args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
                       "act": {"dtype": np.int64}, "rew": {}, "done": {}},
@@ -274,12 +331,13 @@ def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], objec
             rb.on_episode_end()
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
+    grown = rss_bytes() - before
     for _ in range(args.warmup):
         rb.sample(32)
         for call in ours.values():
             call(0)
     return interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)}, args.reps,
-                       args.block)
+                       args.block), grown
 
 
 # -- dqn: CartPole steps/s through the adapter ---------------------------------------------------
