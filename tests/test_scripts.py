@@ -270,6 +270,12 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     assert "cpprb_PrioritizedReplayBuffer" in tree["per"]["update32"]
     assert tree["uniform"]["sample32_vs_floor"]["numpy_floor"]["ratio_to_numpy_floor"] == 1.0
     assert "cpprb_ReplayBuffer" in tree["uniform"]["sample32"]
+    for section in ("per", "uniform"):  # the whole store decoded in RAM, timed beside cpprb
+        assert "mmreplay_decoded_in_ram" in tree[section]["sample32"]
+        info = tree[section]["decoded_in_ram"]
+        assert info["cache_bytes"] == 2000 * 84 * 84 and info["warm_up_s"] > 0
+        assert info["cached_bytes"] == info["cache_bytes"]  # every chunk read once
+        assert tree[section]["cpprb_rss_growth_bytes"] > 0
 
 
 def test_bench_codec_smoke(tmp_path: Path) -> None:
