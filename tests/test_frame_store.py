@@ -13,7 +13,8 @@ from conftest import new_frame_store
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import make_spec
-from mmreplay.storage.frame_store import ChunkCache, FrameStore, create_frames_array
+from mmreplay.storage.chunk_table import ChunkTable
+from mmreplay.storage.frame_store import FrameStore, create_frames_array
 
 make = partial(new_frame_store, slots=7, chunk=4, envs=2, shard=1, obs_shape=(3, 2))
 """(spec, FrameStore): 7 slots per env, 2 envs, 4-frame chunks, one chunk per shard."""
@@ -100,11 +101,17 @@ def test_no_temp_files_left_after_writes(tmp_path):
 
 
 def test_cache_respects_its_byte_budget():
-    cache = ChunkCache(budget_bytes=250)
+    cache = ChunkTable(num_keys=10, chunk_bytes=100, chunk_frames=4, budget_bytes=250)
+    assert cache.num_rows == 2 and not cache.whole
     for key in range(10):
-        cache.put((0, key), np.zeros(100, np.uint8))
-    assert cache.nbytes <= 250
-    assert cache.get((0, 9)) is not None and cache.get((0, 0)) is None
+        cache.put(key, np.full(100, key, np.uint8))
+    assert cache.held == 2 and (cache.row_of >= 0).sum() == 2
+    assert cache.row_of[9] >= 0 and cache.row_of[0] == -1
+    assert (cache.rows[cache.row_of[9]] == 9).all()
+    whole = ChunkTable(num_keys=10, chunk_bytes=100, chunk_frames=4, budget_bytes=1000)
+    for key in (3, 7, 3):
+        whole.put(key, np.full(100, key, np.uint8))
+    assert whole.whole and whole.held == 2 and whole.row_of[7] == 7
 
 
 def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):

@@ -17,34 +17,48 @@ from mmreplay.storage.frame_store import FrameStore, create_frames_array
 SHAPE = (3, 2)
 
 
-def _stores(tmp_path, slots: int, envs: int = 2):
+CHUNK_BYTES = 2 * 6
+WHOLE, TINY = 1 << 30, 3 * CHUNK_BYTES  # every chunk, or 3 rows evicted by CLOCK
+
+
+def _stores(tmp_path, slots: int, envs: int = 2, cache: int = WHOLE, codec: str = "lz4",
+            shard: int = 3):
     spec = make_spec(capacity=slots * envs, num_envs=envs, obs_shape=SHAPE, chunk_frames=2,
-                     shard_chunks=3)
+                     shard_chunks=shard, codec=codec)
     create_frames_array(tmp_path, spec)
     (tmp_path / "tmp").mkdir()
-    writer = FrameStore(tmp_path, spec, writable=True, cache_bytes=1 << 30)
-    assert writer._table is not None and writer._table_one_call
+    writer = FrameStore(tmp_path, spec, writable=True, cache_bytes=cache)
+    assert writer._table is not None
+    assert writer._table_one_call == (codec == "lz4" and shard > 1)
+    assert writer._table.whole == (cache == WHOLE)
     return spec, writer
 
 
 def _slots(rng, fs, written, slots, envs=2, n=40):
-    """Random flat slots (and -1) that hold a written frame."""
+    """Random flat slots (and -1) that hold a written frame; `n` of them (0: 1 to 8)."""
     out = []
-    for _ in range(n):
+    for _ in range(n or int(rng.integers(1, 9))):
         env = int(rng.integers(envs))
         top = slots if written[env] else int(fs.next_slot[env])
         out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
     return np.array(out, np.int64)
 
 
-@pytest.mark.parametrize("slots", [13, 16])
-def test_table_read_matches_the_frames_written(tmp_path, slots):
-    """Random reads beside the writer through its table return the frames last written at
+CASES = [(13, WHOLE, "lz4", 3), (16, WHOLE, "lz4", 3), (13, TINY, "lz4", 3),
+         (16, TINY, "lz4", 3), (13, TINY, "zstd", 3), (13, TINY, "lz4", 1),
+         (16, WHOLE, "zstd", 1)]
+
+
+@pytest.mark.parametrize(("slots", "cache", "codec", "shard"), CASES)
+def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, shard):
+    """Random reads beside the writer through its cache return the frames last written at
     each slot, also when the table forgot what it held (its chunks come back from the
     writer's RAM, pending in a shard not written yet, or from their files, mapped or not),
-    over several laps of the ring; a read-only table reader and a reader with no cache
-    read the same after it."""
-    spec, fs = _stores(tmp_path, slots)
+    over several laps of the ring, with the whole store in the table or 3 rows evicted by
+    CLOCK (reads of more chunks than that read without keeping); a read-only reader with
+    the same cache and a reader with no cache read the same after it."""
+    spec, fs = _stores(tmp_path, slots, cache=cache, codec=codec, shard=shard)
+    rows = fs._table.num_rows
     rng = np.random.default_rng(slots)
     shadow = np.zeros((2, slots, *SHAPE), np.uint8)
     written = np.zeros(2, bool)
@@ -59,26 +73,42 @@ def test_table_read_matches_the_frames_written(tmp_path, slots):
         if step % 11 == 0:
             fs.drain()
         if rng.random() < 0.4:  # every chunk read again from RAM or its file
-            fs._table.loaded[:] = False
-            from_ram += int(np.count_nonzero(fs._shard_writer.ram_src))
+            fs._table.clear()
+            if fs._shard_writer is not None:
+                from_ram += int(np.count_nonzero(fs._shard_writer.ram_src))
         if rng.random() < 0.3:
             fs.forget_shard(int(rng.integers(2)), int(rng.integers(-(-slots // 6))))
-        flat = _slots(rng, fs, written, slots)
+        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
         want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
         assert np.array_equal(fs.read(flat), want)
-    assert from_ram  # some reads took chunks from the writer's RAM
+        _check_stats(fs, cache, rows)
+    assert from_ram or shard == 1  # some reads took chunks from the writer's RAM
     fs.drain()
-    table = FrameStore(tmp_path, spec, writable=False, cache_bytes=1 << 30)
+    table = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
     plain = FrameStore(tmp_path, spec, writable=False, cache_bytes=0)
-    assert table._table_one_call and plain._one_pass
+    assert plain._table is None
     for reader in (table, plain):
         reader.load_tail(fs.tail_frames(), fs.next_slot)
-    for _ in range(20):
-        flat = _slots(rng, fs, written, slots)
+    kept = 0
+    for _ in range(30):
+        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
         want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
         assert np.array_equal(table.read(flat), want)
         assert np.array_equal(plain.read(flat), want)
-    assert table.cache_stats().chunks == int(np.count_nonzero(table._table.loaded)) > 0
+        kept = max(kept, _check_stats(table, cache, rows))
+    assert kept > 0  # the reader's reads filled its table
+
+
+def _check_stats(fs, cache, rows):
+    """`cache_stats` says what the table holds: its rows' keys, each key's row, no more
+    rows than the budget allows."""
+    table, stats = fs._table, fs.cache_stats()
+    held = np.flatnonzero(table.key_of >= 0)
+    assert stats.chunks == held.size == np.count_nonzero(table.row_of >= 0) <= rows
+    assert stats.nbytes == held.size * CHUNK_BYTES <= max(cache, CHUNK_BYTES)
+    assert stats.budget_bytes == cache
+    assert (table.row_of[table.key_of[held]] == held).all()
+    return stats.chunks
 
 
 def test_table_read_of_many_chunks_and_shapes(tmp_path):
@@ -111,7 +141,7 @@ def test_table_read_reports_a_damaged_chunk_as_the_default_read_does(tmp_path):
     data[20] ^= 0xFF  # inside the first chunk's bytes
     path.write_bytes(bytes(data))
     messages = []
-    for cache in (1 << 30, 0):
+    for cache in (WHOLE, TINY, 0):
         reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
         with pytest.raises(InvalidStoreError, match="crc32c") as info:
             reader.read(np.array([7, 1], np.int64))
@@ -119,7 +149,8 @@ def test_table_read_reports_a_damaged_chunk_as_the_default_read_does(tmp_path):
         assert np.array_equal(reader.read(np.array([7], np.int64))[0], np.full(SHAPE, 8))
         with pytest.raises(InvalidStoreError, match="crc32c"):  # not kept as loaded
             reader.read(np.array([0], np.int64))
-    assert messages[0] == messages[1]
+        assert reader.cache_stats().chunks == (cache > 0)  # chunk 3 only
+    assert messages[0] == messages[1] == messages[2]
 
 
 def test_a_table_reader_beside_a_writer_that_wraps_reads_each_id_s_frames(tmp_path):

@@ -1,11 +1,16 @@
-"""Compiled reads from a table of every decoded chunk (`storage.chunk_table`).
+"""Compiled reads from the decoded-chunk cache (`storage.chunk_table`), eviction included.
 
 Plain arrays in, plain arrays out; no files, codecs or torch. A read is planned, then gathered,
 with no Python per chunk or per frame. Each frame of a read comes from one *source*::
 
-    src >= 0          row ``src`` of the table's frames (``key * chunk + offset``)
+    src >= 0          row ``src`` of the table's frames (``row * chunk + offset``)
     src = -1 - t      row ``t`` of the RAM tails' frames (``env * chunk + offset``)
     src = -1 - E * chunk   a frame of zeros (stack padding, slot -1)
+
+A chunk the table lacks gets a row (`claim_row`): its own when the table holds the whole
+store, else by CLOCK: the hand skips (and clears) referenced rows and never takes a row the
+current read uses (``pin == epoch``); a read needing more rows than there are gets `WIDE`
+and nothing claimed (the caller reads it without keeping).
 
 Loaded on first use through `mmreplay.kernels.tables()`, never by ``import mmreplay``.
 """
@@ -18,43 +23,103 @@ import numpy as np
 from mmreplay.kernels import OK
 from mmreplay.kernels.numba_kernels import LZ4, decode_one, memcpy
 
+HAND, EPOCH, HELD = 0, 1, 2  # positions in ``state`` (`chunk_table.ChunkTable`)
+WIDE = -1000  # a read touching more chunks than the table has rows
+
+
+@numba.njit(nogil=True, cache=True)
+def claim_row(key: int, row_of: np.ndarray, key_of: np.ndarray, ref: np.ndarray,
+              pin: np.ndarray, state: np.ndarray, new_read: bool) -> int:
+    """The row chunk `key` is to be loaded in (it may hold it already), taken from its
+    chunk if another held it, referenced and pinned by the current read (a new one if
+    `new_read`); -1 if every row is pinned by the current read."""
+    if new_read:
+        state[EPOCH] += 1
+    epoch = state[EPOCH]
+    row = row_of[key]
+    if row < 0:
+        count = key_of.size
+        if count == row_of.size:  # the whole store: row k is chunk k's
+            row = key
+        else:
+            hand = state[HAND]
+            for _ in range(2 * count + 1):
+                r = hand
+                hand = hand + 1 if hand + 1 < count else 0
+                if pin[r] == epoch:
+                    continue
+                if ref[r]:
+                    ref[r] = 0
+                    continue
+                row = r
+                break
+            state[HAND] = hand
+            if row < 0:
+                return -1
+        old = key_of[row]
+        if old >= 0:
+            row_of[old] = -1
+        else:
+            state[HELD] += 1
+        key_of[row], row_of[key] = key, row
+    ref[row], pin[row] = 1, epoch
+    return row
+
+
+@numba.njit(nogil=True, cache=True)
+def drop_rows(keys: np.ndarray, row_of: np.ndarray, key_of: np.ndarray,
+              state: np.ndarray) -> None:
+    """Forget chunks `keys` (their rows are free)."""
+    for key in keys:
+        row = row_of[key]
+        if row >= 0:
+            row_of[key], key_of[row] = -1, -1
+            state[HELD] -= 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _source(f: int, slots: int, chunk: int, num_chunks: int, next_slot: np.ndarray,
+            tail_fill: np.ndarray) -> tuple[int, int]:
+    """A flat slot's chunk key and offset in it; or -1 and its source (above) for a RAM
+    tail or the zero frame."""
+    envs = next_slot.size
+    if f < 0:
+        return -1, -1 - envs * chunk
+    env, slot = f // slots, f % slots
+    c, offset = slot // chunk, slot % chunk
+    if c == next_slot[env] // chunk and offset < tail_fill[env]:
+        return -1, -1 - (env * chunk + offset)
+    return env * num_chunks + c, offset
+
 
 @numba.njit(nogil=True, cache=True)
 def table_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
-               next_slot: np.ndarray, tail_fill: np.ndarray, loaded: np.ndarray,
-               src: np.ndarray, missing: np.ndarray) -> int:
-    """Each frame's source (``src``) and the distinct chunk keys not loaded in the table yet
-    (``missing[:count]``, in order of first use; returns count). A slot of an env's chunk
-    being filled reads the RAM tail below ``tail_fill``, the chunk (its previous lap) above."""
-    envs = next_slot.size
-    zero = -1 - envs * chunk
+               next_slot: np.ndarray, tail_fill: np.ndarray, row_of: np.ndarray,
+               key_of: np.ndarray, ref: np.ndarray, pin: np.ndarray, state: np.ndarray,
+               src: np.ndarray, missing: np.ndarray, missing_rows: np.ndarray) -> int:
+    """Each frame's source (``src``), a row claimed for every distinct chunk the table
+    lacks (keys ``missing[:count]`` to be loaded into rows ``missing_rows[:count]``, in
+    order of first use); returns count, or `WIDE` (and nothing claimed). A slot of an env's
+    chunk being filled reads the RAM tail below ``tail_fill``, the chunk (its previous lap)
+    above."""
     count = 0
+    state[EPOCH] += 1
     for i in range(flat.size):
-        f = flat[i]
-        if f < 0:
-            src[i] = zero
+        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
+        if key < 0:
+            src[i] = offset
             continue
-        env, slot = f // slots, f % slots
-        c, offset = slot // chunk, slot % chunk
-        if c == next_slot[env] // chunk and offset < tail_fill[env]:
-            src[i] = -1 - (env * chunk + offset)
-            continue
-        key = env * num_chunks + c
-        src[i] = key * chunk + offset
-        if not loaded[key]:
-            missing[count] = key
+        row = row_of[key]
+        if row < 0:
+            row = claim_row(key, row_of, key_of, ref, pin, state, False)
+            if row < 0:
+                drop_rows(missing[:count], row_of, key_of, state)
+                return WIDE
+            missing[count], missing_rows[count] = key, row
             count += 1
-    if count > 1:  # distinct keys, in order of first use
-        order = np.argsort(missing[:count], kind="mergesort")
-        first = np.empty(count, np.bool_)
-        for j in range(count):
-            first[order[j]] = j == 0 or missing[order[j]] != missing[order[j - 1]]
-        kept = 0
-        for j in range(count):
-            if first[j]:
-                missing[kept] = missing[j]
-                kept += 1
-        count = kept
+        else:
+            ref[row], pin[row] = 1, state[EPOCH]
+        src[i] = row * chunk + offset
     return count
 
 
@@ -91,52 +156,52 @@ def _row_source(ram_src: np.ndarray, ram_size: np.ndarray, src: np.ndarray, size
 @numba.njit(nogil=True, cache=True)
 def table_read(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
                tail_fill: np.ndarray, tail_rows: np.ndarray, rows: np.ndarray,
-               loaded: np.ndarray, src: np.ndarray, size: np.ndarray, ram_src: np.ndarray,
+               table: tuple, src: np.ndarray, size: np.ndarray, ram_src: np.ndarray,
                ram_size: np.ndarray, used: np.ndarray, tick: int, shard_chunks: int,
                sources: np.ndarray, out: np.ndarray, missing: np.ndarray) -> int:
     """A whole read through the table of an lz4 shard store in one call: each frame's
     source (`table_plan`); each chunk the table lacks decoded whole from its bytes (in the
     writer's RAM, ``ram_src``/``ram_size``, else in its mapped file, ``src``/``size``; the
-    file marked used at ``tick``) straight into its row, then marked loaded; then the
-    gather (`table_gather`). ``chunk`` = ``tail_rows.shape[0] // envs`` frames a chunk.
+    file marked used at ``tick``) straight into the row it claims (`claim_row`); then the
+    gather (`table_gather`). ``table`` is ``(row_of, key_of, ref, pin, state)``;
+    ``chunk`` = ``tail_rows.shape[0] // envs`` frames a chunk.
 
     Returns 0; or, gathering nothing, the count of chunks whose files are not mapped (keys
     in ``missing[:count]``, maybe repeated: map them and call again; the chunks decoded
-    meanwhile stay loaded); or ``-status`` of a chunk that fails to decode, its key in
-    ``missing[0]`` (its row is not marked loaded)."""
+    meanwhile stay in the table); or ``-status`` of a chunk that fails to decode, its key in
+    ``missing[0]`` (not kept); or `WIDE`."""
+    row_of, key_of, ref, pin, state = table
     envs = next_slot.size
     chunk = tail_rows.shape[0] // envs
     n = rows.shape[1]
     shards = -(-num_chunks // shard_chunks)
-    base = rows.ctypes.data
-    zero = -1 - envs * chunk
     count = 0
+    state[EPOCH] += 1
     for i in range(flat.size):
-        f = flat[i]
-        if f < 0:
-            sources[i] = zero
+        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
+        if key < 0:
+            sources[i] = offset
             continue
-        env, slot = f // slots, f % slots
-        c, offset = slot // chunk, slot % chunk
-        if c == next_slot[env] // chunk and offset < tail_fill[env]:
-            sources[i] = -1 - (env * chunk + offset)
-            continue
-        key = env * num_chunks + c
-        sources[i] = key * chunk + offset
-        if loaded[key]:
-            continue
-        where, length, in_file = _row_source(ram_src, ram_size, src, size, key)
-        if in_file:
-            used[env * shards + c // shard_chunks] = tick
-            if where == 0:
-                missing[count] = key
-                count += 1
-                continue
-        status = decode_one(where, length, base + key * n, n, LZ4, 0, 0, n)
-        if status != OK:
-            missing[0] = key
-            return -status
-        loaded[key] = True
+        row = row_of[key]
+        if row < 0:
+            where, length, in_file = _row_source(ram_src, ram_size, src, size, key)
+            if in_file:
+                used[(key // num_chunks) * shards + (key % num_chunks) // shard_chunks] = tick
+                if where == 0:
+                    missing[count] = key
+                    count += 1
+                    continue
+            row = claim_row(key, row_of, key_of, ref, pin, state, False)
+            if row < 0:
+                return WIDE
+            status = decode_one(where, length, rows.ctypes.data + row * n, n, LZ4, 0, 0, n)
+            if status != OK:
+                drop_rows(np.array([key]), row_of, key_of, state)
+                missing[0] = key
+                return -status
+        else:
+            ref[row], pin[row] = 1, state[EPOCH]
+        sources[i] = row * chunk + offset
     if count:
         return count
     _gather(rows.ctypes.data, n // chunk, tail_rows, sources, out)

@@ -1,51 +1,88 @@
-"""Every decoded chunk of a store in one array: the decoded-chunk cache of small observations.
+"""The decoded-chunk cache: a slot table of rows and one big buffer, read and evicted in the kernel.
 
-When the decoded frames of the whole ring fit the cache budget (the default for small
-observations, see `validate.cache_budget`), a byte-budgeted LRU of chunks (`ChunkCache`) costs
-a dict lookup, an LRU move and a copy of the whole chunk per chunk a read touches. The table
-instead gives every chunk key (``env * num_chunks + chunk``) a fixed row, so the compiled read
-(`kernels.table_kernels`) finds a frame by arithmetic and copies only the frames it returns::
+A budget of ``R = budget // chunk_bytes`` rows (at least one) of decoded chunks, each chunk key
+(``env * num_chunks + chunk``) mapped to the row that holds it, so the compiled read
+(`kernels.table_kernels`) finds a frame by arithmetic and copies only the frames it returns,
+with no Python per chunk (a Python dict LRU cost a lookup, an LRU move and a copy of the whole
+chunk per chunk a read touched)::
 
-    rows     (num_keys, chunk_bytes) uint8   row k = decoded chunk k (allocated on first use)
-    loaded   (num_keys,) bool                row k holds chunk k as the reader may see it
+    rows     (R, chunk_bytes) uint8     row r = a decoded chunk (allocated on first use)
+    row_of   (num_keys,) int64          the row holding key k, or -1
+    key_of   (R,) int64                 the key row r holds, or -1
+    ref      (R,) uint8                 CLOCK reference bit: set when a read uses the row
+    pin      (R,) int64                 the read (epoch) that used the row last
+    state    [hand, epoch, held]        CLOCK hand, reads so far, rows holding a key
 
-A row is filled when a chunk is finished by this writer (`put`) or first read from disk or
-from RAM; it is never dropped (nothing is evicted: everything fits). Like the LRU it replaces,
-it knows keys and bytes only.
+When the whole store fits (``R >= num_keys``) row k is chunk k's and nothing is ever evicted.
+Else a chunk that needs a row takes the first one the CLOCK hand meets that is neither
+referenced since its last pass nor used by the current read (`kernels.table_kernels`): a read
+touching more chunks than there are rows is told so and read without keeping.
+
+A row is claimed by a read for each chunk it lacks and loaded by that read; a claim whose
+load fails is dropped (`drop`). Chunks finished by this writer are put in (`put`). Like the
+LRU it replaces, it knows keys and bytes only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from mmreplay.kernels import tables
+
+HAND, EPOCH, HELD = 0, 1, 2  # positions in `state`
+
 
 class ChunkTable:
-    """A row of decoded bytes per chunk key, and which rows are loaded."""
+    """Rows of decoded chunks, which key each holds, and the CLOCK state of their eviction."""
 
-    def __init__(self, num_keys: int, chunk_bytes: int, chunk_frames: int) -> None:
-        self.num_keys = num_keys
+    def __init__(self, num_keys: int, chunk_bytes: int, chunk_frames: int,
+                 budget_bytes: int | None = None) -> None:
+        whole = num_keys * chunk_bytes
+        count = num_keys if budget_bytes is None or budget_bytes >= whole else max(
+            1, budget_bytes // chunk_bytes)
+        self.num_keys, self.num_rows = num_keys, count
         self.chunk_bytes = chunk_bytes
         self.chunk_frames = chunk_frames
-        self.loaded = np.zeros(num_keys, np.bool_)
+        self.row_of = np.full(num_keys, -1, np.int64)
+        self.key_of = np.full(count, -1, np.int64)
+        self.ref = np.zeros(count, np.uint8)
+        self.pin = np.zeros(count, np.int64)
+        self.state = np.zeros(3, np.int64)
         self._rows: np.ndarray | None = None
 
     @property
+    def whole(self) -> bool:
+        """True when every chunk has its own row (nothing is ever evicted)."""
+        return self.num_rows == self.num_keys
+
+    @property
     def rows(self) -> np.ndarray:
-        """``(num_keys, chunk_bytes)`` uint8; zero pages cost nothing until written."""
+        """``(R, chunk_bytes)`` uint8; zero pages cost nothing until written."""
         if self._rows is None:
-            self._rows = np.zeros((self.num_keys, self.chunk_bytes), np.uint8)
+            self._rows = np.zeros((self.num_rows, self.chunk_bytes), np.uint8)
         return self._rows
 
     @property
     def frames(self) -> np.ndarray:
-        """The rows as ``(num_keys * chunk_frames, frame_bytes)``: one frame a row."""
-        return self.rows.reshape(self.num_keys * self.chunk_frames, -1)
+        """The rows as ``(R * chunk_frames, frame_bytes)``: one frame a row."""
+        return self.rows.reshape(self.num_rows * self.chunk_frames, -1)
+
+    @property
+    def held(self) -> int:
+        """Rows holding a chunk now."""
+        return int(self.state[HELD])
 
     def put(self, key: int, frames: np.ndarray) -> None:
-        """Row `key` = these decoded frames (a whole chunk, any dtype); now loaded."""
-        self.rows[key] = np.ascontiguousarray(frames).reshape(-1).view(np.uint8)
-        self.loaded[key] = True
+        """Chunk `key` = these decoded frames (a whole chunk, any dtype), in its row or in a
+        row taken from another chunk."""
+        row = tables().claim_row(key, self.row_of, self.key_of, self.ref, self.pin,
+                                 self.state, True)
+        self.rows[row] = np.ascontiguousarray(frames).reshape(-1).view(np.uint8)
 
-    def mark(self, keys: np.ndarray) -> None:
-        """Rows `keys` were written in place (decoded into `rows`): now loaded."""
-        self.loaded[keys] = True
+    def drop(self, keys: np.ndarray) -> None:
+        """Forget chunks `keys` (claimed by a read whose load failed): their rows are free."""
+        tables().drop_rows(keys, self.row_of, self.key_of, self.state)
+
+    def clear(self) -> None:
+        """Forget every chunk."""
+        self.drop(np.flatnonzero(self.row_of >= 0))

@@ -31,8 +31,7 @@ episodes, stacking, priorities or torch.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +47,6 @@ from mmreplay.storage.shards import MAX_MAPPED, ShardFiles, ShardWriter, max_sha
 from mmreplay.storage.zstd_dict import DictionaryTrainer, dictionary_record, install, train
 
 FRAMES = "frames"
-# With more decoded chunks cached than this, every chunk of a read is looked up in the cache
-# (small observations: the whole store is cached); else only the cached keys are.
-MAX_HELD_LOOKUPS = 64
 ChunkHook = Callable[[int, int, int], None]  # (env, first chunk, last chunk) to be replaced
 
 
@@ -91,40 +87,6 @@ class CacheStats:
     budget_bytes: int
     nbytes: int
     chunks: int
-
-
-class ChunkCache:
-    """A byte-budgeted LRU of decoded chunks, keyed by (env, chunk)."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget = budget_bytes
-        self.nbytes = 0
-        self._items: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-
-    def get(self, key: tuple[int, int]) -> np.ndarray | None:
-        item = self._items.get(key)
-        if item is not None:
-            self._items.move_to_end(key)
-        return item
-
-    def put(self, key: tuple[int, int], value: np.ndarray) -> None:
-        self.drop(key)
-        self._items[key] = value
-        self.nbytes += value.nbytes
-        while self.nbytes > self.budget and len(self._items) > 1:
-            _, old = self._items.popitem(last=False)
-            self.nbytes -= old.nbytes
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self._items)
-
-    def drop(self, key: tuple[int, int]) -> None:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
 
 
 class ChunkWriter:
@@ -186,11 +148,10 @@ class FrameStore:
         self._trainer = (DictionaryTrainer(spec.dict_train_chunks)
                          if writable and self._codec.needs_dictionary else None)
         self._max_bytes = max_chunk_bytes(spec)
-        self.cache_budget = cache_bytes  # decoded chunks kept in RAM: a table or an LRU
-        whole = spec.num_envs * spec.num_chunks * self._codec.nbytes
+        self.cache_budget = cache_bytes  # decoded chunks kept in RAM (`ChunkTable`)
         self._table = ChunkTable(spec.num_envs * spec.num_chunks, self._codec.nbytes,
-                                 spec.chunk_frames) if 0 < whole <= cache_bytes else None
-        self._cache = ChunkCache(0 if self._table is not None else cache_bytes)
+                                 spec.chunk_frames, cache_bytes) \
+            if 0 < self._codec.nbytes <= cache_bytes else None
         self._hook = before_chunk_write
         self._chunk_len = spec.chunk_frames
         self.num_chunks = spec.num_chunks
@@ -206,8 +167,7 @@ class FrameStore:
         self._shard_writer: ShardWriter | None = None
         self._read_chunk = self._chunk_file_bytes
         # `_read_one_pass`: chunks come from mapped files or the writer's RAM, none kept decoded
-        self._one_pass = (sharded and self._codec.lz4 and self._table is None
-                          and fetch is None and cache_bytes < self._codec.nbytes)
+        self._one_pass = sharded and self._codec.lz4 and self._table is None and fetch is None
         # `_read_table_one_call`: the same, through the table (chunks decoded whole, kept)
         self._table_one_call = (sharded and self._codec.lz4 and self._table is not None
                                 and fetch is None)
@@ -247,12 +207,9 @@ class FrameStore:
 
     def cache_stats(self) -> CacheStats:
         """Budget and fill of the decoded-chunk cache."""
-        if self._table is not None:
-            held = int(np.count_nonzero(self._table.loaded))
-            return CacheStats(budget_bytes=self.cache_budget,
-                              nbytes=held * self._table.chunk_bytes, chunks=held)
-        return CacheStats(budget_bytes=self._cache.budget, nbytes=self._cache.nbytes,
-                          chunks=len(self._cache))
+        held = 0 if self._table is None else self._table.held
+        return CacheStats(budget_bytes=self.cache_budget, nbytes=held * self._codec.nbytes,
+                          chunks=held)
 
     def chunk_slots(self, chunk: int) -> int:
         """Real slots in `chunk`; the last chunk of the ring may be short."""
@@ -278,8 +235,6 @@ class FrameStore:
         frames[self.tail_fill[env]:] = 0
         if self._table is not None:
             self._table.put(env * self.num_chunks + chunk, frames)
-        else:
-            self._cache.put((env, chunk), frames)
         self.tail_fill[env] = 0
         if self._trainer is not None:
             self._hold_for_training(env, chunk, frames)
@@ -384,9 +339,9 @@ class FrameStore:
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
         if self._table is not None or self._one_pass:
-            read = (_read_table_one_call if self._table_one_call else
-                    _read_table if self._table is not None else _read_one_pass)
-            return read(self, flat, out).view(self.spec.obs_dtype).reshape(shape)
+            got = _fast_read(self, flat, out)
+            if got is not None:
+                return got.view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
         count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
@@ -408,10 +363,9 @@ class FrameStore:
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
                 frame_rows: np.ndarray | None = None) -> None:
-        """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel (and
-        put them in the cache when it takes them). Given the read's `frame_rows` (its
-        frames as rows of `rows` seen one frame a row) and no cache to fill, a chunk is
-        decoded only up to the last frame the read takes from it."""
+        """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel.
+        Given the read's `frame_rows` (its frames as rows of `rows` seen one frame a row),
+        a chunk is decoded only up to the last frame the read takes from it."""
         keep: list[bytes] = []  # format 1: the files' bytes stay alive during the call
         if self._shards is not None:
             src, size = self._shards.addresses(keys)
@@ -419,8 +373,7 @@ class FrameStore:
             keep = [self._read_chunk(*divmod(k, self.num_chunks)) for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        keep_rows = self._cache.budget >= self._codec.nbytes
-        if frame_rows is None or keep_rows:
+        if frame_rows is None:
             status = self._codec.decode_many(src, size, rows, dest)
         else:
             status = self._codec.decode_prefixes(src, size, rows, dest, frame_rows)
@@ -429,11 +382,6 @@ class FrameStore:
             env, chunk = divmod(int(keys[bad]), self.num_chunks)
             data, where = self.chunk_bytes(env, chunk)
             raise InvalidStoreError(self._codec.damage(data, int(status[bad]), where))
-        if keep_rows:
-            for k, i in zip(keys.tolist(), dest.tolist(), strict=True):
-                self._cache.put(divmod(k, self.num_chunks),
-                                rows[i].view(self.spec.obs_dtype).reshape(
-                                    self._chunk_len, *self.spec.obs_shape).copy())
 
     def chunk_bytes(self, env: int, chunk: int) -> tuple[bytes, str]:
         """A chunk's bytes on disk and where they are (for messages); `InvalidStoreError`
@@ -515,13 +463,11 @@ def _submit_held(fs: FrameStore) -> None:
         fs._writer.submit(key, fs.chunk_path(*key), frames)
 
 
-def _ram_ranges(fs: FrameStore) -> np.ndarray | None:
+def _ram_ranges(fs: FrameStore) -> np.ndarray:
     """Key ranges ``[lo, hi)`` (rows of an ``(R, 2)`` array) holding every chunk that may
-    be held in RAM: finished, not yet in its file (a pending shard's whole range), whose
-    write failed, or cached; None when the cache holds chunks (any key may be cached)."""
-    if len(fs._cache) > MAX_HELD_LOOKUPS:
-        return None
-    keys: list[tuple[int, int]] = [*fs._held, *fs._cache]
+    be held in RAM: finished, not yet in its file (a pending shard's whole range), or whose
+    write failed."""
+    keys: list[tuple[int, int]] = [*fs._held]
     if fs._trainer is not None:
         keys += fs._trainer.keys()
     if fs._writer is not None:
@@ -539,8 +485,6 @@ def _maybe_in_ram(fs: FrameStore, keys: np.ndarray) -> list[int]:
     """The positions in `keys` (sorted chunk keys) of the chunks that may be held in RAM:
     one binary search of a few key ranges per batch, not a lookup per pending chunk."""
     ranges = _ram_ranges(fs)
-    if ranges is None:
-        return list(range(keys.size))
     if not (ranges.size and keys.size):
         return []
     spans = np.searchsorted(keys, ranges.reshape(-1)).reshape(-1, 2).tolist()
@@ -548,9 +492,9 @@ def _maybe_in_ram(fs: FrameStore, keys: np.ndarray) -> list[int]:
 
 
 def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
-    """A chunk held in RAM: cached, finished but not yet written, or whose write failed."""
-    found = fs._cache.get((env, chunk))
-    if found is None and fs._shard_writer is not None:
+    """A chunk held in RAM: finished but not yet written, or whose write failed."""
+    found = None
+    if fs._shard_writer is not None:
         data = fs._shard_writer.get(env, chunk)
         found = None if data is None else fs._codec.decode(data, "a finished chunk in RAM")
     if found is None:
@@ -598,12 +542,12 @@ def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> 
 
 
 def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
-                         ) -> np.ndarray:
+                         ) -> np.ndarray | None:
     """`read` of an lz4 store of shard files through the table, in one compiled call
     (`table_read`): each frame's source; the chunks the table lacks decoded whole from the
     writer's RAM or their mapped file straight into their rows (files not mapped yet are
     mapped and the call made again); one gather. Returns ``(flat.size, frame_bytes)``
-    uint8."""
+    uint8, or None for a read touching more chunks than the table has rows."""
     shards, writer, table = fs._shards, fs._shard_writer, fs._table
     assert shards is not None and table is not None
     ram_src, ram_size = (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src,
@@ -614,16 +558,19 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
         out = np.empty(size, np.uint8)
     dest = out[:size].reshape(flat.size, frame_bytes)
     sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
-    rows, kernel = table.rows, tables().table_read
+    rows, kernels = table.rows, tables()
+    state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
     while True:
         mapped = shards.read_state()
-        status = kernel(flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot,
-                        fs.tail_fill, fs._tail_rows, rows, table.loaded, mapped.src,
-                        mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
-                        mapped.shard_chunks, sources, dest, missing)
+        status = kernels.table_read(flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot,
+                                    fs.tail_fill, fs._tail_rows, rows, state, mapped.src,
+                                    mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
+                                    mapped.shard_chunks, sources, dest, missing)
         if status <= 0:
             break
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
+    if status == kernels.WIDE:
+        return None
     if status:
         env, chunk = divmod(int(missing[0]), fs.num_chunks)
         _raise_damaged(fs, env * fs.spec.slots_per_env + chunk * fs._chunk_len, -int(status))
@@ -640,19 +587,39 @@ def _raise_damaged(fs: FrameStore, flat_slot: int, status: int) -> None:
     raise InvalidStoreError(fs._codec.damage(data, status, place))
 
 
-def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """`read` through the table of every decoded chunk: one compiled plan, the chunks
-    it lacks loaded (from RAM or decoded from disk straight into their rows), one
-    compiled gather. Returns ``(flat.size, frame_bytes)`` uint8."""
+def _fast_read(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
+               ) -> np.ndarray | None:
+    """`read` through the table, or in one pass with none; None: the read touches more
+    chunks than the table has rows, and no lz4 one-pass read can take it."""
+    if fs._table is None:
+        return _read_one_pass(fs, flat, out)
+    if not fs._table_one_call:
+        return _read_table(fs, flat, out)
+    got = _read_table_one_call(fs, flat, out)
+    return _read_one_pass(fs, flat, out) if got is None else got
+
+
+def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
+                ) -> np.ndarray | None:
+    """`read` through the table: one compiled plan (a row claimed for each chunk it lacks),
+    those chunks loaded (from RAM or decoded from disk straight into their rows; claims
+    dropped if that fails), one compiled gather. Returns ``(flat.size, frame_bytes)``
+    uint8, or None for a read touching more chunks than the table has rows."""
     kernels, table = tables(), fs._table
     assert table is not None
     src = np.empty(flat.size, np.int64)
-    missing = np.empty(flat.size, np.int64)
-    count = kernels.table_plan(flat, fs.spec.slots_per_env, fs._chunk_len,
-                               fs.num_chunks, fs.next_slot, fs.tail_fill,
-                               table.loaded, src, missing)
+    missing, rows = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    count = kernels.table_plan(flat, fs.spec.slots_per_env, fs._chunk_len, fs.num_chunks,
+                               fs.next_slot, fs.tail_fill, table.row_of, table.key_of,
+                               table.ref, table.pin, table.state, src, missing, rows)
+    if count == kernels.WIDE:
+        return None
     if count:
-        _load_rows(fs, table, missing[:count])
+        try:
+            _load_rows(fs, table, missing[:count], rows[:count])
+        except BaseException:
+            table.drop(missing[:count])
+            raise
     frame_bytes = fs._tail_rows.shape[1]
     size = flat.size * frame_bytes
     if out is None or out.size < size:
@@ -662,20 +629,19 @@ def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.
     return dest
 
 
-def _load_rows(fs: FrameStore, table: ChunkTable, keys: np.ndarray) -> None:
-    """Fill the table rows of chunks `keys`: from RAM (finished, not yet in their file)
-    or decoded from disk."""
+def _load_rows(fs: FrameStore, table: ChunkTable, keys: np.ndarray, rows: np.ndarray) -> None:
+    """Fill rows `rows` with chunks `keys`: from RAM (finished, not yet in their file) or
+    decoded from disk."""
     disk = []
-    for key in keys.tolist():
+    for i, key in enumerate(keys.tolist()):
         chunk = _in_ram(fs, *divmod(key, fs.num_chunks))
         if chunk is None:
-            disk.append(key)
+            disk.append(i)
         else:
-            table.put(key, chunk)
+            table.rows[rows[i]] = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
     if disk:
-        rows = np.array(disk, np.int64)
-        fs._decode(rows, rows, table.rows)
-        table.mark(rows)
+        at = np.array(disk, np.int64)
+        fs._decode(keys[at], rows[at], table.rows)
 
 
 def disk_chunks(frames: FrameStore, flat_slots: np.ndarray) -> np.ndarray:
