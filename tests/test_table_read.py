@@ -163,7 +163,7 @@ def test_a_table_reader_beside_a_writer_that_wraps_reads_each_id_s_frames(tmp_pa
     t = 0
     checked = 0
     reader = None
-    for lap in range(5):
+    for _ in range(5):
         for _ in range(25):
             t += 1
             writer.add(0, float(t), numbered_frame(t, (8,)), False, False)
