@@ -18,14 +18,15 @@ imports mmreplay from that tree and measures, in that one process:
     uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
             ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
             index of 32 five-frame windows from an in-RAM array of the same frames
-
-per and uniform also time a copy of the same store opened with a decoded-chunk cache that
-holds the whole store (``mmreplay_decoded_in_ram``: every frame decoded in RAM, as cpprb keeps
-them), warmed before timing (every chunk read once), in the same interleaved run; its
-``cache_bytes``, warm-up seconds and RSS growth are recorded beside cpprb's RSS growth.
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
+
+per and uniform also time a copy of the store opened with a decoded-chunk cache that holds the
+whole store (``mmreplay_decoded_in_ram``: every frame decoded in RAM, as cpprb keeps them) and
+one with a partial cache (``mmreplay_partial_cache``, `--partial-cache-mib`), warmed before
+timing (every chunk read once), in the same interleaved run; their ``cache_bytes``, warm-up
+seconds and RSS growth are recorded (``cached``) beside cpprb's RSS growth.
 
 Figures are medians, 90th percentiles and means in microseconds per call (a mean includes the
 rare calls that record a block of staged steps), plus the ratio of medians to the baseline
@@ -65,6 +66,9 @@ class Args:
     """timed calls per sampling figure"""
     block: int = 50
     """calls per block when two buffers are timed in turns"""
+    partial_cache_mib: int = 512
+    """per, uniform: also time a copy opened with a decoded-chunk cache of this many MiB
+    (``mmreplay_partial_cache``; 0: not timed)"""
     warmup: int = 200
     """per, uniform: untimed calls of each buffer first (the first touches of mapped files
     and of the buffers' arrays are not what a learner's step costs)"""
@@ -113,6 +117,17 @@ def with_ratios(figures: dict[str, dict[str, float]], baseline: str) -> dict[str
             for name, f in figures.items()}
 
 
+def cached_copies(args: Args, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The decoded-in-RAM copy of the closed store at `path` and, with
+    `--partial-cache-mib`, a copy with a partial cache: stores and their figures, by row."""
+    stores, info = {}, {}
+    stores["mmreplay_decoded_in_ram"], info["mmreplay_decoded_in_ram"] = decoded_in_ram(path)
+    if args.partial_cache_mib:
+        stores["mmreplay_partial_cache"], info["mmreplay_partial_cache"] = decoded_in_ram(
+            path, args.partial_cache_mib << 20)
+    return stores, info
+
+
 def rss_bytes() -> int:
     """This process's resident set now (Linux ``/proc``; 0 elsewhere)."""
     try:
@@ -122,20 +137,22 @@ def rss_bytes() -> int:
         return 0
 
 
-def decoded_in_ram(path: str) -> tuple[Any, dict[str, Any]]:
+def decoded_in_ram(path: str, budget: int = 0) -> tuple[Any, dict[str, Any]]:
     """A copy of the closed store at `path`, opened with a decoded-chunk cache holding all of
-    it and warmed (every chunk read once through `get`); and what that cost."""
+    it (or `budget` bytes of it) and warmed (every chunk read once through `get`); and what
+    that cost."""
     import shutil
 
     from mmreplay import ReplayStore
 
-    shutil.copytree(path, path + "-decoded")
+    copy = f"{path}-decoded{budget or ''}"
+    shutil.copytree(path, copy)
     before = rss_bytes()
-    store = ReplayStore.open(path + "-decoded")
+    store = ReplayStore.open(copy)
     spec = store.spec
-    cache_bytes = spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
+    cache_bytes = budget or spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
     store.close()
-    store = ReplayStore.open(path + "-decoded", cache_bytes=cache_bytes)
+    store = ReplayStore.open(copy, cache_bytes=cache_bytes)
     begin = time.perf_counter()
     ids = store.valid_ids()[::spec.chunk_frames]  # a transition in every chunk
     for lo in range(0, ids.size, 512):
@@ -236,7 +253,7 @@ def per_section(args: Args) -> dict[str, Any]:
                                seed=args.seed, sampler="prioritized", alpha=0.6)
     feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
     store.close()
-    decoded, decoded_info = decoded_in_ram(path)
+    cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
     before = rss_bytes()
     rb: Any = PrioritizedReplayBuffer(
@@ -257,17 +274,19 @@ def per_section(args: Args) -> dict[str, Any]:
     def cpprb(i: int) -> None:
         rb.update_priorities(rb.sample(32, beta=0.4)["indexes"], new[i])
 
+    stores = {"mmreplay_ReplayStore": store, **cached}
     for i in range(min(args.warmup, args.reps)):
-        ours(store)(i), ours(decoded)(i), cpprb(i)
+        cpprb(i)
+        for buf in stores.values():
+            ours(buf)(i)
 
-    both = interleaved({"mmreplay_ReplayStore": ours(store),
-                        "mmreplay_decoded_in_ram": ours(decoded),
+    both = interleaved({**{name: ours(buf) for name, buf in stores.items()},
                         "cpprb_PrioritizedReplayBuffer": cpprb}, args.reps, args.block)
-    sample = interleaved({"mmreplay_ReplayStore": lambda i: store.sample(32, beta=0.4),
-                          "mmreplay_decoded_in_ram": lambda i: decoded.sample(32, beta=0.4),
+    sample = interleaved({**{name: sampler(buf, 0.4) for name, buf in stores.items()},
                           "cpprb_PrioritizedReplayBuffer": lambda i: rb.sample(32, beta=0.4)},
                          args.reps, args.block)
-    decoded.close()
+    for buf in cached.values():
+        buf.close()
     drawn = [store.sample(32).ids for _ in range(args.reps)]
     indexes = [rb.sample(32)["indexes"] for _ in range(args.reps)]
     update = interleaved({
@@ -278,8 +297,15 @@ def per_section(args: Args) -> dict[str, Any]:
     return {"sample32_plus_update32": with_ratios(both, "cpprb_PrioritizedReplayBuffer"),
             "sample32": with_ratios(sample, "cpprb_PrioritizedReplayBuffer"),
             "update32": with_ratios(update, "cpprb_PrioritizedReplayBuffer"),
-            "decoded_in_ram": decoded_info, "cpprb_rss_growth_bytes": cpprb_rss,
+            "cached": cached_info, "cpprb_rss_growth_bytes": cpprb_rss,
             "frames": args.frames}
+
+
+def sampler(store: Any, beta: float | None = None) -> Callable[[int], object]:
+    """``store.sample(32)`` as a timed call."""
+    if beta is None:
+        return lambda i: store.sample(32)
+    return lambda i: store.sample(32, beta=beta)
 
 
 # -- uniform: uniform sample with frames, and the numpy floor -----------------------------------
@@ -296,13 +322,14 @@ def uniform_section(args: Args) -> dict[str, Any]:
                                seed=args.seed)
     feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
     store.close()
-    decoded, decoded_info = decoded_in_ram(path)
+    cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
-    ours = {"mmreplay_ReplayStore": lambda i: store.sample(32),
-            "mmreplay_decoded_in_ram": lambda i: decoded.sample(32)}
+    ours = {"mmreplay_ReplayStore": sampler(store),
+            **{name: sampler(buf) for name, buf in cached.items()}}
     sample, cpprb_rss = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's
-    decoded.close()  # its RAM back too
-    del ours["mmreplay_decoded_in_ram"]
+    for name, buf in cached.items():
+        buf.close()  # their RAM back too
+        del ours[name]
     frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
     rng = np.random.default_rng(args.seed)
     floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
@@ -310,7 +337,7 @@ def uniform_section(args: Args) -> dict[str, Any]:
     store.close()
     return {"sample32": with_ratios(sample, "cpprb_ReplayBuffer"),
             "sample32_vs_floor": with_ratios(floor, "numpy_floor"),
-            "decoded_in_ram": decoded_info, "cpprb_rss_growth_bytes": cpprb_rss,
+            "cached": cached_info, "cpprb_rss_growth_bytes": cpprb_rss,
             "frames": args.frames}
 
 

@@ -252,7 +252,7 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = run_script("bench_overhead.py", "--frames", "2000", "--small-steps", "300",
                       "--reps", "40", "--block", "10", "--dqn-steps", "100", "--dqn-rounds",
-                      "1", "--out", str(out))
+                      "1", "--partial-cache-mib", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     tree = json.loads(out.read_text())["trees"]["this_checkout"]
     assert tree["mmreplay_from"] == str(ROOT / "mmreplay")
@@ -270,11 +270,14 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     assert "cpprb_PrioritizedReplayBuffer" in tree["per"]["update32"]
     assert tree["uniform"]["sample32_vs_floor"]["numpy_floor"]["ratio_to_numpy_floor"] == 1.0
     assert "cpprb_ReplayBuffer" in tree["uniform"]["sample32"]
-    for section in ("per", "uniform"):  # the whole store decoded in RAM, timed beside cpprb
-        assert "mmreplay_decoded_in_ram" in tree[section]["sample32"]
-        info = tree[section]["decoded_in_ram"]
+    for section in ("per", "uniform"):  # decoded chunks in RAM, timed beside cpprb
+        assert {"mmreplay_decoded_in_ram", "mmreplay_partial_cache"} <= set(
+            tree[section]["sample32"])
+        info = tree[section]["cached"]["mmreplay_decoded_in_ram"]
         assert info["cache_bytes"] == 2000 * 84 * 84 and info["warm_up_s"] > 0
         assert info["cached_bytes"] == info["cache_bytes"]  # every chunk read once
+        partial = tree[section]["cached"]["mmreplay_partial_cache"]
+        assert partial["cache_bytes"] == 1 << 20 and 0 < partial["cached_bytes"] <= 1 << 20
         assert tree[section]["cpprb_rss_growth_bytes"] > 0
 
 
