@@ -18,6 +18,8 @@ imports mmreplay from that tree and measures, in that one process:
     uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
             ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
             index of 32 five-frame windows from an in-RAM array of the same frames
+            (per and uniform, unless ``--no-numpy-rows``: also ``sample_arrays(32)``, numpy out
+            as cpprb gives, and cpprb's batch turned into torch tensors, as ``sample`` gives)
     dqn     SB3's DQN on CartPole-v1 (rl-baselines3-zoo's hyperparameters, `--dqn-steps` steps,
             same seed) with SB3's ``ReplayBuffer`` and with `FrameOnceReplayBuffer`, run in
             turns (`--dqn-rounds` each): env steps per second of ``learn``
@@ -82,6 +84,9 @@ class Args:
     """comma-separated sections to run"""
     baseline_sections: str = ""
     """sections to run on `--baseline` (default: `--sections`)"""
+    numpy_rows: bool = True
+    """per, uniform: also time ``sample_arrays(32)`` (numpy out, as cpprb's ``sample``) and
+    cpprb's ``sample(32)`` turned into torch tensors (as mmreplay's ``sample``)"""
     seed: int = 0
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
@@ -282,8 +287,13 @@ def per_section(args: Args) -> dict[str, Any]:
 
     both = interleaved({**{name: ours(buf) for name, buf in stores.items()},
                         "cpprb_PrioritizedReplayBuffer": cpprb}, args.reps, args.block)
+    theirs: dict[str, Callable[[int], object]] = {
+        "cpprb_PrioritizedReplayBuffer": lambda i: rb.sample(32, beta=0.4)}
+    if args.numpy_rows:
+        theirs["cpprb_PrioritizedReplayBuffer_to_torch"] = lambda i: to_torch(
+            rb.sample(32, beta=0.4))
     sample = interleaved({**{name: sampler(buf, 0.4) for name, buf in stores.items()},
-                          "cpprb_PrioritizedReplayBuffer": lambda i: rb.sample(32, beta=0.4)},
+                          **numpy_rows(stores, args.numpy_rows, 0.4), **theirs},
                          args.reps, args.block)
     for buf in cached.values():
         buf.close()
@@ -326,10 +336,11 @@ def uniform_section(args: Args) -> dict[str, Any]:
     store = ReplayStore.open(path)
     ours = {"mmreplay_ReplayStore": sampler(store),
             **{name: sampler(buf) for name, buf in cached.items()}}
+    ours.update(numpy_rows({"mmreplay_ReplayStore": store, **cached}, args.numpy_rows))
     sample, cpprb_rss = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's
-    for name, buf in cached.items():
+    for buf in cached.values():
         buf.close()  # their RAM back too
-        del ours[name]
+    ours = {"mmreplay_ReplayStore": ours["mmreplay_ReplayStore"]}
     frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
     rng = np.random.default_rng(args.seed)
     floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
@@ -363,8 +374,31 @@ def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], objec
         rb.sample(32)
         for call in ours.values():
             call(0)
-    return interleaved({**ours, "cpprb_ReplayBuffer": lambda i: rb.sample(32)}, args.reps,
-                       args.block), grown
+    theirs: dict[str, Callable[[int], object]] = {"cpprb_ReplayBuffer": lambda i: rb.sample(32)}
+    if args.numpy_rows:
+        theirs["cpprb_ReplayBuffer_to_torch"] = lambda i: to_torch(rb.sample(32))
+    return interleaved({**ours, **theirs}, args.reps, args.block), grown
+
+
+def numpy_rows(stores: dict[str, Any], on: bool, beta: float | None = None
+               ) -> dict[str, Callable[[int], object]]:
+    """``sample_arrays(32)`` of each store as timed calls named ``<name>_arrays``: numpy
+    arrays out, as cpprb hands them (``sample`` adds the torch tensors); none unless `on`."""
+    if not on:
+        return {}
+    kwargs = {} if beta is None else {"beta": beta}
+
+    def call(buf: Any) -> Callable[[int], object]:
+        return lambda i: buf.sample_arrays(32, **kwargs)
+
+    return {f"{name}_arrays": call(buf) for name, buf in stores.items()}
+
+
+def to_torch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """cpprb's batch as CPU tensors (``torch.from_numpy`` of each array), as `sample` gives."""
+    import torch
+
+    return {name: torch.from_numpy(array) for name, array in batch.items()}
 
 
 # -- dqn: CartPole steps/s through the adapter ---------------------------------------------------

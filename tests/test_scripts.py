@@ -279,6 +279,11 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
         partial = tree[section]["cached"]["mmreplay_partial_cache"]
         assert partial["cache_bytes"] == 1 << 20 and 0 < partial["cached_bytes"] <= 1 << 20
         assert tree[section]["cpprb_rss_growth_bytes"] > 0
+    like_for_like = {"mmreplay_ReplayStore_arrays", "mmreplay_decoded_in_ram_arrays",
+                     "cpprb_ReplayBuffer_to_torch"}  # numpy out beside cpprb, tensors beside ours
+    assert like_for_like <= set(tree["uniform"]["sample32"])
+    assert "cpprb_PrioritizedReplayBuffer_to_torch" in tree["per"]["sample32"]
+    assert "mmreplay_ReplayStore_arrays" not in tree["uniform"]["sample32_vs_floor"]
 
 
 def test_bench_codec_smoke(tmp_path: Path) -> None:
