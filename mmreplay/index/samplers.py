@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,16 +30,15 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-@dataclass(frozen=True)
-class Draw:
-    """Flat slots drawn and their importance weights (ones when uniform)."""
+class Draw(NamedTuple):
+    """Flat slots drawn and their importance weights (ones when uniform). A named tuple:
+    made on every draw, it costs a third of a frozen dataclass."""
 
     slots: np.ndarray
     weights: np.ndarray
 
 
-@dataclass(frozen=True)
-class Applied:
+class Applied(NamedTuple):
     """Slots whose priorities an update set (increasing, unique) and the values set."""
 
     slots: np.ndarray
@@ -242,8 +241,7 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     """
     if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    slots, weights = tree.stratified_checked(rng.random(batch_size), float(beta))
-    return Draw(slots=slots, weights=weights)
+    return Draw._make(tree.stratified_checked(rng.random(batch_size), float(beta)))
 
 
 def _tree_probabilities(tree: SumTree) -> FloatArray:
@@ -299,7 +297,7 @@ class PrioritizedSampler:
             tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
             tree.leaf0, out, values, self._top)
         self._check_status(count, idx, p)
-        self._table.max_p = max(self._table.max_p, float(self._top[0]))
+        self._raise_max(self._top[0])
 
     def set_id_priorities(self, ids: IntArray, priorities: FloatArray, where: IdMap,
                           pre: IntArray | None = None,
@@ -318,17 +316,22 @@ class PrioritizedSampler:
             tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts,
             tree.shifts, tree.leaf0, mark.mask, mark.period, mark.group, slots, values,
             self._top)
-        if count == kernels.MISSED:
-            return None
-        self._check_status(count, ids, priorities)
-        self._table.max_p = max(self._table.max_p, float(self._top[0]))
+        if count < 0:
+            if count == kernels.MISSED:
+                return None
+            self._check_status(count, ids, priorities)
+        self._raise_max(self._top[0])
         return Applied(slots[:count], values[:count])
+
+    def _raise_max(self, top: float) -> None:
+        """`max_priority` becomes `top` (the largest value a compiled update wrote) if larger."""
+        if top > self._table.max_p:
+            self._table.max_p = float(top)
 
     def _value_masses(self, values: FloatArray) -> FloatArray:
         """``(values + eps) ** alpha`` (`_masses`' expression) without np.errstate's cost
         where no value can overflow or be negative; the kernels reject what can."""
-        if values.size and 0.0 <= np.minimum.reduce(values) \
-                and np.maximum.reduce(values) < self._safe_p:
+        if not priority_kernels().plain_values(values, self._safe_p):  # one compiled pass
             return (values + self.eps) ** self.alpha
         with np.errstate(over="ignore", invalid="ignore"):
             return (values + self.eps) ** self.alpha

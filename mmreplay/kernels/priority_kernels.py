@@ -2,7 +2,9 @@
 
 Plain arrays in, plain arrays out; no files, rings or torch. The caller passes each value's
 mass ``(p + eps) ** alpha`` computed by numpy, the one implementation of that expression (the
-sampler's `check_valid` compares tree leaves with it bit for bit). One learner update::
+sampler's `check_valid` compares tree leaves with it bit for bit); `plain_values` tells it first,
+in one pass, whether numpy can compute them without a floating-point warning. One learner
+update::
 
     ids --(id map)--> flat slots --(valid?)--> last value per slot wins --(masses finite?)-->
         p[slot] = value, marks[slot % period // group] = True,
@@ -40,6 +42,21 @@ def _bad_values(values: np.ndarray) -> bool:
         if not (values[i] >= 0.0 and values[i] != np.inf):  # NaN fails both
             return True
     return False
+
+
+@numba.njit(nogil=True, cache=True)
+def plain_values(values: np.ndarray, limit: float) -> int:
+    """0 if every value is finite, >= 0 and below `limit` (numpy's mass of each is then
+    computed without a warning); `BAD_VALUE` if one is NaN, inf or negative; else
+    `OVERFLOW` (a value at or above `limit`, whose mass may overflow)."""
+    status = 0
+    for i in range(values.size):
+        v = values[i]
+        if not (v >= 0.0 and v != np.inf):  # NaN fails both
+            return BAD_VALUE
+        if v >= limit:
+            status = OVERFLOW
+    return status
 
 
 @numba.njit(nogil=True, cache=True)
