@@ -242,7 +242,7 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     """
     if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    return Draw._make(tree.stratified_checked(rng.random(batch_size), float(beta)))
+    return Draw(*tree.stratified_checked(rng.random(batch_size), float(beta)))
 
 
 def _tree_probabilities(tree: SumTree) -> FloatArray:
