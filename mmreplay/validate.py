@@ -117,9 +117,12 @@ def batch_size(value: Any) -> int:
 def to_numpy(value: Any) -> Any:
     """A torch tensor (any device, with or without grad) as a numpy array; anything else as
     it is. Every argument that may come from a learner passes through here."""
-    if hasattr(value, "detach"):
+    if type(value) is np.ndarray or not hasattr(value, "detach"):
+        return value
+    try:  # a CPU tensor without grad: its array at once, without a detached copy
+        return value.numpy()
+    except (RuntimeError, TypeError):  # needs grad, or on another device
         return value.detach().cpu().numpy()
-    return value
 
 
 def transition_ids(ids: Any) -> np.ndarray:

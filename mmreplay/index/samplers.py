@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -30,16 +30,15 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-@dataclass(frozen=True)
-class Draw:
-    """Flat slots drawn and their importance weights (ones when uniform)."""
+class Draw(NamedTuple):
+    """Flat slots drawn and their importance weights (ones when uniform). A named tuple:
+    made on every draw, it costs a third of a frozen dataclass."""
 
     slots: np.ndarray
     weights: np.ndarray
 
 
-@dataclass(frozen=True)
-class Applied:
+class Applied(NamedTuple):
     """Slots whose priorities an update set (increasing, unique) and the values set."""
 
     slots: np.ndarray
@@ -56,6 +55,7 @@ class SlotMarks:
 
 
 _NO_SLOTS = np.empty(0, np.int64)
+_NO_MASSES = np.empty(0, np.float64)
 _NO_MARKS = SlotMarks(np.empty(0, np.bool_), 1, 1)
 
 
@@ -242,8 +242,7 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     """
     if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    slots, weights = tree.stratified_checked(rng.random(batch_size), float(beta))
-    return Draw(slots=slots, weights=weights)
+    return Draw(*tree.stratified_checked(rng.random(batch_size), float(beta)))
 
 
 def _tree_probabilities(tree: SumTree) -> FloatArray:
@@ -275,6 +274,7 @@ class PrioritizedSampler:
         # ((1e300 ** (1 / alpha)) ** alpha = 1e300; alpha <= 300 / 307 < 1 never enlarges)
         self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
         self._top = np.zeros(1)  # the largest value a compiled update wrote
+        self._kernel_masses: bool | None = None  # do the updates compute masses? (first use)
 
     def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._table.admit(slots, valid, ids)
@@ -295,11 +295,11 @@ class PrioritizedSampler:
         kernels, tree = priority_kernels(), self._arrays
         out, values = np.empty(idx.size, np.int64), np.empty(idx.size, np.float64)
         count = kernels.apply_slot_priorities(
-            idx, p, self._value_masses(p), self._table.valid, self._table.p, tree.sums,
-            tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts, tree.shifts,
-            tree.leaf0, out, values, self._top)
+            idx, p, self._update_masses(p), self.eps, self.alpha, self._table.valid,
+            self._table.p, tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts,
+            tree.firsts, tree.shifts, tree.leaf0, out, values, self._top)
         self._check_status(count, idx, p)
-        self._table.max_p = max(self._table.max_p, float(self._top[0]))
+        self._raise_max(self._top[0])
 
     def set_id_priorities(self, ids: IntArray, priorities: FloatArray, where: IdMap,
                           pre: IntArray | None = None,
@@ -313,22 +313,35 @@ class PrioritizedSampler:
         slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
         mark = _NO_MARKS if marks is None else marks
         count = kernels.apply_priorities(
-            ids, priorities, self._value_masses(priorities), _NO_SLOTS if pre is None else pre,
+            ids, priorities, self._update_masses(priorities), self.eps, self.alpha,
+            _NO_SLOTS if pre is None else pre,
             where.spills, where.next_id, where.loc, where.slot_ids, where.valid, self._table.p,
             tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts,
             tree.shifts, tree.leaf0, mark.mask, mark.period, mark.group, slots, values,
             self._top)
-        if count == kernels.MISSED:
-            return None
-        self._check_status(count, ids, priorities)
-        self._table.max_p = max(self._table.max_p, float(self._top[0]))
+        if count < 0:
+            if count == kernels.MISSED:
+                return None
+            self._check_status(count, ids, priorities)
+        self._raise_max(self._top[0])
         return Applied(slots[:count], values[:count])
+
+    def _raise_max(self, top: float) -> None:
+        """`max_priority` becomes `top` (the largest value a compiled update wrote) if larger."""
+        if top > self._table.max_p:
+            self._table.max_p = float(top)
+
+    def _update_masses(self, values: FloatArray) -> FloatArray:
+        """The masses a compiled update takes: none where it computes numpy's own
+        (`priority_kernels.same_pow`, probed once), else `_value_masses`."""
+        if self._kernel_masses is None:
+            self._kernel_masses = priority_kernels().same_pow(self.eps, self.alpha)
+        return _NO_MASSES if self._kernel_masses else self._value_masses(values)
 
     def _value_masses(self, values: FloatArray) -> FloatArray:
         """``(values + eps) ** alpha`` (`_masses`' expression) without np.errstate's cost
         where no value can overflow or be negative; the kernels reject what can."""
-        if values.size and 0.0 <= np.minimum.reduce(values) \
-                and np.maximum.reduce(values) < self._safe_p:
+        if not priority_kernels().plain_values(values, self._safe_p):  # one compiled pass
             return (values + self.eps) ** self.alpha
         with np.errstate(over="ignore", invalid="ignore"):
             return (values + self.eps) ** self.alpha

@@ -135,10 +135,6 @@ class SumTree:
         self.capacity = capacity
         self._leaf0 = 1 << (capacity - 1).bit_length()  # P: node id of leaf 0
         depth = self._leaf0.bit_length() - 1  # binary depth of the leaves
-        self._sum: FloatArray = np.zeros(2 * self._leaf0, dtype=np.float64)
-        self._min: FloatArray = np.full(2 * self._leaf0, np.inf, dtype=np.float64)
-        self._leaf_sums = self._sum[self._leaf0 :]
-        self._leaf_mins = self._min[self._leaf0 :]
         # (rows, fanout) per level; every level's prefix rows live in one array, which the
         # compiled walks take whole with these columns
         shape, top = [], 0
@@ -146,7 +142,15 @@ class SumTree:
             shape.append((1 << top, 1 << b))
             top += b
         sizes = [rows * (fanout + 1) for rows, fanout in shape]
-        self._prefix: FloatArray = np.zeros(sum(sizes), dtype=np.float64)
+        # sums, mins and prefix rows in one block: a walk or an update touches all three, and
+        # one large allocation is backed by more huge pages (numpy asks for them from 4 MiB)
+        block = np.zeros(4 * self._leaf0 + sum(sizes), dtype=np.float64)
+        self._sum: FloatArray = block[: 2 * self._leaf0]
+        self._min: FloatArray = block[2 * self._leaf0 : 4 * self._leaf0]
+        self._prefix: FloatArray = block[4 * self._leaf0 :]
+        self._min[:] = np.inf
+        self._leaf_sums = self._sum[self._leaf0 :]
+        self._leaf_mins = self._min[self._leaf0 :]
         self._levels = self._make_levels(depth)
         self._walk = (np.cumsum([0, *sizes], dtype=np.int64)[:-1],  # prefix offsets
                       np.array([lv.fanout for lv in self._levels], dtype=np.int64),

@@ -1,8 +1,12 @@
 """Compiled kernels of proportional priorities: a whole priority update in one call.
 
-Plain arrays in, plain arrays out; no files, rings or torch. The caller passes each value's
-mass ``(p + eps) ** alpha`` computed by numpy, the one implementation of that expression (the
-sampler's `check_valid` compares tree leaves with it bit for bit). One learner update::
+Plain arrays in, plain arrays out; no files, rings or torch. Each value's mass
+``(p + eps) ** alpha`` must be bit for bit numpy's (the sampler's `check_valid` compares tree
+leaves with numpy's, and `load` rebuilds the tree with numpy): where `same_pow` finds this
+machine's compiled ``**`` equal to numpy's (both the C library's ``pow``), the updates compute
+the masses themselves (``mass`` empty); elsewhere (numpy's SIMD ``pow`` on AVX-512 machines) the
+caller passes numpy's, after `plain_values` tells it in one pass whether numpy computes them
+without a floating-point warning. One learner update::
 
     ids --(id map)--> flat slots --(valid?)--> last value per slot wins --(masses finite?)-->
         p[slot] = value, marks[slot % period // group] = True,
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import numpy.typing as npt
 
 from mmreplay.kernels.numba_kernels import tree_set
 
@@ -40,6 +45,50 @@ def _bad_values(values: np.ndarray) -> bool:
         if not (values[i] >= 0.0 and values[i] != np.inf):  # NaN fails both
             return True
     return False
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _mass(value: float, eps: float, alpha: float) -> float:
+    """The mass of a priority: numpy's ``(p + eps) ** alpha`` where `same_pow` holds."""
+    return (value + eps) ** alpha
+
+
+@numba.njit(nogil=True, cache=True)
+def masses(values: np.ndarray, eps: float, alpha: float) -> np.ndarray:
+    """`_mass` of every value, the updates' own expression (what `same_pow` compares)."""
+    out = np.empty(values.size)
+    for i in range(values.size):
+        out[i] = _mass(values[i], eps, alpha)
+    return out
+
+
+def same_pow(eps: float, alpha: float) -> bool:
+    """Whether `masses` equals numpy's ``(values + eps) ** alpha`` bit for bit on this machine,
+    for this `eps` and `alpha`, over probes from 1e-12 to 1e12 (and exact zeros). Both call
+    the C library's ``pow`` unless numba or numpy links a vector library (SVML), whose ``pow``
+    rounds differently on a large share of inputs, which the probes would meet."""
+    if numba.config.USING_SVML:
+        return False
+    probes = np.concatenate([np.zeros(1), np.geomspace(1e-12, 1e12, 6000),
+                             np.linspace(0.0, 4.0, 2001)])
+    with np.errstate(over="ignore"):
+        want: npt.NDArray[np.float64] = (probes + eps) ** alpha
+    return bool(np.array_equal(masses(probes, eps, alpha), want))
+
+
+@numba.njit(nogil=True, cache=True)
+def plain_values(values: np.ndarray, limit: float) -> int:
+    """0 if every value is finite, >= 0 and below `limit` (numpy's mass of each is then
+    computed without a warning); `BAD_VALUE` if one is NaN, inf or negative; else
+    `OVERFLOW` (a value at or above `limit`, whose mass may overflow)."""
+    status = 0
+    for i in range(values.size):
+        v = values[i]
+        if not (v >= 0.0 and v != np.inf):  # NaN fails both
+            return BAD_VALUE
+        if v >= limit:
+            status = OVERFLOW
+    return status
 
 
 @numba.njit(nogil=True, cache=True)
@@ -61,10 +110,12 @@ def _resolve(ids: np.ndarray, pre: np.ndarray, spills: bool, next_id: int, loc: 
 
 
 @numba.njit(nogil=True, cache=True)
-def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
-                   flat_out: np.ndarray, val_out: np.ndarray, leaves: np.ndarray) -> int:
+def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float,
+                   alpha: float, valid: np.ndarray, flat_out: np.ndarray, val_out: np.ndarray,
+                   leaves: np.ndarray) -> int:
     """The slots of `flat` (-1 skipped) increasing and unique into `flat_out`, each with the
-    last value given for it and its leaf mass (0.0 where not `valid`); returns how many."""
+    last value given for it and its leaf mass (0.0 where not `valid`; ``mass[i]``, or `_mass`
+    when `mass` is empty); returns how many."""
     order = np.argsort(flat, kind="mergesort")  # stable: a slot's entries keep their order
     count = 0
     for j in range(order.size):
@@ -76,19 +127,25 @@ def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid
             count += 1
         # a later entry of the same slot overwrites an earlier one: the last value wins
         flat_out[count - 1], val_out[count - 1] = f, values[i]
-        leaves[count - 1] = mass[i] if valid[f] else 0.0
+        if not valid[f]:
+            leaves[count - 1] = 0.0
+        elif mass.size:
+            leaves[count - 1] = mass[i]
+        else:
+            leaves[count - 1] = _mass(values[i], eps, alpha)
     return count
 
 
 @numba.njit(nogil=True, cache=True)
-def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
+def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float, alpha: float,
+           valid: np.ndarray,
            p: np.ndarray, sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray,
            off: np.ndarray, fan: np.ndarray, first: np.ndarray, shift: np.ndarray, leaf0: int,
            marks: np.ndarray, period: int, group: int, flat_out: np.ndarray,
            val_out: np.ndarray, top: np.ndarray) -> int:
     """The shared tail of both updates: last value per slot, overflow check, then writes."""
     leaves = np.empty(flat.size)
-    count = _last_per_slot(flat, values, mass, valid, flat_out, val_out, leaves)
+    count = _last_per_slot(flat, values, mass, eps, alpha, valid, flat_out, val_out, leaves)
     for j in range(count):
         if leaves[j] == np.inf:
             return OVERFLOW
@@ -105,7 +162,8 @@ def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.nda
 
 
 @numba.njit(nogil=True, cache=True)
-def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, pre: np.ndarray,
+def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float,
+                     alpha: float, pre: np.ndarray,
                      spills: bool, next_id: int, loc: np.ndarray, slot_ids: np.ndarray,
                      valid: np.ndarray, p: np.ndarray, sums: np.ndarray,
                      mins: np.ndarray, prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
@@ -125,14 +183,14 @@ def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, pre:
     flat = np.empty(ids.size, np.int64)
     if _resolve(ids, pre, spills, next_id, loc, slot_ids, valid, flat) == MISSED:
         return MISSED
-    return _write(flat, values, mass, valid, p, sums, mins, prefix, off, fan, first, shift,
-                  leaf0, marks, period, group, flat_out, val_out, top)
+    return _write(flat, values, mass, eps, alpha, valid, p, sums, mins, prefix, off, fan, first,
+                  shift, leaf0, marks, period, group, flat_out, val_out, top)
 
 
 @numba.njit(nogil=True, cache=True)
 def apply_slot_priorities(slots: np.ndarray, values: np.ndarray, mass: np.ndarray,
-                          valid: np.ndarray, p: np.ndarray, sums: np.ndarray, mins: np.ndarray,
-                          prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
+                          eps: float, alpha: float, valid: np.ndarray, p: np.ndarray,
+                          sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
                           first: np.ndarray, shift: np.ndarray, leaf0: int,
                           flat_out: np.ndarray, val_out: np.ndarray, top: np.ndarray) -> int:
     """Set the priorities of flat `slots` (see the module docstring for the statuses): every
@@ -143,5 +201,5 @@ def apply_slot_priorities(slots: np.ndarray, values: np.ndarray, mass: np.ndarra
             return BAD_SLOT
     if _bad_values(values):
         return BAD_VALUE
-    return _write(slots, values, mass, valid, p, sums, mins, prefix, off, fan, first, shift,
-                  leaf0, np.empty(0, np.bool_), 1, 1, flat_out, val_out, top)
+    return _write(slots, values, mass, eps, alpha, valid, p, sums, mins, prefix, off, fan, first,
+                  shift, leaf0, np.empty(0, np.bool_), 1, 1, flat_out, val_out, top)
