@@ -190,7 +190,8 @@ def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, eps:
 @numba.njit(nogil=True, cache=True)
 def apply_slot_priorities(slots: np.ndarray, values: np.ndarray, mass: np.ndarray,
                           eps: float, alpha: float, valid: np.ndarray, p: np.ndarray,
-                          sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
+                          sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray,
+                          off: np.ndarray, fan: np.ndarray,
                           first: np.ndarray, shift: np.ndarray, leaf0: int,
                           flat_out: np.ndarray, val_out: np.ndarray, top: np.ndarray) -> int:
     """Set the priorities of flat `slots` (see the module docstring for the statuses): every
