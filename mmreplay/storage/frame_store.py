@@ -353,12 +353,9 @@ class FrameStore:
         on_disk = _fill_from_ram(self, unique, table)
         if on_disk.size:
             self._decode(unique[on_disk], on_disk, rows, rows_of)
-        frame_bytes = self._codec.nbytes // self._chunk_len
-        size = flat.size * frame_bytes
-        if out is None or out.size < size:
-            out = np.empty(size, np.uint8)
-        dest = out[:size].reshape(flat.size, frame_bytes)
-        compiled().gather_rows(rows.reshape(count * self._chunk_len, frame_bytes), rows_of, dest)
+        dest = _destination(self, flat, out)
+        compiled().gather_rows(rows.reshape(count * self._chunk_len, dest.shape[1]), rows_of,
+                               dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
 
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
@@ -510,6 +507,22 @@ def _in_ram(fs: FrameStore, env: int, chunk: int) -> np.ndarray | None:
 _NO_RAM = np.zeros(0, np.int64)
 
 
+def _writer_ram(fs: FrameStore) -> tuple[np.ndarray, np.ndarray]:
+    """Address and size per chunk key of the finished chunks in the writer's RAM (0: none)."""
+    writer = fs._shard_writer
+    return (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src, writer.ram_size)
+
+
+def _destination(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``(flat.size, frame_bytes)`` uint8 rows a read writes: in `out` when it is big
+    enough, else fresh."""
+    frame_bytes = fs._tail_rows.shape[1]
+    size = flat.size * frame_bytes
+    if out is None or out.size < size:
+        out = np.empty(size, np.uint8)
+    return out[:size].reshape(flat.size, frame_bytes)
+
+
 def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """`read` of an lz4 store of shard files with no cache, in one compiled call
     (`read_frames`): each frame's chunk; each chunk's bytes (pending in the writer's RAM,
@@ -517,15 +530,10 @@ def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> 
     pass that decodes each chunk up to the last frame it gives into a scratch buffer and
     copies its frames out while they are in the CPU's cache. Returns ``(flat.size,
     frame_bytes)`` uint8."""
-    shards, writer = fs._shards, fs._shard_writer
+    shards = fs._shards
     assert shards is not None
-    ram_src, ram_size = (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src,
-                                                                   writer.ram_size)
-    frame_bytes = fs._tail_rows.shape[1]
-    size = flat.size * frame_bytes
-    if out is None or out.size < size:
-        out = np.empty(size, np.uint8)
-    dest = out[:size].reshape(flat.size, frame_bytes)
+    ram_src, ram_size = _writer_ram(fs)
+    dest = _destination(fs, flat, out)
     missing, scratch = np.empty(flat.size, np.int64), np.empty(fs._codec.nbytes, np.uint8)
     while True:
         mapped = shards.read_state()
@@ -548,15 +556,10 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
     writer's RAM or their mapped file straight into their rows (files not mapped yet are
     mapped and the call made again); one gather. Returns ``(flat.size, frame_bytes)``
     uint8, or None for a read touching more chunks than the table has rows."""
-    shards, writer, table = fs._shards, fs._shard_writer, fs._table
+    shards, table = fs._shards, fs._table
     assert shards is not None and table is not None
-    ram_src, ram_size = (_NO_RAM, _NO_RAM) if writer is None else (writer.ram_src,
-                                                                   writer.ram_size)
-    frame_bytes = fs._tail_rows.shape[1]
-    size = flat.size * frame_bytes
-    if out is None or out.size < size:
-        out = np.empty(size, np.uint8)
-    dest = out[:size].reshape(flat.size, frame_bytes)
+    ram_src, ram_size = _writer_ram(fs)
+    dest = _destination(fs, flat, out)
     sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
     rows, kernels = table.rows, tables()
     state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
@@ -620,11 +623,7 @@ def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
         except BaseException:
             table.drop(missing[:count])
             raise
-    frame_bytes = fs._tail_rows.shape[1]
-    size = flat.size * frame_bytes
-    if out is None or out.size < size:
-        out = np.empty(size, np.uint8)
-    dest = out[:size].reshape(flat.size, frame_bytes)
+    dest = _destination(fs, flat, out)
     kernels.table_gather(table.frames, fs._tail_rows, src, dest)
     return dest
 
