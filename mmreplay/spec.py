@@ -91,6 +91,12 @@ class StoreSpec:
     def frame_bytes(self) -> int:
         return int(np.prod(self.obs_shape, dtype=np.int64)) * np.dtype(self.obs_dtype).itemsize
 
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes of every frame chunk decoded (the ring's last chunk counted whole): the
+        smallest `cache_bytes` that keeps every decoded frame in RAM, as cpprb does."""
+        return self.num_envs * self.num_chunks * self.chunk_frames * self.frame_bytes
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["obs_shape"] = list(self.obs_shape)

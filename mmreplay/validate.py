@@ -210,8 +210,7 @@ def cache_budget(spec: StoreSpec, value: int | None) -> int:
     """
     if value is not None:
         return value
-    # every chunk whole: the ring's last chunk may be short on disk but decodes padded
-    chunks = spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
+    chunks = spec.decoded_bytes  # the ring's last chunk may be short on disk; decoded, whole
     return chunks if chunks <= AUTO_CACHE_BYTES else 0
 
 

@@ -155,7 +155,7 @@ def decoded_in_ram(path: str, budget: int = 0) -> tuple[Any, dict[str, Any]]:
     before = rss_bytes()
     store = ReplayStore.open(copy)
     spec = store.spec
-    cache_bytes = budget or spec.num_envs * spec.num_chunks * spec.chunk_frames * spec.frame_bytes
+    cache_bytes = budget or spec.decoded_bytes
     store.close()
     store = ReplayStore.open(copy, cache_bytes=cache_bytes)
     begin = time.perf_counter()

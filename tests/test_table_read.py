@@ -185,3 +185,26 @@ def test_a_table_reader_beside_a_writer_that_wraps_reads_each_id_s_frames(tmp_pa
     assert checked
     reader.close()
     writer.close()
+
+
+@pytest.mark.parametrize("capacity", [40, 43])  # 43: the ring's last chunk is short
+def test_decoded_bytes_is_the_budget_that_keeps_the_whole_ring(tmp_path, capacity):
+    """`spec.decoded_bytes` as `cache_bytes` keeps every chunk decoded; a byte less keeps a
+    row fewer and evicts."""
+    kw = dict(capacity=capacity, obs_shape=(8,), frame_stack=1, seed=0, chunk_frames=4,
+              shard_chunks=3)
+    with ReplayStore.create(tmp_path / "s", cache_bytes=0, **kw) as writer:
+        writer.reset(numbered_frame(0, (8,)))
+        for t in range(1, 3 * capacity):
+            writer.add(0, float(t), numbered_frame(t, (8,)), False, False)
+        spec = writer.spec
+    chunks = spec.num_envs * spec.num_chunks
+    assert spec.decoded_bytes == chunks * 4 * 8
+    for budget, held in ((spec.decoded_bytes, chunks), (spec.decoded_bytes - 1, chunks - 1)):
+        with ReplayStore.open(tmp_path / "s", "r", cache_bytes=budget) as reader:
+            for _ in range(2):  # every valid transition read, twice
+                batch = reader.get(reader.valid_ids())
+                first = batch.obs.numpy().reshape(len(batch), -1)[:, :4].copy().view("<u4")
+                assert np.array_equal(first.reshape(-1), batch.ids.numpy())
+            stats = reader.views.memory().cache
+            assert (stats.chunks, stats.nbytes) == (held, held * 4 * 8)
