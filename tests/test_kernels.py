@@ -181,3 +181,21 @@ def test_create_ddict_refuses_a_damaged_trained_dictionary() -> None:
     trained = bytearray(zstandard.train_dictionary(1024, samples).as_bytes())
     trained[8:40] = b"\xff" * 32  # its entropy tables
     assert kernels.create_ddict(bytes(trained)) == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 256, 1000])
+def test_group_order_puts_equal_keys_together_in_first_appearance_order(n: int) -> None:
+    rng = np.random.default_rng(n)
+    for high in (1, 3, 50, 1 << 40):
+        keys = rng.integers(0, high, n)
+        order = kernels.group_order(keys)
+        assert np.array_equal(np.sort(order), np.arange(n))  # every position once
+        grouped = keys[order]
+        starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]]) if n else []
+        firsts = grouped[starts] if n else grouped
+        assert len(set(firsts.tolist())) == len(firsts)  # one run per key
+        _, first_seen = np.unique(keys, return_index=True)
+        assert np.array_equal(firsts, keys[np.sort(first_seen)])
+        for key in firsts:  # a run keeps its positions increasing
+            run = order[grouped == key]
+            assert np.array_equal(run, np.flatnonzero(keys == key))
