@@ -24,8 +24,8 @@ from typing import TypeVar
 import numpy as np
 
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError, UnknownIdError
-from mmreplay.index.ring import StepRing
-from mmreplay.index.samplers import Draw, Sampler
+from mmreplay.index.ring import StepRing, actions_at, lookup_arrays
+from mmreplay.index.samplers import Draw, Sampler, TreeDraw
 from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
 from mmreplay.torch_batch import ArrayBatch, OutputBuffers, native
@@ -112,18 +112,48 @@ class Reader:
                pin_memory: bool = False) -> ArrayBatch:
         """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
         def attempt() -> ArrayBatch | None:
-            draw = self.draw(rng, size, beta)
-            batch = self.batch(draw.slots, draw.weights, pin_memory=pin_memory)
-            return batch if self.still_valid(draw.slots) else None
+            if self.frames.one_call_reads:
+                self.ready()
+                flat, batch = self.drawn_batch(self.sampler.tree_draw(rng, size, beta),
+                                               pin_memory)
+            else:
+                draw = self.draw(rng, size, beta)
+                flat, batch = draw.slots, self.batch(draw.slots, draw.weights,
+                                                     pin_memory=pin_memory)
+            return batch if self.still_valid(flat) else None
 
         return self.consistent(attempt)
 
-    def draw(self, rng: np.random.Generator, size: int, beta: float) -> Draw:
-        """The sampler's draw of `size` slots, after a refresh."""
+    def ready(self) -> None:
+        """Refresh; `EmptyStoreError` if no transition is sampleable."""
         self.refresh()
         if self.sampler.count() == 0:
             raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
+
+    def draw(self, rng: np.random.Generator, size: int, beta: float) -> Draw:
+        """The sampler's draw of `size` slots, after a refresh."""
+        self.ready()
         return self.sampler.sample(rng, size, beta)
+
+    def drawn_batch(self, draw: TreeDraw, pin_memory: bool) -> tuple[np.ndarray, ArrayBatch]:
+        """The flat slots and the batch of `draw`, drawn, looked up and read in one compiled
+        call (`FrameStore.read_drawn`): what `batch` of the sampler's `sample` gives."""
+        size, stack = draw.values.size, self.ring.spec.frame_stack
+        flat, weights = np.empty(size, np.int64), np.empty(size, np.float32)
+        stacks = np.empty((2, size, stack), np.int64)
+        ret, discount = np.empty(size, np.float32), np.empty(size, np.float32)
+        term, trunc = np.empty(size, bool), np.empty(size, bool)
+        steps, ids = np.empty(size, np.int64), np.empty(size, np.int64)
+        frames = self.frames.read_drawn(
+            draw, lookup_arrays(self.ring),
+            (flat, weights, stacks, ret, term, trunc, discount, steps, ids),
+            self.pool(pin_memory).take(stacks.size * self.frame_nbytes))
+        action = actions_at(self.ring, flat)
+        extras = self.ring.extras_at(flat) if self.ring.spec.extras else {}
+        return flat, ArrayBatch(
+            frames=frames, action=native(action, action.dtype), reward=ret, terminated=term,
+            truncated=trunc, discount=discount, weights=weights, ids=ids, steps=steps,
+            extras={k: native(a, a.dtype) for k, a in extras.items()})
 
     def plan(self, rng: np.random.Generator, size: int, beta: float) -> Planned:
         """Draw a batch now, read its frames later (`assemble`): what `sample` draws next,

@@ -436,6 +436,17 @@ class StepRing:
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
 
 
+def lookup_arrays(ring: StepRing) -> tuple[Any, ...]:
+    """What the compiled `lookup` takes besides the slots and its outputs, in its order
+    (``written`` first): for kernels that look up slots they draw themselves."""
+    return (ring.written, *ring._lookup_args)
+
+
+def actions_at(ring: StepRing, flat: np.ndarray) -> np.ndarray:
+    """The actions of the steps at these flat slots (any shape), as `StepRing.lookup` has them."""
+    return ring._flat_cols["action"][flat]
+
+
 def _lookup_args(spec: StoreSpec, cols: dict[str, np.ndarray],
                  gamma_pow: np.ndarray) -> tuple[object, ...]:
     """What `StepRing.lookup` passes its kernel besides the slots, the cursors and the outputs."""

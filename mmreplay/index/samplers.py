@@ -38,6 +38,18 @@ class Draw(NamedTuple):
     weights: np.ndarray
 
 
+class TreeDraw(NamedTuple):
+    """A draw for a compiled call to finish (`sample_kernels.draw_slots`): the same slots and
+    weights `Sampler.sample` gives for the same RNG state. ``values`` are the targets to find
+    (uniform: ``k + 0.5`` for the k-th sampleable slot) or, `stratified`, one uniform in
+    [0, 1) per slice of the mass; ``walk`` is the tree's `SumTree.walk_arrays`."""
+
+    values: np.ndarray
+    stratified: bool
+    beta: float
+    walk: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
+
+
 class Applied(NamedTuple):
     """Slots whose priorities an update set (increasing, unique) and the values set."""
 
@@ -73,6 +85,10 @@ class Sampler(Protocol):
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
         """Draw `batch_size` slots with replacement (the store checks count > 0 first)."""
 
+    def tree_draw(self, rng: np.random.Generator, batch_size: int, beta: float) -> TreeDraw:
+        """`sample`'s draw, left for a compiled call to finish: takes what `sample` takes
+        from `rng`, so either gives the same slots."""
+
     def check_valid(self) -> None:
         """Raise `RuntimeError` if internal state is inconsistent."""
 
@@ -104,6 +120,11 @@ class UniformSampler:
         k = rng.integers(0, self.count(), size=batch_size)
         slots = self._tree.find_checked(k + 0.5)  # k + 0.5 < count == total
         return Draw(slots=slots, weights=np.ones(batch_size, np.float32))
+
+    def tree_draw(self, rng: np.random.Generator, batch_size: int,
+                  beta: float = 0.0) -> TreeDraw:
+        k = rng.integers(0, self.count(), size=batch_size)  # as `sample`
+        return TreeDraw(k + 0.5, False, 0.0, self._tree.walk_arrays())
 
     def check_valid(self) -> None:
         self._tree.check_valid()
@@ -240,9 +261,20 @@ def _stratified_draw(tree: SumTree, rng: np.random.Generator, batch_size: int,
     ``P(i) = m_i / total``, so ``(N P(i))^-beta / max_j (N P(j))^-beta == (m_i / m_min)^-beta``:
     N and the total cancel, and the largest weight (1.0) belongs to the smallest positive mass.
     """
+    _refuse_massless(tree)
+    return Draw(*tree.stratified_checked(rng.random(batch_size), float(beta)))
+
+
+def _stratified_plan(tree: SumTree, rng: np.random.Generator, batch_size: int,
+                     beta: float) -> TreeDraw:
+    """`_stratified_draw` left for a compiled call (`TreeDraw`): the same uniforms."""
+    _refuse_massless(tree)
+    return TreeDraw(rng.random(batch_size), True, float(beta), tree.walk_arrays())
+
+
+def _refuse_massless(tree: SumTree) -> None:
     if tree.total() <= 0.0:
         raise EmptyStoreError("cannot sample: every sampleable slot has zero priority mass")
-    return Draw(*tree.stratified_checked(rng.random(batch_size), float(beta)))
 
 
 def _tree_probabilities(tree: SumTree) -> FloatArray:
@@ -285,6 +317,9 @@ class PrioritizedSampler:
 
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
         return _stratified_draw(self._tree, rng, batch_size, beta)
+
+    def tree_draw(self, rng: np.random.Generator, batch_size: int, beta: float) -> TreeDraw:
+        return _stratified_plan(self._tree, rng, batch_size, beta)
 
     def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """New raw priorities of flat `slots` in one compiled call (the last value of a slot
@@ -446,6 +481,9 @@ class RankSampler:
 
     def sample(self, rng: np.random.Generator, batch_size: int, beta: float) -> Draw:
         return _stratified_draw(self._tree, rng, batch_size, beta)
+
+    def tree_draw(self, rng: np.random.Generator, batch_size: int, beta: float) -> TreeDraw:
+        return _stratified_plan(self._tree, rng, batch_size, beta)
 
     def set_priorities(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._table.set(slots, _as_priorities(priorities, len(slots)))

@@ -206,6 +206,12 @@ class SumTree:
                                  out.reshape(-1))
         return out
 
+    def walk_arrays(self) -> tuple[FloatArray, IntArray, IntArray, FloatArray, FloatArray, int]:
+        """``(prefix, offsets, fanouts, sums, mins, leaf0)``: what a compiled draw walks
+        (`find_checked` and `stratified_checked` in a caller's own kernel), as they are."""
+        offsets, fanouts, _, _ = self._walk
+        return self._prefix, offsets, fanouts, self._sum, self._min, self._leaf0
+
     def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
         """One leaf per equal slice of the mass (``t_b = (b + u_b) * total / B``, ``u`` in
         [0, 1)) and its importance weight ``(mass / min_nonzero) ** -beta`` as float32."""

@@ -5,9 +5,10 @@ sum-tree walks) with plain-array signatures: it knows no files, manifests or tor
 numba, its on-disk cache and the C symbols it binds, so it is imported on a store's first read
 or sparse priority update through `compiled()`, never by ``import mmreplay``: opening a store
 for ``mmreplay info`` never loads it. `priority_kernels` (masses and a whole priority update
-in one call), `table_kernels` (reads from a table of every decoded chunk) and `record_kernels`
-(a block of recorded steps in one call) are loaded the same way, through `priorities()`,
-`tables()` and `records()`.
+in one call), `table_kernels` (reads from a table of every decoded chunk), `record_kernels`
+(a block of recorded steps in one call) and `sample_kernels` (a batch drawn, looked up and
+read in one call) are loaded the same way, through `priorities()`, `tables()`, `records()`
+and `samples()`.
 """
 
 from __future__ import annotations
@@ -42,3 +43,9 @@ def tables() -> ModuleType:
 def records() -> ModuleType:
     """`mmreplay.kernels.record_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.record_kernels")
+
+
+@functools.cache
+def samples() -> ModuleType:
+    """`mmreplay.kernels.sample_kernels`, imported on the first call."""
+    return importlib.import_module("mmreplay.kernels.sample_kernels")

@@ -34,11 +34,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.kernels import compiled, tables
+from mmreplay.kernels import compiled, samples, tables
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.chunk_table import ChunkTable
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
@@ -358,6 +359,27 @@ class FrameStore:
                                dest)
         return dest.view(self.spec.obs_dtype).reshape(shape)
 
+    @property
+    def one_call_reads(self) -> bool:
+        """Whether `read_drawn` draws, looks up and reads a batch in one compiled call (lz4
+        shard stores whose chunks are local; else it would read as `read` does)."""
+        return self._one_pass or self._table_one_call
+
+    def read_drawn(self, draw: tuple[Any, ...], look: tuple[Any, ...],
+                   outs: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
+        """The frames of the stacks ``outs[2]`` of a batch that one compiled call draws
+        (`draw`, a sampler's `TreeDraw`), looks up (`look`, the ring's `lookup_arrays`,
+        into `outs`: see `sample_kernels`) and reads, for a store with `one_call_reads`;
+        what that call cannot finish (files to map, a damaged chunk, more chunks than the
+        table has rows) `read` finishes from the stacks looked up. `out` as in `read`."""
+        stacks = outs[2]
+        flat = stacks.reshape(-1)
+        dest = _destination(self, flat, out)
+        status = _sample_call(self, draw, look, outs, flat.size, dest)
+        if status != 0:
+            return self.read(stacks, out)
+        return dest.view(self.spec.obs_dtype).reshape(*stacks.shape, *self.spec.obs_shape)
+
     def _decode(self, keys: np.ndarray, dest: np.ndarray, rows: np.ndarray,
                 frame_rows: np.ndarray | None = None) -> None:
         """Decode chunks `keys` from disk into ``rows[dest]`` with the compiled kernel.
@@ -578,6 +600,27 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
         env, chunk = divmod(int(missing[0]), fs.num_chunks)
         _raise_damaged(fs, env * fs.spec.slots_per_env + chunk * fs._chunk_len, -int(status))
     return dest
+
+
+def _sample_call(fs: FrameStore, draw: tuple[Any, ...], look: tuple[Any, ...],
+                 outs: tuple[np.ndarray, ...], frames: int, dest: np.ndarray) -> int:
+    """`FrameStore.read_drawn`'s compiled call (`sample_one_pass`, or `sample_table` with a
+    table); its read's status."""
+    shards, table, kernels = fs._shards, fs._table, samples()
+    assert shards is not None
+    mapped = shards.read_state()
+    ram_src, ram_size = _writer_ram(fs)
+    missing = np.empty(frames, np.int64)
+    if table is None:
+        return kernels.sample_one_pass(draw, look, outs, (
+            fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, mapped.src, mapped.size,
+            ram_src, ram_size, mapped.used, mapped.tick, mapped.shard_chunks,
+            np.empty(fs._codec.nbytes, np.uint8), dest, missing))
+    state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
+    return kernels.sample_table(draw, look, outs, (
+        fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, table.rows, state,
+        mapped.src, mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
+        mapped.shard_chunks, np.empty(frames, np.int64), dest, missing))
 
 
 def _raise_damaged(fs: FrameStore, flat_slot: int, status: int) -> None:

@@ -1,0 +1,84 @@
+"""Compiled kernels of a whole batch in one call: draw, look up, read.
+
+A sampled batch used to take three compiled calls with Python between them (the tree walk,
+the ring lookup, the frame read). Each is quick alone, but a batch's read writes ~1.8 MB of
+frames, which leaves the CPU's caches cold for the Python that follows. Here the three run
+back to back in one call::
+
+    TreeDraw --(draw_slots)--> flat slots, weights --(lookup)--> stacks, returns, flags, ids
+        --(read_frames | table_read)--> frames
+
+Arguments come in tuples, as their owners hand them out: ``draw`` is a `TreeDraw` of the
+sampler, ``look`` the ring's `ring.lookup_arrays`, ``outs`` the outputs ``(flat, weights,
+stacks, ret, term, trunc, discount, steps, ids)`` and ``read`` what the frame store's read
+takes. The statuses are the reads' own (`numba_kernels.read_frames`,
+`table_kernels.table_read`): whatever the call cannot finish, the frame store finishes with
+its plain read of the stacks the call looked up.
+
+Loaded on first use through `mmreplay.kernels.samples()`, never by ``import mmreplay``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from mmreplay.kernels.numba_kernels import lookup, read_frames, tree_find, tree_stratified
+from mmreplay.kernels.table_kernels import table_read
+
+
+@numba.njit(nogil=True, cache=True)
+def draw_slots(draw: tuple, flat: np.ndarray, weights: np.ndarray) -> None:
+    """The slots and importance weights of a `TreeDraw`: what the sampler's `sample` draws
+    (`SumTree.find_checked` of the targets, or `SumTree.stratified_checked` of the
+    uniforms); a tree without levels (one leaf) draws leaf 0, weight 1."""
+    values, stratified, beta, walk = draw
+    prefix, off, fan, sums, mins, leaf0 = walk
+    flat[:] = 0
+    weights[:] = 1.0
+    if off.size == 0:
+        return
+    if stratified:
+        tree_stratified(prefix, off, fan, sums[leaf0:], sums[1], mins[1], values, beta, flat,
+                        weights)
+    else:
+        tree_find(prefix, off, fan, values, flat)
+
+
+@numba.njit(nogil=True, cache=True)
+def _draw_and_look(draw: tuple, look: tuple, outs: tuple) -> None:
+    """`draw_slots`, then the ring's `lookup` of the slots drawn, into ``outs``."""
+    flat, weights, stacks, ret, term, trunc, discount, steps, ids = outs
+    draw_slots(draw, flat, weights)
+    (written, slots, stack, n_step, pad_first, gamma_pow, pos, reward, terminated, truncated,
+     step_id) = look
+    lookup(flat, written, slots, stack, n_step, pad_first, gamma_pow, pos, reward, terminated,
+           truncated, step_id, stacks[0], stacks[1], ret, term, trunc, discount, steps, ids)
+
+
+@numba.njit(nogil=True, cache=True)
+def sample_one_pass(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
+    """Draw, look up and `read_frames` the stacks (``outs[2]``, every frame once a row of
+    ``out``) of a store without a decoded-chunk table. ``read`` is ``(num_chunks,
+    next_slot, tail_fill, tail_rows, src, size, ram_src, ram_size, used, tick,
+    shard_chunks, scratch, out, missing)``; returns `read_frames`' status."""
+    _draw_and_look(draw, look, outs)
+    (num_chunks, next_slot, tail_fill, tail_rows, src, size, ram_src, ram_size, used, tick,
+     shard_chunks, scratch, out, missing) = read
+    return read_frames(outs[2].reshape(-1), look[1], num_chunks, next_slot, tail_fill,
+                       tail_rows, src, size, ram_src, ram_size, used, tick, shard_chunks,
+                       scratch, out, missing)
+
+
+@numba.njit(nogil=True, cache=True)
+def sample_table(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
+    """Draw, look up and `table_read` the stacks through a decoded-chunk table. ``read`` is
+    ``(num_chunks, next_slot, tail_fill, tail_rows, rows, table, src, size, ram_src,
+    ram_size, used, tick, shard_chunks, sources, out, missing)``; returns `table_read`'s
+    status."""
+    _draw_and_look(draw, look, outs)
+    (num_chunks, next_slot, tail_fill, tail_rows, rows, table, src, size, ram_src, ram_size,
+     used, tick, shard_chunks, sources, out, missing) = read
+    return table_read(outs[2].reshape(-1), look[1], num_chunks, next_slot, tail_fill,
+                      tail_rows, rows, table, src, size, ram_src, ram_size, used, tick,
+                      shard_chunks, sources, out, missing)
