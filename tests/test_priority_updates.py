@@ -135,12 +135,3 @@ def test_torch_ids_and_values_with_grad(tmp_path, monkeypatch) -> None:
     flat, _ = store._ring.flat_of_ids(ids)
     np.testing.assert_array_equal(store._sampler.priorities()[flat], [3.0, 2.5, 7.0])
     store.close()
-
-
-@pytest.mark.parametrize("n", [0, 1, 5, 32, 64, 65, 300])
-def teststable_order_is_numpys_stable_argsort(n: int) -> None:
-    rng = np.random.default_rng(n)
-    for high in (1, 4, n + 1, 1 << 50):
-        keys = rng.integers(-1, high, n)
-        assert np.array_equal(priority_kernels().stable_order(keys),
-                              np.argsort(keys, kind="stable"))

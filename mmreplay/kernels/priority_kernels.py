@@ -110,30 +110,13 @@ def _resolve(ids: np.ndarray, pre: np.ndarray, spills: bool, next_id: int, loc: 
 
 
 @numba.njit(nogil=True, cache=True)
-def stable_order(keys: np.ndarray) -> np.ndarray:
-    """The stable argsort of `keys`: an insertion sort for a learner's batch (a few dozen,
-    where a merge sort's buffers cost more than the sort), else numpy's merge sort."""
-    n = keys.size
-    if n > 64:
-        return np.argsort(keys, kind="mergesort")
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        j = i
-        while j > 0 and keys[order[j - 1]] > keys[i]:
-            order[j] = order[j - 1]
-            j -= 1
-        order[j] = i
-    return order
-
-
-@numba.njit(nogil=True, cache=True)
 def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float,
                    alpha: float, valid: np.ndarray, flat_out: np.ndarray, val_out: np.ndarray,
                    leaves: np.ndarray) -> int:
     """The slots of `flat` (-1 skipped) increasing and unique into `flat_out`, each with the
     last value given for it and its leaf mass (0.0 where not `valid`; ``mass[i]``, or `_mass`
     when `mass` is empty); returns how many."""
-    order = stable_order(flat)  # a slot's entries keep their order
+    order = np.argsort(flat, kind="mergesort")  # stable: a slot's entries keep their order
     count = 0
     for j in range(order.size):
         i = order[j]
