@@ -3,7 +3,7 @@
 A writer process (`crash_writer.run_writer`) records a deterministic stream (16x16 frames that
 encode env and frame number, ``chunk_frames`` 3-4, rings of 37-200 slots per env that wrap many
 times, frame_stack 4, n_step 3, terminations, truncations, cuts, samples) and flushes every 1-10
-ops. Writers are forked from a forkserver that has imported mmreplay already, so a kill cycle
+ops. Writers are forked from a forkserver that has imported mmreplay and torch already, so a kill cycle
 costs milliseconds rather than a 1.5 s interpreter start. The parent SIGKILLs the writer at a
 random moment, or the writer SIGKILLs itself just before or after the n-th atomic rename onto a
 chunk, step/tail file or the manifest. After every kill:
@@ -80,7 +80,11 @@ def ctx() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     # mmreplay, not crash_writer: the server starts without the test's sys.path (CPython
     # ignores it there), and a failed preload is silent; children unpickle crash_writer.
-    context.set_forkserver_preload(["mmreplay"])
+    # What the writers would otherwise import lazily, each for itself: torch (their samples'
+    # batches, ~3 s a writer) and the kernel modules (numba).
+    context.set_forkserver_preload(["mmreplay", "torch", "mmreplay.kernels.numba_kernels",
+                                    "mmreplay.kernels.priority_kernels",
+                                    "mmreplay.kernels.table_kernels"])
     return context
 
 
