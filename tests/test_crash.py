@@ -3,8 +3,9 @@
 A writer process (`crash_writer.run_writer`) records a deterministic stream (16x16 frames that
 encode env and frame number, ``chunk_frames`` 3-4, rings of 37-200 slots per env that wrap many
 times, frame_stack 4, n_step 3, terminations, truncations, cuts, samples) and flushes every 1-10
-ops. Writers are forked from a forkserver that has imported mmreplay and torch already, so a kill cycle
-costs milliseconds rather than a 1.5 s interpreter start. The parent SIGKILLs the writer at a
+ops. Writers are forked from a forkserver that has imported mmreplay, its kernel modules and
+torch already, so a kill cycle costs milliseconds rather than an interpreter start and ~4 s of
+imports. The parent SIGKILLs the writer at a
 random moment, or the writer SIGKILLs itself just before or after the n-th atomic rename onto a
 chunk, step/tail file or the manifest. After every kill:
 
