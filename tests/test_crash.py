@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -79,13 +80,23 @@ STATS: Counter[str] = Counter()
 @pytest.fixture(scope="module")
 def ctx() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
-    # mmreplay, not crash_writer: the server starts without the test's sys.path (CPython
-    # ignores it there), and a failed preload is silent; children unpickle crash_writer.
-    # What the writers would otherwise import lazily, each for itself: torch (their samples'
-    # batches, ~3 s a writer) and the kernel modules (numba).
+    # What each writer would otherwise import and load for itself: torch (its samples'
+    # batches, ~3 s), the kernel modules and their compiled kernels (~1 s; `crash_warmup`
+    # runs them once). The server ignores the test's sys.path (CPython), so it gets tests/
+    # through PYTHONPATH as it starts; a failed preload is silent (the writers then load it).
     context.set_forkserver_preload(["mmreplay", "torch", "mmreplay.kernels.numba_kernels",
                                     "mmreplay.kernels.priority_kernels",
-                                    "mmreplay.kernels.table_kernels"])
+                                    "mmreplay.kernels.table_kernels", "crash_warmup"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return context
 
 
