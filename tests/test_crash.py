@@ -3,8 +3,9 @@
 A writer process (`crash_writer.run_writer`) records a deterministic stream (16x16 frames that
 encode env and frame number, ``chunk_frames`` 3-4, rings of 37-200 slots per env that wrap many
 times, frame_stack 4, n_step 3, terminations, truncations, cuts, samples) and flushes every 1-10
-ops. Writers are forked from a forkserver that has imported mmreplay already, so a kill cycle
-costs milliseconds rather than a 1.5 s interpreter start. The parent SIGKILLs the writer at a
+ops. Writers are forked from a forkserver that has imported mmreplay, its kernel modules and
+torch already, so a kill cycle costs milliseconds rather than an interpreter start and ~4 s of
+imports. The parent SIGKILLs the writer at a
 random moment, or the writer SIGKILLs itself just before or after the n-th atomic rename onto a
 chunk, step/tail file or the manifest. After every kill:
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -78,9 +80,23 @@ STATS: Counter[str] = Counter()
 @pytest.fixture(scope="module")
 def ctx() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
-    # mmreplay, not crash_writer: the server starts without the test's sys.path (CPython
-    # ignores it there), and a failed preload is silent; children unpickle crash_writer.
-    context.set_forkserver_preload(["mmreplay"])
+    # What each writer would otherwise import and load for itself: torch (its samples'
+    # batches, ~3 s), the kernel modules and their compiled kernels (~1 s; `crash_warmup`
+    # runs them once). The server ignores the test's sys.path (CPython), so it gets tests/
+    # through PYTHONPATH as it starts; a failed preload is silent (the writers then load it).
+    context.set_forkserver_preload(["mmreplay", "torch", "mmreplay.kernels.numba_kernels",
+                                    "mmreplay.kernels.priority_kernels",
+                                    "mmreplay.kernels.table_kernels", "crash_warmup"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return context
 
 

@@ -339,12 +339,13 @@ def test_apex_dqn_resumes_from_the_bucket_on_a_new_machine(s3: S3Server,
         assert read_bucket_manifest(open_objects(f"{url}/store"))["generation"] == a.generation
     assert open_objects(f"{url}/store").head("lease.json") is None  # let go at the end
     Lease(open_objects(f"{url}/store")).acquire()  # a writer on another machine (or a dead one)
-    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "apex_dqn.py"), *tiny,
-                              "--run-dir", str(tmp_path / "B"), "--store", url, "--resume"],
-                             capture_output=True, text=True, check=False, timeout=300,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert refused.returncode == 2 and "another writer" in refused.stderr, refused.stderr[-2000:]
+    # refused before Ray starts (in this process: a refusal needs no interpreter of its own)
+    refused = in_process("apex_dqn.py", *tiny, "--run-dir", str(tmp_path / "B"), "--store",
+                         url, "--resume", status=2)
+    assert "another writer" in refused.stderr, refused.stderr[-2000:]
     assert not (tmp_path / "B" / "store").exists()  # refused before anything was pulled
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), "the refusal started Ray"
     again = script("apex_dqn.py", *tiny, "--total-timesteps", "1800", "--checkpoint-every",
                    "1000", "--run-dir", str(tmp_path / "B"), "--store", url, "--resume",
                    "--take-over")

@@ -89,12 +89,21 @@ def test_record_atari_refuses_to_overwrite(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def bench_quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+def ale_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bench smoke runs' `--cache-dir`, one for the module: `ale_frames` keys a recording
+    by (game, frames, seed), so the 2000 Breakout frames that `bench.py --quick`, bench_scale
+    and bench_sequences all ask for are recorded once (by the first of them)."""
+    return tmp_path_factory.mktemp("ale_cache")
+
+
+@pytest.fixture(scope="module")
+def bench_quick(tmp_path_factory: pytest.TempPathFactory,
+                ale_cache: Path) -> tuple[str, dict[str, Any]]:
     """`bench.py --quick` run once for the module: (its stdout, its JSON result)."""
     tmp_path = tmp_path_factory.mktemp("bench_quick")
     out_dir = tmp_path / "bench"
     proc = run_script("bench.py", "--quick", "--out-dir", str(out_dir),
-                      "--cache-dir", str(tmp_path / "cache"))
+                      "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads((out_dir / "core_quick.json").read_text())
 
@@ -206,12 +215,12 @@ def test_bench_quick_compares_with_cpprb_when_installed(
         assert any(word in f for f in ratio_rows), (word, ratio_rows)
 
 
-def test_bench_scale_smoke(tmp_path: Path) -> None:
+def test_bench_scale_smoke(tmp_path: Path, ale_cache: Path) -> None:
     out_dir = tmp_path / "bench"
     proc = run_here("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
                     "--reps", "6", "--warmup", "1", "--report-every", "1000",
                     "--compare-frames", "2000", "--rounds", "2", "--ab-cache-mib", "1",
-                    "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+                    "--out-dir", str(out_dir), "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "scale.json").read_text())
     fill = result["fill"]
@@ -233,11 +242,11 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     assert "reader 3k: cache 1 / 0 MiB" in ab["ratios"] and "A/B" in proc.stdout
 
 
-def test_bench_sequences_smoke(tmp_path: Path) -> None:
+def test_bench_sequences_smoke(tmp_path: Path, ale_cache: Path) -> None:
     out_dir = tmp_path / "bench"
     proc = run_here("bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
                     "--reps", "3", "--warmup", "1", "--length", "20", "--torchrl-frames", "0",
-                    "--out-dir", str(out_dir), "--cache-dir", str(tmp_path / "cache"))
+                    "--out-dir", str(out_dir), "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     result = json.loads((out_dir / "sequences.json").read_text())["mmreplay"]
     for mode in ("within_episodes", "across_episodes"):

@@ -22,7 +22,8 @@ train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in th
 def test_train_r2d2_smoke(tmp_path: Path, network: str) -> None:
     proc = run_here("train_r2d2.py", "--total-steps", "320", "--learning-starts", "200",
                       "--batch-size", "4", "--num-envs", "2", "--hidden", "8", "--buffer-size",
-                      "1000", "--exploration-steps", "200", "--run-dir", str(tmp_path), network)
+                      "1000", "--exploration-steps", "200", "--run-dir", str(tmp_path), network,
+                    torch_threads=1)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["updates"] == 31  # at env steps 200, 204, ..., 320
@@ -37,7 +38,8 @@ def test_train_r2d2_pixels_smoke(tmp_path: Path) -> None:
     proc = run_here("train_r2d2.py", "--env", "ALE/Pong-v5", "--total-steps", "160",
                       "--learning-starts", "120", "--batch-size", "2", "--num-envs", "2",
                       "--hidden", "8", "--buffer-size", "1000", "--burn-in", "2", "--learn",
-                      "4", "--n-step", "2", "--period", "2", "--run-dir", str(tmp_path))
+                      "4", "--n-step", "2", "--period", "2", "--run-dir", str(tmp_path),
+                    torch_threads=1)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["updates"] == 11 and summary["sampleable"] == 160  # steps 120, 124, ..., 160

@@ -35,7 +35,8 @@ class Args:
     cache_dir: str = str(CACHE_DIR)
     """where recorded frames are cached as .npz"""
     quick: bool = False
-    """tiny run for smoke tests (few frames, few reps); writes core_quick.json"""
+    """tiny run for smoke tests (few frames, few reps, two workers at a time); writes
+    core_quick.json"""
     sections: str = ",".join(SECTIONS)
     """comma-separated sections to run (see the module docstring)"""
     scale_frames: int = 1_000_000

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,41 +21,55 @@ from benchlib.harness import feed, new_store
 from benchlib.workers import run_worker
 
 
-def bench_ram(args: Args, root: Path, scale_store: Path) -> list[dict[str, Any]]:
-    plan = [("mmreplay", args.scale_frames), ("cpprb", args.scale_frames),
-            ("numpy", args.scale_frames), ("mmreplay", args.small_frames),
-            ("cpprb", args.small_frames), ("sb3", args.small_frames),
-            ("torchrl", args.small_frames)]
-    rows = []
-    for i, (system, frames) in enumerate(plan):
-        reason = missing(system)
-        if reason is not None:
-            print(f"ram: skipping {system}: {reason}", file=sys.stderr)
-            rows.append({"system": system, "frames": frames, "skipped": reason})
-            continue
-        path = scale_store if i == 0 else root / f"ram_{system}_{frames}"
-        print(f"ram: {system} with {frames:,} frames", file=sys.stderr)
-        rows.append(run_worker("ram", args, system=system, frames=frames, path=str(path)))
-        if path != scale_store:
-            shutil.rmtree(path, ignore_errors=True)
-    return rows
+def ram_row(args: Args, root: Path, scale_store: Path | None, system: str,
+            frames: int) -> dict[str, Any]:
+    """One `ram` row: a worker filling `system` with `frames` frames (into `scale_store`, which
+    the later sections read, or a directory of its own, removed after)."""
+    reason = missing(system)
+    if reason is not None:
+        print(f"ram: skipping {system}: {reason}", file=sys.stderr)
+        return {"system": system, "frames": frames, "skipped": reason}
+    path = scale_store or root / f"ram_{system}_{frames}"
+    print(f"ram: {system} with {frames:,} frames", file=sys.stderr)
+    row = run_worker("ram", args, system=system, frames=frames, path=str(path))
+    if scale_store is None:
+        shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def run_jobs(jobs: list[Callable[[], dict[str, Any]]], *, two_at_a_time: bool
+             ) -> list[dict[str, Any]]:
+    """The jobs' results, in order. `--quick` (a smoke run, whose figures nobody compares)
+    runs two workers at a time; a real run, one: each figure gets the machine to itself."""
+    if not two_at_a_time:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda job: job(), jobs))
 
 
 def bench_scale(args: Args, root: Path, sections: list[str]) -> dict[str, Any]:
     record_frames(args.game, args.distinct_frames, args.seed, cache_dir=args.cache_dir,
                   progress=True)  # record once here, workers load the cache
     store = root / "scale_store"
-    out: dict[str, Any] = {}
-    if "ram" in sections:
-        out["ram"] = bench_ram(args, root, store)
-    else:
-        run_worker("ram", args, system="mmreplay", frames=args.scale_frames, path=str(store))
-    if "cold" in sections:
+    plan = [("mmreplay", args.scale_frames), ("cpprb", args.scale_frames),
+            ("numpy", args.scale_frames), ("mmreplay", args.small_frames),
+            ("cpprb", args.small_frames), ("sb3", args.small_frames),
+            ("torchrl", args.small_frames)] if "ram" in sections else \
+        [("mmreplay", args.scale_frames)]
+    rows = [ram_row(args, root, store, *plan[0])]  # fills the store the sections below read
+    jobs = [partial(ram_row, args, root, None, system, frames) for system, frames in plan[1:]]
+    if "cold" in sections:  # reads the store only: beside the ram rows under --quick
         print("cold: sample with cache_bytes=1", file=sys.stderr)
-        out["cold"] = run_worker("cold", args, path=str(store), frames_held=args.scale_frames)
-    if "open" in sections:
+        jobs.append(partial(run_worker, "cold", args, path=str(store),
+                            frames_held=args.scale_frames))
+    done = run_jobs(jobs, two_at_a_time=args.quick)
+    cold = done.pop() if "cold" in sections else None
+    out: dict[str, Any] = {"ram": rows + done} if "ram" in sections else {}
+    if cold is not None:
+        out["cold"] = cold
+    if "open" in sections:  # evicts and reads the store's files: alone, as cold does
         out["open"] = run_worker("open", args, path=str(store))
-    if "flush" in sections:
+    if "flush" in sections:  # writes to the store: last, alone
         print("flush: scale store vs small store", file=sys.stderr)
         out["flush"] = run_worker("flush", args, path=str(store),
                                   frames_held=args.scale_frames,
