@@ -86,7 +86,8 @@ def ctx() -> multiprocessing.context.BaseContext:
     # through PYTHONPATH as it starts; a failed preload is silent (the writers then load it).
     context.set_forkserver_preload(["mmreplay", "torch", "mmreplay.kernels.numba_kernels",
                                     "mmreplay.kernels.priority_kernels",
-                                    "mmreplay.kernels.table_kernels", "crash_warmup"])
+                                    "mmreplay.kernels.table_kernels",
+                                    "mmreplay.kernels.sample_kernels", "crash_warmup"])
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).parent), before) if p)
