@@ -411,7 +411,7 @@ class StepRing:
         compiled().lookup(flat, self.written, *self._lookup_args, both[0], both[1], ret, term,
                           trunc, discount, steps, ids)
         return Lookup(obs_slots=both[0], next_obs_slots=both[1],
-                      action=self._flat_cols["action"][flat], reward=ret, terminated=term,
+                      action=actions_at(self, flat), reward=ret, terminated=term,
                       truncated=trunc, discount=discount, steps=steps, ids=ids,
                       extras=self.extras_at(flat) if self.spec.extras else {}, slots=both)
 

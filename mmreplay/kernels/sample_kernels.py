@@ -50,10 +50,7 @@ def _draw_and_look(draw: tuple, look: tuple, outs: tuple) -> None:
     """`draw_slots`, then the ring's `lookup` of the slots drawn, into ``outs``."""
     flat, weights, stacks, ret, term, trunc, discount, steps, ids = outs
     draw_slots(draw, flat, weights)
-    (written, slots, stack, n_step, pad_first, gamma_pow, pos, reward, terminated, truncated,
-     step_id) = look
-    lookup(flat, written, slots, stack, n_step, pad_first, gamma_pow, pos, reward, terminated,
-           truncated, step_id, stacks[0], stacks[1], ret, term, trunc, discount, steps, ids)
+    lookup(flat, *look, stacks[0], stacks[1], ret, term, trunc, discount, steps, ids)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -63,11 +60,7 @@ def sample_one_pass(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
     next_slot, tail_fill, tail_rows, src, size, ram_src, ram_size, used, tick,
     shard_chunks, scratch, out, missing)``; returns `read_frames`' status."""
     _draw_and_look(draw, look, outs)
-    (num_chunks, next_slot, tail_fill, tail_rows, src, size, ram_src, ram_size, used, tick,
-     shard_chunks, scratch, out, missing) = read
-    return read_frames(outs[2].reshape(-1), look[1], num_chunks, next_slot, tail_fill,
-                       tail_rows, src, size, ram_src, ram_size, used, tick, shard_chunks,
-                       scratch, out, missing)
+    return read_frames(outs[2].reshape(-1), look[1], *read)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -77,8 +70,4 @@ def sample_table(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
     ram_size, used, tick, shard_chunks, sources, out, missing)``; returns `table_read`'s
     status."""
     _draw_and_look(draw, look, outs)
-    (num_chunks, next_slot, tail_fill, tail_rows, rows, table, src, size, ram_src, ram_size,
-     used, tick, shard_chunks, sources, out, missing) = read
-    return table_read(outs[2].reshape(-1), look[1], num_chunks, next_slot, tail_fill,
-                      tail_rows, rows, table, src, size, ram_src, ram_size, used, tick,
-                      shard_chunks, sources, out, missing)
+    return table_read(outs[2].reshape(-1), look[1], *read)

@@ -554,15 +554,11 @@ def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> 
     frame_bytes)`` uint8."""
     shards = fs._shards
     assert shards is not None
-    ram_src, ram_size = _writer_ram(fs)
     dest = _destination(fs, flat, out)
     missing, scratch = np.empty(flat.size, np.int64), np.empty(fs._codec.nbytes, np.uint8)
     while True:
-        mapped = shards.read_state()
-        status = compiled().read_frames(
-            flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot, fs.tail_fill,
-            fs._tail_rows, mapped.src, mapped.size, ram_src, ram_size, mapped.used,
-            mapped.tick, mapped.shard_chunks, scratch, dest, missing)
+        status = compiled().read_frames(flat, fs.spec.slots_per_env,
+                                        *_one_pass_args(fs, scratch, dest, missing))
         if status <= 0:
             break
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
@@ -580,17 +576,12 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
     uint8, or None for a read touching more chunks than the table has rows."""
     shards, table = fs._shards, fs._table
     assert shards is not None and table is not None
-    ram_src, ram_size = _writer_ram(fs)
     dest = _destination(fs, flat, out)
     sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
-    rows, kernels = table.rows, tables()
-    state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
+    kernels = tables()
     while True:
-        mapped = shards.read_state()
-        status = kernels.table_read(flat, fs.spec.slots_per_env, fs.num_chunks, fs.next_slot,
-                                    fs.tail_fill, fs._tail_rows, rows, state, mapped.src,
-                                    mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
-                                    mapped.shard_chunks, sources, dest, missing)
+        status = kernels.table_read(flat, fs.spec.slots_per_env,
+                                    *_table_args(fs, table, sources, dest, missing))
         if status <= 0:
             break
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
@@ -606,21 +597,38 @@ def _sample_call(fs: FrameStore, draw: tuple[Any, ...], look: tuple[Any, ...],
                  outs: tuple[np.ndarray, ...], frames: int, dest: np.ndarray) -> int:
     """`FrameStore.read_drawn`'s compiled call (`sample_one_pass`, or `sample_table` with a
     table); its read's status."""
-    shards, table, kernels = fs._shards, fs._table, samples()
-    assert shards is not None
-    mapped = shards.read_state()
-    ram_src, ram_size = _writer_ram(fs)
-    missing = np.empty(frames, np.int64)
+    table, kernels, missing = fs._table, samples(), np.empty(frames, np.int64)
     if table is None:
-        return kernels.sample_one_pass(draw, look, outs, (
-            fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, mapped.src, mapped.size,
-            ram_src, ram_size, mapped.used, mapped.tick, mapped.shard_chunks,
-            np.empty(fs._codec.nbytes, np.uint8), dest, missing))
+        scratch = np.empty(fs._codec.nbytes, np.uint8)
+        return kernels.sample_one_pass(draw, look, outs,
+                                       _one_pass_args(fs, scratch, dest, missing))
+    return kernels.sample_table(draw, look, outs,
+                                _table_args(fs, table, np.empty(frames, np.int64), dest,
+                                            missing))
+
+
+def _one_pass_args(fs: FrameStore, scratch: np.ndarray, dest: np.ndarray,
+                   missing: np.ndarray) -> tuple[Any, ...]:
+    """What `read_frames` takes after the frames and the slots per env, for one read (the
+    shard files' tables as they are now: `ShardFiles.read_state`)."""
+    assert fs._shards is not None
+    mapped = fs._shards.read_state()
+    ram_src, ram_size = _writer_ram(fs)
+    return (fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, mapped.src, mapped.size,
+            ram_src, ram_size, mapped.used, mapped.tick, mapped.shard_chunks, scratch, dest,
+            missing)
+
+
+def _table_args(fs: FrameStore, table: ChunkTable, sources: np.ndarray, dest: np.ndarray,
+                missing: np.ndarray) -> tuple[Any, ...]:
+    """What `table_read` takes after the frames and the slots per env, for one read."""
+    assert fs._shards is not None
+    mapped = fs._shards.read_state()
+    ram_src, ram_size = _writer_ram(fs)
     state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
-    return kernels.sample_table(draw, look, outs, (
-        fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, table.rows, state,
-        mapped.src, mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
-        mapped.shard_chunks, np.empty(frames, np.int64), dest, missing))
+    return (fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, table.rows, state,
+            mapped.src, mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
+            mapped.shard_chunks, sources, dest, missing)
 
 
 def _raise_damaged(fs: FrameStore, flat_slot: int, status: int) -> None:
