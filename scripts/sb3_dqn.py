@@ -16,6 +16,7 @@ buffer size) to ``<run-dir>/result.json`` and stdout.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class Args:
     run_dir: str = "runs/sb3"
     """holds the store, checkpoints and result.json"""
     checkpoint_every: int = 0
-    """CheckpointCallback(save_replay_buffer=True) every this many steps; 0: none"""
+    """a checkpoint (model, then replay buffer) every this many steps; 0: none"""
     resume: bool = False
     """continue from the newest checkpoint in run_dir/checkpoints"""
     overwrite: bool = False
@@ -154,16 +155,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.algo not in ("dqn", "qrdqn") or args.buffer not in ("mmreplay", "sb3"):
         raise UsageError(f"--algo must be dqn or qrdqn and --buffer mmreplay or sb3, "
                          f"not {args.algo!r} and {args.buffer!r}")
-    from stable_baselines3.common.callbacks import CheckpointCallback
-
     from mmreplay.sb3 import FrameOnceReplayBuffer
 
     run = prepare_run_dir(Path(args.run_dir), resume=args.resume, overwrite=args.overwrite)
     model, done_steps, total = build_model(args, run, "NoFrameskip" in args.env_id)
     callbacks = []
     if args.checkpoint_every:
-        callbacks.append(CheckpointCallback(max(args.checkpoint_every // args.n_envs, 1),
-                                            str(run / "checkpoints"), save_replay_buffer=True))
+        callbacks.append(checkpoints(max(args.checkpoint_every // args.n_envs, 1),
+                                     run / "checkpoints"))
     start = time.perf_counter()
     model.learn(total - done_steps, callback=callbacks, reset_num_timesteps=not args.resume)
     result = report(args, model, done_steps, time.perf_counter() - start)
@@ -174,11 +173,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def checkpoints(every: int, path: Path) -> Any:
+    """SB3's CheckpointCallback (model, then replay buffer, every `every` calls), except that
+    a replay buffer file appears whole or not at all: written under a temporary name, then
+    renamed. A run killed while writing one leaves no truncated file for `resume` to take."""
+    from stable_baselines3.common.callbacks import CheckpointCallback
+
+    class AtomicCheckpoints(CheckpointCallback):
+        def _on_step(self) -> bool:
+            if self.n_calls % self.save_freq == 0:
+                self.model.save(self._checkpoint_path(extension="zip"))
+                final = Path(self._checkpoint_path("replay_buffer_", extension="pkl"))
+                partial = final.with_suffix(".pkl.partial")
+                self.model.save_replay_buffer(partial)
+                os.replace(partial, final)
+            return True
+
+    return AtomicCheckpoints(every, str(path))
+
+
 def resume(algo_cls: Any, checkpoints: Path, env: Any, device: str) -> tuple[Any, int]:
     """The newest checkpoint that has both a model and a replay buffer, and its step count.
 
-    CheckpointCallback writes the model, then the buffer: a run killed between the two
-    leaves a model without a buffer, which is skipped.
+    `checkpoints` writes the model, then the buffer (renamed whole into place): a run killed
+    between the two leaves a model without a buffer, which is skipped.
     """
     steps = sorted(int(p.stem.split("_")[2]) for p in checkpoints.glob("rl_model_*_steps.zip"))
     steps = [s for s in steps if (checkpoints / f"rl_model_replay_buffer_{s}_steps.pkl").exists()]

@@ -102,3 +102,30 @@ def test_parity_script_summarizes_runs(tmp_path):
     assert [(r["buffer"], r["eval_return_mean"], r["eval_return_std"]) for r in summary] == [
         ("mmreplay", 450.0, 50.0), ("sb3", 400.0, 100.0)]
     assert "| dqn | mmreplay | 2 | 450.0 ± 50.0 | 225.0 ± 25.0 |" in proc.stdout
+
+
+def test_a_buffer_checkpoint_cut_while_written_leaves_no_file_to_resume_from(tmp_path):
+    """The script's checkpoints write the replay buffer under a temporary name and rename it:
+    a save that dies half-way leaves the previous checkpoints and no truncated buffer file
+    (a run SIGKILLed there used to resume from an empty pickle: EOFError)."""
+    import gymnasium as gym
+    from sb3_dqn import checkpoints
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", gym.make("CartPole-v1"), learning_starts=1000, seed=0)
+    saved = model.save_replay_buffer
+    calls = []
+
+    def dies_half_way(path):
+        calls.append(Path(path))
+        if len(calls) == 2:
+            Path(path).write_bytes(b"\x80\x04")  # the start of a pickle, then the kill
+            raise KeyboardInterrupt
+        saved(path)
+
+    model.save_replay_buffer = dies_half_way
+    with pytest.raises(KeyboardInterrupt):
+        model.learn(10, callback=checkpoints(4, tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("*.pkl")) == ["rl_model_replay_buffer_4_steps.pkl"]
+    assert model.load_replay_buffer(tmp_path / "rl_model_replay_buffer_4_steps.pkl") is None
+    assert all(p.suffix == ".partial" for p in calls)
