@@ -155,3 +155,46 @@ def test_tree_draw_then_draw_slots_is_the_samplers_sample(kind, slots):
         assert np.array_equal(weights, want.weights)
         assert valid[flat].all()
     assert a.bit_generator.state == b.bit_generator.state
+
+
+@pytest.mark.parametrize("bits", ["PCG64", "MT19937", "Philox", "SFC64"])
+def test_the_compiled_uniform_draw_is_numpys_integers(bits):
+    """`uniform_targets` gives ``rng.integers(0, count, size) + 0.5`` and leaves the
+    generator where numpy leaves it: counts whose draws are rejected often (3 << 30: one
+    in four), the largest 32-bit count, and a generator holding half of a 64-bit word."""
+    import ctypes
+
+    from mmreplay.kernels import samples
+
+    for count in (2, 3, 190_000, (1 << 31) + 1, 3 << 30, (1 << 32) - 1):
+        for half_word in (False, True):
+            a, b = (np.random.Generator(getattr(np.random, bits)(count)) for _ in range(2))
+            if half_word:
+                a.integers(0, 5, size=1), b.integers(0, 5, size=1)
+            want = a.integers(0, count, size=65) + 0.5
+            iface, got = b.bit_generator.ctypes, np.empty(65)
+            samples().uniform_targets(ctypes.cast(iface.next_uint32, ctypes.c_void_p).value,
+                                      iface.state_address, count, got)
+            assert np.array_equal(got, want), (count, half_word)
+            assert a.integers(0, 7, size=3).tolist() == b.integers(0, 7, size=3).tolist()
+            assert np.array_equal(a.bit_generator.random_raw(4), b.bit_generator.random_raw(4))
+
+
+@pytest.mark.parametrize("slots", [1, 2, 1500])
+def test_the_uniform_sampler_draws_what_numpy_integers_picks(slots):
+    """The uniform sampler's k-th sampleable slot is numpy's ``integers(0, count)``: the
+    draws a seed or a saved RNG state gives stay those of earlier versions (a count of 1
+    draws nothing, as numpy)."""
+    from mmreplay.index.samplers import UniformSampler
+    from mmreplay.index.sum_tree import SumTree
+
+    sampler, tree = UniformSampler(slots), SumTree(slots)
+    valid = np.random.default_rng(slots).random(slots) < 0.6
+    valid[-1] = True
+    sampler.update(np.arange(slots), valid, np.arange(slots))
+    tree.set(np.arange(slots), valid.astype(np.float64))
+    a, b = np.random.default_rng(4), np.random.default_rng(4)
+    for size in (1, 32, 64):
+        k = a.integers(0, int(valid.sum()), size=size)
+        assert np.array_equal(sampler.sample(b, size).slots, tree.find_checked(k + 0.5))
+    assert a.bit_generator.state == b.bit_generator.state

@@ -15,16 +15,59 @@ takes. The statuses are the reads' own (`numba_kernels.read_frames`,
 `table_kernels.table_read`): whatever the call cannot finish, the frame store finishes with
 its plain read of the stacks the call looked up.
 
+The uniform sampler's targets come from here too (`uniform_targets`): numpy's bounded
+integers of ``rng.integers(0, count, size)``, drawn from the generator's own bit source,
+the same values and the same generator state afterwards, without numpy's per-call cost.
+
 Loaded on first use through `mmreplay.kernels.samples()`, never by ``import mmreplay``.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from mmreplay.kernels.numba_kernels import lookup, read_frames, tree_find, tree_stratified
 from mmreplay.kernels.table_kernels import table_read
+
+
+@intrinsic  # type: ignore[misc]
+def _next_uint32_intrinsic(typingctx, fn, state):  # type: ignore[no-untyped-def]
+    """``fn(state)`` for the address of a bit generator's ``uint32_t next_uint32(void *)``."""
+    sig = types.uint32(types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        void_p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(32), [void_p])
+        call = builder.inttoptr(args[0], fnty.as_pointer())
+        return builder.call(call, [builder.inttoptr(args[1], void_p)])
+
+    return sig, codegen
+
+
+_next_uint32: Any = _next_uint32_intrinsic  # called from compiled code only
+
+
+@numba.njit(nogil=True, cache=True)
+def uniform_targets(fn: int, state: int, count: int, out: np.ndarray) -> None:
+    """``out[i] = k_i + 0.5`` where ``k`` is what ``rng.integers(0, count, out.size)`` gives
+    (2 <= `count` < 2**32), drawn in the same order from the same bit source: `fn` and
+    `state` are the addresses of the generator's ``next_uint32`` and state (numpy's
+    ``random_bounded_uint64_fill``: Lemire's multiply and reject on 32-bit draws)."""
+    excl = np.uint64(count)
+    threshold = np.uint64((np.uint64(0xFFFFFFFF) - (excl - np.uint64(1))) % excl)
+    low = np.uint64(0xFFFFFFFF)
+    for i in range(out.size):
+        m = np.uint64(_next_uint32(fn, state)) * excl
+        if m & low < excl:
+            while m & low < threshold:
+                m = np.uint64(_next_uint32(fn, state)) * excl
+        out[i] = np.float64(m >> np.uint64(32)) + 0.5
 
 
 @numba.njit(nogil=True, cache=True)
