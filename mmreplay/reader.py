@@ -54,13 +54,16 @@ class Reader:
         self.sampler = sampler
         self.writable = writable
         self.manifest_key: tuple[int, int, int] | None = None  # (inode, mtime, size) seen last
+        self.manifest_path = os.fspath(path / MANIFEST)  # checked once a batch: joined once
         self.frame_nbytes = math.prod(ring.spec.obs_shape) * np.dtype(ring.spec.obs_dtype).itemsize
         self.pools = {False: OutputBuffers(), True: None}  # by pin_memory (made when asked)
 
     # -- keeping the index current -------------------------------------------------
-    def refresh(self) -> None:
-        """Follow the writer (read-only stores), then re-test what changed since last time."""
-        self.follow_writer()
+    def refresh(self, *, follow: bool = True) -> None:
+        """Follow the writer (read-only stores; unless `follow` is False), then re-test what
+        changed since last time."""
+        if follow:
+            self.follow_writer()
         slots, valid = self.ring.refresh()
         if slots.size:  # most samples of a learner that adds between them change nothing
             self.sampler.update(slots, valid, self.ring.steps["id"].reshape(-1)[slots])
@@ -70,7 +73,7 @@ class Reader:
         if self.writable:
             return False
         try:
-            st = os.stat(self.path / MANIFEST)
+            st = os.stat(self.manifest_path)
             key = (st.st_ino, st.st_mtime_ns, st.st_size)
             if key == self.manifest_key:
                 return False
@@ -112,21 +115,25 @@ class Reader:
                pin_memory: bool = False) -> ArrayBatch:
         """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
         def attempt() -> ArrayBatch | None:
+            self.ready(follow=False)  # `still_valid` follows the writer after the read
             if self.frames.one_call_reads:
-                self.ready()
                 flat, batch = self.drawn_batch(self.sampler.tree_draw(rng, size, beta),
                                                pin_memory)
             else:
-                draw = self.draw(rng, size, beta)
+                draw = self.sampler.sample(rng, size, beta)
                 flat, batch = draw.slots, self.batch(draw.slots, draw.weights,
                                                      pin_memory=pin_memory)
             return batch if self.still_valid(flat) else None
 
         return self.consistent(attempt)
 
-    def ready(self) -> None:
-        """Refresh; `EmptyStoreError` if no transition is sampleable."""
-        self.refresh()
+    def ready(self, *, follow: bool = True) -> None:
+        """Refresh; `EmptyStoreError` if no transition is sampleable.
+
+        ``follow=False`` (`sample`) draws from the writer's give-ups as the last read's
+        re-check saw them: one manifest check a batch instead of two. A draw that took a
+        slot given up since is read, found out by that read's re-check and drawn again."""
+        self.refresh(follow=follow)
         if self.sampler.count() == 0:
             raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
 

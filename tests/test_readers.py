@@ -244,3 +244,43 @@ def test_a_reader_without_the_readers_file_still_opens(tmp_path):
     with ReplayStore.open(path, "r") as store:
         assert store.counts.transitions == 40
     assert not (path / "readers").exists()  # a read-only open writes nothing
+
+
+def test_a_read_only_sample_checks_the_manifest_once_and_skips_what_the_writer_gave_up(
+        tmp_path, monkeypatch):
+    """A read-only store's `sample` checks the writer's manifest once a batch (after its
+    read), not before the draw too: a draw that took a transition the writer gave up
+    since is read, found out and drawn again, so no batch holds one, and every frame is
+    the one its transition recorded."""
+    path = tmp_path / "store"
+    make_store(path)
+    writer = ReplayStore.open(path)
+    reader = ReplayStore.open(path, "r", cache_bytes=0)
+    stats = []
+    real_stat = os.stat
+
+    def counting(p, *args, **kwargs):
+        if str(p).endswith("manifest.json"):
+            stats.append(p)
+        return real_stat(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting)
+    for _ in range(5):
+        reader.sample(8)
+    assert len(stats) == 5  # nothing changed: one check a batch
+    at_open = set(reader.valid_ids().tolist())
+    for round_ in range(6):  # the writer laps the 64-slot ring and commits each time
+        for n in range(40 + 8 * round_, 48 + 8 * round_):
+            writer.add(n, float(n), numbered_frame(n + 1, OBS), False, False)
+        writer.flush()
+        kept = set(writer.valid_ids().tolist())
+        for _ in range(4):
+            batch = reader.sample(16)
+            ids = batch.ids.numpy()
+            assert set(ids.tolist()) <= at_open & kept, round_
+            assert np.array_equal(batch.obs.numpy().reshape(16, -1).view("<u4")[:, 0], ids)
+            assert np.array_equal(batch.next_obs.numpy().reshape(16, -1).view("<u4")[:, 0],
+                                  ids + 1)
+    assert reader.valid_ids().size < len(at_open)  # the reader did follow the give-ups
+    reader.close()
+    writer.close()
