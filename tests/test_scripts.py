@@ -319,3 +319,17 @@ def test_bench_codec_smoke(tmp_path: Path) -> None:
     assert set(push) == {"lz4 c8", "zstd-dict c8 l3"}
     assert all(p["first_push_bytes"] > 0 and p["steps"] == 300 for p in push.values())
     assert result["transport"]["Pong"]["ray_block_64"]["lz4"]["bytes_per_step"] > 0
+
+
+def test_bench_chunk_layout_smoke(tmp_path: Path, ale_cache: Path) -> None:
+    """Every layout's batches read back the frames encoded (the script checks them before
+    timing and fails otherwise), and each row has its figures."""
+    proc = run_here("bench_chunk_layout.py", "--frames", "2000", "--batches", "100",
+                    "--block", "50", "--out-dir", str(tmp_path), "--cache-dir", str(ale_cache))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "chunk_layout.json").read_text())["layouts"]
+    assert set(rows) == {"chained-8", "chained-4", "keyed-8", "dict-8"}
+    assert rows["chained-8"]["bytes_vs_chained_8"] == rows["chained-8"]["gather_vs_chained_8"] == 1
+    for row in rows.values():
+        assert row["bytes_per_frame"] > 0 and row["encode_us_per_frame"] > 0
+        assert 0 < row["gather_us"]["p25"] <= row["gather_us"]["median"] <= row["gather_us"]["p90"]
