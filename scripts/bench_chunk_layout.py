@@ -14,6 +14,8 @@ alternated with the others in blocks of `--block` batches in one process:
                 as its dictionary: a read decodes frame 0 and the frames it takes
     dict-8      one lz4 stream over 8 frames against a 64 KiB dictionary of frames from the
                 start of the run (raw content, as ``zstd-dict`` falls back to)
+    hc3-8       the store's layout encoded by LZ4HC at level 3 (the same lz4 format: the
+    hc9-8       store's reads decode it as it is), and at level 9
 
 The streams are bare lz4 (no blosc header, no crc32c: the store adds ~0.2-0.5 µs of checks a
 chunk to each alike). Every layout's batches are checked against the frames first.
@@ -91,8 +93,13 @@ LIB.LZ4_createStream.restype = ctypes.c_void_p
 _VOID = ctypes.c_void_p
 
 
-def _compress(src: np.ndarray, dst: np.ndarray, dictionary: np.ndarray | None) -> int:
-    """lz4 of `src` into `dst` (against `dictionary` if given); the bytes written."""
+def _compress(src: np.ndarray, dst: np.ndarray, dictionary: np.ndarray | None,
+              hc_level: int = 0) -> int:
+    """lz4 of `src` into `dst` (against `dictionary` if given; LZ4HC at `hc_level` if not
+    0); the bytes written."""
+    if hc_level:
+        return int(LIB.LZ4_compress_HC(_VOID(src.ctypes.data), _VOID(dst.ctypes.data),
+                                       src.size, dst.size, hc_level))
     if dictionary is None:
         return int(LIB.LZ4_compress_default(_VOID(src.ctypes.data), _VOID(dst.ctypes.data),
                                             src.size, dst.size))
@@ -113,9 +120,10 @@ def _stream() -> int:
 
 
 def encode(frames: np.ndarray, chunk: int, keyed: bool,
-           dictionary: np.ndarray | None = None) -> Layout:
+           dictionary: np.ndarray | None = None, hc_level: int = 0) -> Layout:
     """`frames` (n, bytes) in chunks of `chunk`: one stream a chunk (against `dictionary` if
-    given) or, `keyed`, frame 0 alone and each other frame against frame 0."""
+    given; LZ4HC at `hc_level` if not 0) or, `keyed`, frame 0 alone and each other frame
+    against frame 0."""
     dst, parts = np.empty(2 * chunk * frames.shape[1] + 1024, np.uint8), []
     began = time.perf_counter()
     for c in range(frames.shape[0] // chunk):
@@ -123,7 +131,7 @@ def encode(frames: np.ndarray, chunk: int, keyed: bool,
         pieces = [(block, dictionary)] if not keyed else (
             [(block[:1], None)] + [(block[k:k + 1], block[0]) for k in range(1, chunk)])
         for src, against in pieces:
-            parts.append(dst[:_compress(src, dst, against)].copy())
+            parts.append(dst[:_compress(src, dst, against, hc_level)].copy())
     took = time.perf_counter() - began
     start = np.zeros(len(parts) + 1, np.int64)
     np.cumsum([p.size for p in parts], out=start[1:])
@@ -228,7 +236,9 @@ def main() -> None:
     layouts = {"chained-8": (encode(frames, 8, False), none),
                "chained-4": (encode(frames, 4, False), none),
                "keyed-8": (encode(frames, 8, True), none),
-               "dict-8": (encode(frames, 8, False, dictionary), dictionary)}
+               "dict-8": (encode(frames, 8, False, dictionary), dictionary),
+               "hc3-8": (encode(frames, 8, False, hc_level=3), none),
+               "hc9-8": (encode(frames, 8, False, hc_level=9), none)}
     load_start = os.getloadavg()[0]
     times = timed_gathers(layouts, frames, args)
     base_bytes = layouts["chained-8"][0].data.size

@@ -42,12 +42,13 @@ BAD_JSON = [None, True, False, 0, -1, 1.5, "x", "", [], {}, [None], {"a": 1}, 2*
 
 # -- valid stores -----------------------------------------------------------------------
 def build_store(path: Path, kind: str) -> None:
-    """A small valid store: ``uniform`` (2 envs, wrapped, shard files) or ``prio``
-    (prioritized, uint16, a file per chunk)."""
+    """A small valid store: ``uniform`` (2 envs, wrapped, shard files; ``zstd_dict`` and
+    ``lz4hc`` the same with those codecs) or ``prio`` (prioritized, uint16, a file per
+    chunk)."""
     rng = np.random.default_rng(11)
-    if kind in ("uniform", "zstd_dict"):
-        codec = {"codec": "zstd-dict", "dict_bytes": 1024,
-                 "dict_train_chunks": 4} if kind == "zstd_dict" else {}
+    if kind in ("uniform", "zstd_dict", "lz4hc"):
+        codec = {"zstd_dict": {"codec": "zstd-dict", "dict_bytes": 1024, "dict_train_chunks": 4},
+                 "lz4hc": {"codec": "lz4hc"}}.get(kind, {})
         store = ReplayStore.create(path, capacity=24, obs_shape=(4, 3), num_envs=2,
                                    frame_stack=2, n_step=2, gamma=0.9, chunk_frames=4,
                                    block_slots=5, seed=7, **codec)

@@ -2,7 +2,7 @@
 
 Each mutation (a byte flip, a truncation, a deletion, an emptied file or appended garbage, on
 any file: frame chunks, step and priority blocks, the tail, the manifest, both zarr.json, a
-"zstd-dict" store's dictionary) is
+"zstd-dict" store's dictionary; an "lz4hc" store too) is
 applied to a pristine store, which is then opened read-only. The outcome is one of:
 
 * ``open``: the open raises `InvalidStoreError`;
@@ -103,7 +103,8 @@ def pristine(root: Path, kind: str) -> Pristine:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> list[Pristine]:
     base = tmp_path_factory.mktemp("corruption")
-    return [pristine(base / kind, kind) for kind in ("uniform", "prio", "gave-up", "zstd_dict")]
+    return [pristine(base / kind, kind) for kind in ("uniform", "prio", "gave-up", "zstd_dict",
+                                                     "lz4hc")]
 
 
 def target_kind(rel: str) -> str:

@@ -219,6 +219,17 @@ def test_cli_import_dopamine(records: list, tmp_path: Path,
                                       fill(records, 5000, count=700)], n_step=1)
 
 
+def test_cli_import_dopamine_into_an_lz4hc_store(records: list, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    fill(records, 5000, count=400).save(tmp_path / "logs", 0)
+    code = main(["import-dopamine", str(tmp_path / "logs"), str(tmp_path / "store"),
+                 "--codec", "lz4hc"])
+    assert code == 0, capsys.readouterr().err
+    with ReplayStore.open(tmp_path / "store", mode="r") as store:
+        assert store.spec.codec == "lz4hc" and store.format_version == 5
+        assert_import_matches(store, [fill(records, 5000, count=400)], n_step=1)
+
+
 def test_parse_checkpoints(tmp_path: Path) -> None:
     assert parse_checkpoints("0-3") == [0, 1, 2, 3]
     assert parse_checkpoints("7") == [7]

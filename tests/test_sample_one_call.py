@@ -67,6 +67,7 @@ CASES = [
     dict(sampler="prioritized", cache_bytes=0, num_envs=3, n_step=3, frame_stack=4),
     dict(sampler="uniform", cache_bytes=None, num_envs=2, n_step=2, frame_stack=3,
          extras={"h": ((2,), np.float32)}),
+    dict(sampler="prioritized", cache_bytes=0, codec="lz4hc"),  # the lz4 format too
 ]
 
 

@@ -1,6 +1,7 @@
 """One chunk's bytes, exactly as zarr's codec chain of the spec makes them.
 
-``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``, the default), ``bytes -> zstd ->
+``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``, the default; ``"lz4hc"``: blosc's lz4hc,
+the same lz4 format, format 5), ``bytes -> zstd ->
 crc32c`` or ``bytes -> zstd with the store's dictionary -> crc32c`` (``"zstd-dict"``, format
 4; see `zstd_dict`): what a chunk file holds (format 1) and what each chunk of a shard file
 holds (format 2). Decoding checks the crc32c and the codec header's sizes before trusting a
@@ -26,9 +27,9 @@ import zstandard
 from mmreplay import kernels
 from mmreplay.errors import InvalidStoreError
 from mmreplay.kernels import compiled
-from mmreplay.spec import StoreSpec
+from mmreplay.spec import LZ4_CODECS, StoreSpec
 
-_KINDS = {"lz4": 0, "zstd": 1, "zstd-dict": 2}  # the kernel's LZ4, ZSTD, ZSTD_DICT
+_KINDS = {"lz4": 0, "lz4hc": 0, "zstd": 1, "zstd-dict": 2}  # the kernel's LZ4, ZSTD, ZSTD_DICT
 
 BLOSC_HEADER = 16  # bytes of a blosc chunk header
 
@@ -49,8 +50,8 @@ def compressor(spec: StoreSpec,
         return ZstdDictCodec(level=spec.codec_level, dictionary=dictionary)
     if spec.codec == "zstd":
         return ZstdCodec(level=spec.codec_level)
-    return BloscCodec(cname="lz4", clevel=spec.codec_level, shuffle="noshuffle", typesize=1,
-                      blocksize=0)
+    return BloscCodec(cname=spec.codec, clevel=spec.codec_level, shuffle="noshuffle",
+                      typesize=1, blocksize=0)
 
 
 def max_chunk_bytes(spec: StoreSpec) -> int:
@@ -63,16 +64,17 @@ def max_chunk_bytes(spec: StoreSpec) -> int:
 class ChunkCodec:
     """Encodes and decodes one chunk exactly as zarr's codec chain of the spec does.
 
-    ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``), ``bytes -> zstd -> crc32c``, or
+    ``bytes -> blosc(lz4) -> crc32c`` (codec ``"lz4"``; ``"lz4hc"`` with blosc's lz4hc),
+    ``bytes -> zstd -> crc32c``, or
     zstd with a dictionary (``"zstd-dict"``: set once with `set_dictionary` before the first
     chunk is encoded or decoded).
     """
 
     def __init__(self, spec: StoreSpec, dictionary: bytes | None = None) -> None:
         self.kind = _KINDS[spec.codec]
-        self._lz4 = spec.codec == "lz4"
+        self._lz4 = spec.codec in LZ4_CODECS
         self._level = spec.codec_level
-        self._inner = (numcodecs.Blosc(cname="lz4", clevel=spec.codec_level,
+        self._inner = (numcodecs.Blosc(cname=spec.codec, clevel=spec.codec_level,
                                        shuffle=numcodecs.Blosc.NOSHUFFLE, blocksize=0)
                        if self._lz4 else numcodecs.Zstd(level=spec.codec_level))
         self._dtype = np.dtype(spec.obs_dtype).newbyteorder("<")

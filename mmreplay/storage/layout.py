@@ -103,7 +103,7 @@ def compressor_meta(spec: StoreSpec, dictionary: bytes | None = None) -> dict[st
                 "configuration": configuration(spec.codec_level, dictionary)}
     if spec.codec == "zstd":
         return {"name": "zstd", "configuration": {"level": spec.codec_level, "checksum": False}}
-    return {"name": "blosc", "configuration": {"typesize": 1, "cname": "lz4",
+    return {"name": "blosc", "configuration": {"typesize": 1, "cname": spec.codec,
                                                "clevel": spec.codec_level,
                                                "shuffle": "noshuffle", "blocksize": 0}}
 

@@ -56,7 +56,7 @@ from mmreplay.storage.zstd_dict import check_record
 
 MANIFEST = "manifest.json"
 FORMAT = "mmreplay"
-FORMAT_VERSION = 4  # the newest this version reads (4: codec "zstd-dict")
+FORMAT_VERSION = 5  # the newest this version reads (4: codec "zstd-dict"; 5: "lz4hc")
 CHECKSUM = "checksum"
 MAX_MANIFEST_BYTES = 16 << 20  # ~200k step blocks; parsing it costs at most ~250 MB
 MAX_MANIFEST_CONTAINERS = 100  # a manifest has 13 JSON arrays and objects, +1 +2 per extra
