@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import parse_args, run_main
+from common import dir_bytes, parse_args, run_main
 
 ADD_BLOCK = 512  # adds per timed block in `add_blocks` (two of the adapter's stages)
 SCRIPTS = Path(__file__).resolve().parent
@@ -87,6 +87,9 @@ class Args:
     numpy_rows: bool = True
     """per, uniform: also time ``sample_arrays(32)`` (numpy out, as cpprb's ``sample``) and
     cpprb's ``sample(32)`` turned into torch tensors (as mmreplay's ``sample``)"""
+    lz4hc: bool = False
+    """per, uniform: also time a store filled from the same stream with ``codec="lz4hc"``
+    (``mmreplay_lz4hc``; the same seed, so the same draws as the default store)"""
     seed: int = 0
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
@@ -131,6 +134,27 @@ def cached_copies(args: Args, path: str) -> tuple[dict[str, Any], dict[str, Any]
         stores["mmreplay_partial_cache"], info["mmreplay_partial_cache"] = decoded_in_ram(
             path, args.partial_cache_mib << 20)
     return stores, info
+
+
+def lz4hc_twin(args: Args, rec: Any, path: str, info: dict[str, Any],
+               **options: Any) -> dict[str, Any]:
+    """With `--lz4hc`: the store at `path` filled again from the same stream with
+    ``codec="lz4hc"``, opened, by row; its frame bytes and fill time go into `info` beside
+    the lz4 store's frame bytes."""
+    if not args.lz4hc:
+        return {}
+    from benchlib.harness import feed_timed
+
+    from mmreplay import ReplayStore
+
+    twin = f"{path}-lz4hc"
+    store = ReplayStore.create(twin, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed, codec="lz4hc", **options)
+    _, spent = feed_timed(store, rec, 0, args.frames + 100, desc="fill lz4hc", progress=False)
+    store.close()
+    info["mmreplay_lz4hc"] = {"add_s": spent, "frame_bytes": dir_bytes(Path(twin) / "frames"),
+                              "lz4_frame_bytes": dir_bytes(Path(path) / "frames")}
+    return {"mmreplay_lz4hc": ReplayStore.open(twin)}
 
 
 def rss_bytes() -> int:
@@ -271,6 +295,7 @@ def per_section(args: Args) -> dict[str, Any]:
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
     cpprb_rss = rss_bytes() - before
+    cached.update(lz4hc_twin(args, rec, path, cached_info, sampler="prioritized", alpha=0.6))
     new = rng.random((args.reps, 32))
 
     def ours(buf: Any) -> Callable[[int], None]:
@@ -334,13 +359,17 @@ def uniform_section(args: Args) -> dict[str, Any]:
     store.close()
     cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
-    ours = {"mmreplay_ReplayStore": sampler(store),
-            **{name: sampler(buf) for name, buf in cached.items()}}
-    ours.update(numpy_rows({"mmreplay_ReplayStore": store, **cached}, args.numpy_rows))
-    sample, cpprb_rss = uniform_vs_cpprb(args, rec, ours)  # cpprb's RAM back before the floor's
+
+    def rows() -> dict[str, Callable[[int], object]]:  # called once cpprb's RSS is measured
+        cached.update(lz4hc_twin(args, rec, path, cached_info))
+        return {"mmreplay_ReplayStore": sampler(store),
+                **{name: sampler(buf) for name, buf in cached.items()},
+                **numpy_rows({"mmreplay_ReplayStore": store, **cached}, args.numpy_rows)}
+
+    sample, cpprb_rss = uniform_vs_cpprb(args, rec, rows)  # cpprb's RAM back before the floor's
     for buf in cached.values():
         buf.close()  # their RAM back too
-    ours = {"mmreplay_ReplayStore": ours["mmreplay_ReplayStore"]}
+    ours = {"mmreplay_ReplayStore": sampler(store)}
     frames = rec.frames[np.arange(args.frames) % len(rec)]  # the stream's frames, in RAM
     rng = np.random.default_rng(args.seed)
     floor = interleaved({**ours, "numpy_floor": lambda i: numpy_gather(frames, rng, 32)},
@@ -352,10 +381,11 @@ def uniform_section(args: Args) -> dict[str, Any]:
             "frames": args.frames}
 
 
-def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], object]]
+def uniform_vs_cpprb(args: Args, rec: Any, rows: Callable[[], dict[str, Callable[[int], object]]]
                      ) -> tuple[dict[str, dict[str, float]], int]:
-    """`ours` alternated with ``sample(32)`` of cpprb's ``ReplayBuffer`` filled with the same
-    stream (freed on return); and the RSS growth of filling cpprb's buffer."""
+    """The calls `rows()` makes (after cpprb's buffer is filled) alternated with ``sample(32)``
+    of cpprb's ``ReplayBuffer`` filled with the same stream (freed on return); and the RSS
+    growth of filling cpprb's buffer."""
     from benchlib.baselines import stacked_steps
     from cpprb import ReplayBuffer
 
@@ -370,6 +400,7 @@ def uniform_vs_cpprb(args: Args, rec: Any, ours: dict[str, Callable[[int], objec
         rb.add(obs=step.obs, act=step.action, rew=step.reward, next_obs=step.next_obs,
                done=float(step.terminated))
     grown = rss_bytes() - before
+    ours = rows()
     for _ in range(args.warmup):
         rb.sample(32)
         for call in ours.values():

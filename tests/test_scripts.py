@@ -261,7 +261,7 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     proc = run_script("bench_overhead.py", "--frames", "2000", "--small-steps", "300",
                       "--reps", "40", "--block", "10", "--dqn-steps", "100", "--dqn-rounds",
-                      "1", "--partial-cache-mib", "1", "--out", str(out))
+                      "1", "--partial-cache-mib", "1", "--lz4hc", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     tree = json.loads(out.read_text())["trees"]["this_checkout"]
     assert tree["mmreplay_from"] == str(ROOT / "mmreplay")
@@ -280,8 +280,10 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
     assert tree["uniform"]["sample32_vs_floor"]["numpy_floor"]["ratio_to_numpy_floor"] == 1.0
     assert "cpprb_ReplayBuffer" in tree["uniform"]["sample32"]
     for section in ("per", "uniform"):  # decoded chunks in RAM, timed beside cpprb
-        assert {"mmreplay_decoded_in_ram", "mmreplay_partial_cache"} <= set(
-            tree[section]["sample32"])
+        assert {"mmreplay_decoded_in_ram", "mmreplay_partial_cache", "mmreplay_lz4hc",
+                "mmreplay_lz4hc_arrays"} <= set(tree[section]["sample32"])
+        twin = tree[section]["cached"]["mmreplay_lz4hc"]
+        assert 0 < twin["frame_bytes"] < twin["lz4_frame_bytes"] and twin["add_s"] > 0
         info = tree[section]["cached"]["mmreplay_decoded_in_ram"]
         assert info["cache_bytes"] == 2000 * 84 * 84 and info["warm_up_s"] > 0
         assert info["cached_bytes"] == info["cache_bytes"]  # every chunk read once
