@@ -1,7 +1,13 @@
-"""Field-by-field comparison of two stores (shared by the dataset round-trip tests)."""
+"""Field-by-field comparison of two stores (shared by the dataset round-trip tests), and of a
+golden fixture with what its generator recorded (shared by the format tests)."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
 import torch
 
 from mmreplay import ReplayStore
@@ -26,3 +32,29 @@ def assert_stores_equal(a: ReplayStore, b: ReplayStore, *, same_ids: bool = True
         assert x.dtype == y.dtype, field
         assert torch.equal(x, y), field
     assert ins.episode_table(a) == ins.episode_table(b)
+
+
+def assert_golden_reads_back(root: Path, expected: dict) -> None:
+    """A golden store opened read-only gives every transition and the next draws its
+    generator recorded (``tests/fixtures/make_store_v*.py``)."""
+    with ReplayStore.open(root, mode="r") as store:
+        batch = store.get(store.valid_ids())
+        for name in ("ids", "obs", "next_obs", "action", "terminated", "truncated"):
+            assert getattr(batch, name).tolist() == expected[name], name
+        np.testing.assert_allclose(batch.reward.numpy(), expected["reward"], rtol=1e-6)
+        assert store.sample(8).ids.tolist() == expected["next_samples"]
+
+
+def assert_golden_resumes(root: Path, copy: Path, frame: Callable[[int, int], np.ndarray]) -> None:
+    """A copy of the two-env golden store at `root` takes 60 more steps of each env (past a
+    ring lap) and reads the newest back (`frame(t, env)` is the fixture's frame)."""
+    shutil.copytree(root, copy)
+    with ReplayStore.open(copy) as store:
+        before = store.counts.transitions
+        for t in range(70, 130):
+            store.add(np.zeros(2, np.int64), np.zeros(2), np.stack([frame(t, 0), frame(t, 1)]),
+                      np.zeros(2, bool), np.zeros(2, bool))
+    with ReplayStore.open(copy, mode="r") as store:
+        assert store.counts.transitions == before + 120
+        newest = store.get(store.valid_ids()[-1:]).next_obs[0, -1].numpy()
+        assert newest.tolist() in (frame(129, 0).tolist(), frame(129, 1).tolist())
