@@ -330,7 +330,7 @@ def test_bench_chunk_layout_smoke(tmp_path: Path, ale_cache: Path) -> None:
                     "--block", "50", "--out-dir", str(tmp_path), "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "chunk_layout.json").read_text())["layouts"]
-    assert set(rows) == {"chained-8", "chained-4", "keyed-8", "dict-8"}
+    assert set(rows) == {"chained-8", "chained-4", "keyed-8", "dict-8", "hc3-8", "hc9-8"}
     assert rows["chained-8"]["bytes_vs_chained_8"] == rows["chained-8"]["gather_vs_chained_8"] == 1
     for row in rows.values():
         assert row["bytes_per_frame"] > 0 and row["encode_us_per_frame"] > 0
