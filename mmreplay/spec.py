@@ -21,7 +21,6 @@ STACK_PADDINGS = ("zero", "first")
 # writes the lz4 format: smaller chunks that decode faster, encoded ~5x slower); "zstd-dict"
 # is zstd with a dictionary trained per store (docs/compression.md has the measurements).
 CODECS = ("lz4", "lz4hc", "zstd", "zstd-dict")
-LZ4_CODECS = ("lz4", "lz4hc")  # chunks in the lz4 format: read by the same compiled decode
 # codec: (lowest level, highest, default)
 CODEC_LEVELS = {"lz4": (1, 9, 9), "lz4hc": (1, 9, 3), "zstd": (-5, 22, 1),
                 "zstd-dict": (1, 19, 3)}

@@ -27,9 +27,10 @@ import zstandard
 from mmreplay import kernels
 from mmreplay.errors import InvalidStoreError
 from mmreplay.kernels import compiled
-from mmreplay.spec import LZ4_CODECS, StoreSpec
+from mmreplay.spec import StoreSpec
 
-_KINDS = {"lz4": 0, "lz4hc": 0, "zstd": 1, "zstd-dict": 2}  # the kernel's LZ4, ZSTD, ZSTD_DICT
+# the kernel's LZ4, ZSTD, ZSTD_DICT: "lz4hc" writes the lz4 format, decoded as "lz4"
+_KINDS = {"lz4": 0, "lz4hc": 0, "zstd": 1, "zstd-dict": 2}
 
 BLOSC_HEADER = 16  # bytes of a blosc chunk header
 
@@ -72,7 +73,7 @@ class ChunkCodec:
 
     def __init__(self, spec: StoreSpec, dictionary: bytes | None = None) -> None:
         self.kind = _KINDS[spec.codec]
-        self._lz4 = spec.codec in LZ4_CODECS
+        self._lz4 = self.kind == _KINDS["lz4"]
         self._level = spec.codec_level
         self._inner = (numcodecs.Blosc(cname=spec.codec, clevel=spec.codec_level,
                                        shuffle=numcodecs.Blosc.NOSHUFFLE, blocksize=0)
