@@ -136,6 +136,20 @@ def cached_copies(args: Args, path: str) -> tuple[dict[str, Any], dict[str, Any]
     return stores, info
 
 
+def filled_store(args: Args, rec: Any, path: str, **options: Any) -> float:
+    """A store at `path` (84x84 frames in 4-stacks, `--frames` slots, `--seed`, `options`)
+    filled from `rec` and closed; the seconds spent inside its ``reset``/``add`` calls."""
+    from benchlib.harness import feed_timed
+
+    from mmreplay import ReplayStore
+
+    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
+                               seed=args.seed, **options)
+    _, spent = feed_timed(store, rec, 0, args.frames + 100, desc="fill", progress=False)
+    store.close()
+    return spent
+
+
 def lz4hc_twin(args: Args, rec: Any, path: str, info: dict[str, Any],
                **options: Any) -> dict[str, Any]:
     """With `--lz4hc`: the store at `path` filled again from the same stream with
@@ -143,15 +157,10 @@ def lz4hc_twin(args: Args, rec: Any, path: str, info: dict[str, Any],
     the lz4 store's frame bytes."""
     if not args.lz4hc:
         return {}
-    from benchlib.harness import feed_timed
-
     from mmreplay import ReplayStore
 
     twin = f"{path}-lz4hc"
-    store = ReplayStore.create(twin, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
-                               seed=args.seed, codec="lz4hc", **options)
-    _, spent = feed_timed(store, rec, 0, args.frames + 100, desc="fill lz4hc", progress=False)
-    store.close()
+    spent = filled_store(args, rec, twin, codec="lz4hc", **options)
     info["mmreplay_lz4hc"] = {"add_s": spent, "frame_bytes": dir_bytes(Path(twin) / "frames"),
                               "lz4_frame_bytes": dir_bytes(Path(path) / "frames")}
     return {"mmreplay_lz4hc": ReplayStore.open(twin)}
@@ -270,7 +279,6 @@ def per_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
     from ale_frames import record_frames
     from benchlib.baselines import stacked_steps
-    from benchlib.harness import feed_timed
     from cpprb import PrioritizedReplayBuffer
 
     from mmreplay import ReplayStore
@@ -278,10 +286,7 @@ def per_section(args: Args) -> dict[str, Any]:
     rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/per"
-    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
-                               seed=args.seed, sampler="prioritized", alpha=0.6)
-    feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
-    store.close()
+    filled_store(args, rec, path, sampler="prioritized", alpha=0.6)
     cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
     before = rss_bytes()
@@ -347,16 +352,13 @@ def sampler(store: Any, beta: float | None = None) -> Callable[[int], object]:
 def uniform_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
     from ale_frames import record_frames
-    from benchlib.harness import feed_timed, numpy_gather
+    from benchlib.harness import numpy_gather
 
     from mmreplay import ReplayStore
 
     rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
     path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/uniform"
-    store = ReplayStore.create(path, capacity=args.frames, obs_shape=(84, 84), frame_stack=4,
-                               seed=args.seed)
-    feed_timed(store, rec, 0, args.frames + 100, desc="fill mmreplay", progress=False)
-    store.close()
+    filled_store(args, rec, path)
     cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
 
