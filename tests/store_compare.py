@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 
 from mmreplay import ReplayStore
 from mmreplay.tools import inspection as ins
@@ -58,3 +59,15 @@ def assert_golden_resumes(root: Path, copy: Path, frame: Callable[[int, int], np
         assert store.counts.transitions == before + 120
         newest = store.get(store.valid_ids()[-1:]).next_obs[0, -1].numpy()
         assert newest.tolist() in (frame(129, 0).tolist(), frame(129, 1).tolist())
+
+
+def assert_golden_frames_through_zarr(root: Path, frame: Callable[[int, int], np.ndarray]) -> None:
+    """Plain zarr reads the frames of the two-env golden store at `root` (70 frames a env
+    into 48 slots: slot s holds frame s + 48 below slot 20 and frame s from 24 on; frames
+    68, 69 (slots 20, 21) wait in tail/, and the chunk on disk still holds 20..23)."""
+    frames = zarr.open_array(str(root / "frames"), mode="r")
+    assert frames.shape == (2, 48, 16, 16)
+    for env in range(2):
+        slots = [s for s in range(48) if not 20 <= s < 24]
+        want = [frame(s + 48 if s < 20 else s, env).tolist() for s in slots]
+        assert frames[env, slots].tolist() == want

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zarr
-from store_compare import assert_golden_reads_back, assert_golden_resumes
+from store_compare import (
+    assert_golden_frames_through_zarr,
+    assert_golden_reads_back,
+    assert_golden_resumes,
+)
 
 from mmreplay import ReplayStore
 from mmreplay.errors import InvalidInputError
@@ -39,12 +42,7 @@ def test_golden_v5_frames_read_through_plain_zarr() -> None:
     inner = shard["configuration"]["codecs"]
     assert [c["name"] for c in inner] == ["bytes", "blosc", "crc32c"]
     assert inner[1]["configuration"]["cname"] == "lz4hc"
-    frames = zarr.open_array(str(GOLDEN_V5 / "frames"), mode="r")
-    assert frames.shape == (2, 48, 16, 16)
-    for env in range(2):  # as the format-4 fixture: slots 20..23 wait in tail/ or are stale
-        slots = [s for s in range(48) if not 20 <= s < 24]
-        want = [frame(s + 48 if s < 20 else s, env).tolist() for s in slots]
-        assert frames[env, slots].tolist() == want
+    assert_golden_frames_through_zarr(GOLDEN_V5, frame)
 
 
 def test_golden_v5_can_be_resumed(tmp_path: Path) -> None:

@@ -16,9 +16,12 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 import pytest
-import zarr
 import zstandard
-from store_compare import assert_golden_reads_back, assert_golden_resumes
+from store_compare import (
+    assert_golden_frames_through_zarr,
+    assert_golden_reads_back,
+    assert_golden_resumes,
+)
 
 import mmreplay.storage.zarr_codec  # noqa: F401  (registers the zarr codec in this process)
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore
@@ -162,14 +165,7 @@ def test_golden_v4_frames_read_through_plain_zarr() -> None:
     assert [c["name"] for c in inner] == ["bytes", "mmreplay.zstd_dict", "crc32c"]
     assert base64.b64decode(inner[1]["configuration"]["dictionary"]) == \
         (GOLDEN_V4 / DICT_FILE).read_bytes()
-    frames = zarr.open_array(str(GOLDEN_V4 / "frames"), mode="r")
-    assert frames.shape == (2, 48, 16, 16)
-    # 70 frames a env into 48 slots: slot s holds frame s + 48 below slot 20 and frame s from
-    # 24 on; frames 68, 69 (slots 20, 21) wait in tail/, chunk 5 on disk still holds 20..23
-    for env in range(2):
-        slots = [s for s in range(48) if not 20 <= s < 24]
-        want = [frame(s + 48 if s < 20 else s, env).tolist() for s in slots]
-        assert frames[env, slots].tolist() == want
+    assert_golden_frames_through_zarr(GOLDEN_V4, frame)
 
 
 def test_golden_v4_can_be_resumed(tmp_path: Path) -> None:
