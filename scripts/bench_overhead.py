@@ -38,6 +38,8 @@ sides alike. Writes `--out` (JSON). Figures only: nothing is asserted.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -166,6 +168,19 @@ def lz4hc_twin(args: Args, rec: Any, path: str, info: dict[str, Any],
     return {"mmreplay_lz4hc": ReplayStore.open(twin)}
 
 
+def settled_rss() -> int:
+    """`rss_bytes` once earlier rows' garbage is collected and the C heap's free pages are
+    given back (glibc's ``malloc_trim``): else a fill that reuses freed heap grows the
+    process less than it holds (a growth of 0 for cpprb's 2,000-frame buffer in the smoke
+    run, whose earlier rows had filled and closed a store)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc: the heap stays as it is
+        pass
+    return rss_bytes()
+
+
 def rss_bytes() -> int:
     """This process's resident set now (Linux ``/proc``; 0 elsewhere)."""
     try:
@@ -185,7 +200,7 @@ def decoded_in_ram(path: str, budget: int = 0) -> tuple[Any, dict[str, Any]]:
 
     copy = f"{path}-decoded{budget or ''}"
     shutil.copytree(path, copy)
-    before = rss_bytes()
+    before = settled_rss()
     store = ReplayStore.open(copy)
     spec = store.spec
     cache_bytes = budget or spec.decoded_bytes
@@ -289,7 +304,7 @@ def per_section(args: Args) -> dict[str, Any]:
     filled_store(args, rec, path, sampler="prioritized", alpha=0.6)
     cached, cached_info = cached_copies(args, path)
     store = ReplayStore.open(path)
-    before = rss_bytes()
+    before = settled_rss()
     rb: Any = PrioritizedReplayBuffer(
         args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
                       "act": {"dtype": np.int64}, "rew": {}, "done": {}},
@@ -391,7 +406,7 @@ def uniform_vs_cpprb(args: Args, rec: Any, rows: Callable[[], dict[str, Callable
     from benchlib.baselines import stacked_steps
     from cpprb import ReplayBuffer
 
-    before = rss_bytes()
+    before = settled_rss()
     rb: Any = ReplayBuffer(
         args.frames, {"obs": {"shape": (84, 84, 4), "dtype": np.uint8},
                       "act": {"dtype": np.int64}, "rew": {}, "done": {}},
