@@ -208,3 +208,36 @@ def test_decoded_bytes_is_the_budget_that_keeps_the_whole_ring(tmp_path, capacit
                 assert np.array_equal(first.reshape(-1), batch.ids.numpy())
             stats = reader.views.memory().cache
             assert (stats.chunks, stats.nbytes) == (held, held * 4 * 8)
+
+
+@pytest.mark.parametrize("stack", [1, 2, 4])
+def test_a_batch_gather_copies_shared_frames_from_its_obs_as_the_table_holds_them(stack):
+    """`_gather` of a batch's obs and next stacks (``stack`` > 0) interleaves the two
+    and copies a frame they share from the obs just written: every frame equals the
+    plain gather's, for table rows, RAM tails and the zero frame, shared or not."""
+    from mmreplay.kernels import tables
+
+    gather = tables()._gather
+    rng = np.random.default_rng(stack)
+    fb, rows, tail_rows = 24, 30, 6
+    table = rng.integers(0, 255, (rows, fb), dtype=np.uint8)
+    tails = rng.integers(0, 255, (tail_rows, fb), dtype=np.uint8)
+    zero = -1 - tail_rows
+    for _ in range(50):
+        batch = int(rng.integers(1, 9))
+        obs = rng.choice(np.r_[np.arange(rows), -1 - np.arange(tail_rows), zero],
+                         size=(batch, stack))
+        shift = rng.integers(0, stack + 1, batch)  # frames of obs the next stack shares
+        nxt = rng.choice(np.r_[np.arange(rows), -1 - np.arange(tail_rows), zero],
+                         size=(batch, stack))
+        for b in range(batch):
+            nxt[b, :stack - shift[b]] = obs[b, shift[b]:]
+        sources = np.concatenate([obs.ravel(), nxt.ravel()]).astype(np.int64)
+        want = np.full((sources.size, fb), 7, np.uint8)
+        got = np.full((sources.size, fb), 7, np.uint8)
+        gather(table.ctypes.data, fb, tails, sources, want, 0)
+        gather(table.ctypes.data, fb, tails, sources, got, stack)
+        expected = np.stack([table[s] if s >= 0 else tails[-1 - s] if s > zero
+                             else np.zeros(fb, np.uint8) for s in sources])
+        np.testing.assert_array_equal(want, expected)
+        np.testing.assert_array_equal(got, expected)

@@ -113,4 +113,5 @@ def sample_table(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
     ram_size, used, tick, shard_chunks, sources, out, missing)``; returns `table_read`'s
     status."""
     _draw_and_look(draw, look, outs)
-    return table_read(outs[2].reshape(-1), look[1], *read)
+    stacks = outs[2]
+    return table_read(stacks.reshape(-1), look[1], *read, stacks.shape[2])
