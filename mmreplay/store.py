@@ -135,7 +135,8 @@ class ReplayStore(BucketMethods):
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | None, lock_fd: int | None, remote: RemoteChunks | None = None,
+                 cache_bytes: int | str | None, lock_fd: int | None,
+                 remote: RemoteChunks | None = None,
                  manifest: dict[str, Any] | None = None) -> None:
         """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
         self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
@@ -165,7 +166,7 @@ class ReplayStore(BucketMethods):
                obs_dtype: Any = np.uint8, num_envs: int = 1, frame_stack: int = 1,
                n_step: int = 1, gamma: float = 0.99, stack_padding: str = "zero",
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
-               durable: bool = False, cache_bytes: int | None = None, extras: Any = None,
+               durable: bool = False, cache_bytes: int | str | None = None, extras: Any = None,
                mirror: str | None = None, storage_options: dict[str, str] | None = None,
                rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
@@ -175,6 +176,8 @@ class ReplayStore(BucketMethods):
         `mirror` (a URL) pushes every flush there in the background, with `storage_options`
         where the AWS variables do not say (docs/object-storage.md). `rate_limiter`: see
         `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=`` (docs/compression.md).
+        ``cache_bytes="all"`` keeps every frame decoded in RAM once read, as cpprb keeps them
+        (`spec.decoded_bytes`; docs/guides/performance.md).
         """
         dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
@@ -190,7 +193,7 @@ class ReplayStore(BucketMethods):
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], mode: str = "r+", *, durable: bool = False,
-             cache_bytes: int | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
+             cache_bytes: int | str | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
              rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None
@@ -198,7 +201,8 @@ class ReplayStore(BucketMethods):
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything
-        is allocated; a spec needing more than `max_ram_bytes` is refused (`InvalidStoreError`).
+        is allocated; a spec needing more than `max_ram_bytes` is refused (`InvalidStoreError`),
+        as is ``cache_bytes="all"`` (every frame decoded in RAM) above it (`InvalidInputError`).
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`, whole files in the background: `cache_fill`); `mirror` as in `create`;
@@ -432,8 +436,19 @@ class ReplayStore(BucketMethods):
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
 
 
+def _check_cache_all(spec: StoreSpec, cache_bytes: int | str | None,
+                     max_ram_bytes: int) -> None:
+    """``cache_bytes="all"`` takes what the (untrusted) spec says: at most `max_ram_bytes`."""
+    if cache_bytes == validate.CACHE_ALL and spec.decoded_bytes > max_ram_bytes:
+        raise InvalidInputError(
+            f"cache_bytes={validate.CACHE_ALL!r} would keep {spec.decoded_bytes / 2**30:.1f} GiB "
+            f"of decoded frames in RAM, more than max_ram_bytes "
+            f"({max_ram_bytes / 2**30:.1f} GiB); pass a larger max_ram_bytes or an int "
+            f"cache_bytes")
+
+
 def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
-                 cache_bytes: int | None, before_chunk_write: Callable[..., Any],
+                 cache_bytes: int | str | None, before_chunk_write: Callable[..., Any],
                  remote: RemoteChunks | None, manifest: dict[str, Any] | None) -> FrameStore:
     return FrameStore(root, spec, writable=writable, durable=durable,
                       cache_bytes=validate.cache_budget(spec, cache_bytes),
@@ -451,7 +466,7 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
 
 
 def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
-            cache_bytes: int | None, dictionary: Any = None) -> ReplayStore:
+            cache_bytes: int | str | None, dictionary: Any = None) -> ReplayStore:
     """A new store's files at `root` (absent or an empty directory), opened for writing;
     a "zstd-dict" store takes `dictionary` (bytes) if given."""
     if dictionary is not None:
@@ -742,7 +757,7 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
 
 
 def _open_url(cls: type[ReplayStore], url: str, mode: str,
-              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | None,
+              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | str | None,
               storage_options: dict[str, str] | None, max_ram_bytes: int,
               cache_fill: bool | None = None) -> ReplayStore:
     """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
@@ -750,6 +765,11 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
         raise InvalidInputError(
             f"a URL opens read-only (mode='r'); to write, give a local working copy: "
             f"ReplayStore.open({url!r}, 'r+', local=DIR)")
+    if cache_bytes == validate.CACHE_ALL:
+        raise InvalidInputError(
+            f"cache_bytes={validate.CACHE_ALL!r} keeps a local store's frames decoded in RAM; "
+            f"for a URL, cache_bytes bounds the files fetched into cache_dir: give an int or "
+            f"None")
     objects = open_objects(url, storage_options)
     root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
     remote: RemoteChunks | None = None
@@ -769,12 +789,13 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
 
 
 def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
-               cache_bytes: int | None, max_ram_bytes: int,
+               cache_bytes: int | str | None, max_ram_bytes: int,
                remote: RemoteChunks | None = None) -> ReplayStore:
     check_root(root)
 
     def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
         spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
+        _check_cache_all(spec, cache_bytes, max_ram_bytes)
         return cls(root, spec, writable=lock_fd is not None, durable=durable,
                    cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
 

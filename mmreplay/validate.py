@@ -191,26 +191,35 @@ def _plain(arr: np.ndarray) -> bool:
 AUTO_CACHE_BYTES = 256 << 20
 
 
-def cache_bytes(value: Any) -> int | None:
-    """The `cache_bytes` argument: an int >= 0, or None to let `cache_budget` pick."""
-    if value is None:
-        return None
+CACHE_ALL = "all"  # `cache_bytes` that keeps every frame of the ring decoded in RAM
+
+
+def cache_bytes(value: Any) -> int | str | None:
+    """The `cache_bytes` argument: an int >= 0, ``"all"`` (`CACHE_ALL`: the ring's decoded
+    size, every frame decoded in RAM as cpprb keeps them), or None to let `cache_budget`
+    pick."""
+    if value is None or (isinstance(value, str) and value == CACHE_ALL):
+        return value
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise InvalidInputError(f"cache_bytes must be an int >= 0 or None, got {value!r}")
+        raise InvalidInputError(
+            f"cache_bytes must be an int >= 0, {CACHE_ALL!r} or None, got {value!r}")
     return int(value)
 
 
-def cache_budget(spec: StoreSpec, value: int | None) -> int:
+def cache_budget(spec: StoreSpec, value: int | str | None) -> int:
     """The decoded-chunk cache budget for a checked `cache_bytes`.
 
     A cache hit saves one small file read and an lz4 decode but costs a copy, and a
     miss costs a copy in, so it only pays when most reads hit: by default decoded
     chunks are cached when all of them fit in 256 MiB (small observations), and
     otherwise not at all (the OS page cache then holds the compressed frame files).
+    ``"all"`` caches every chunk of the ring (`StoreSpec.decoded_bytes`).
     """
-    if value is not None:
-        return value
     chunks = spec.decoded_bytes  # the ring's last chunk may be short on disk; decoded, whole
+    if value == CACHE_ALL:
+        return chunks
+    if value is not None:
+        return int(value)
     return chunks if chunks <= AUTO_CACHE_BYTES else 0
 
 

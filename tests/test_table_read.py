@@ -10,7 +10,7 @@ import pytest
 from conftest import numbered_frame
 
 from mmreplay import ReplayStore, UnknownIdError
-from mmreplay.errors import InvalidStoreError
+from mmreplay.errors import InvalidInputError, InvalidStoreError
 from mmreplay.spec import make_spec
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 
@@ -208,6 +208,40 @@ def test_decoded_bytes_is_the_budget_that_keeps_the_whole_ring(tmp_path, capacit
                 assert np.array_equal(first.reshape(-1), batch.ids.numpy())
             stats = reader.views.memory().cache
             assert (stats.chunks, stats.nbytes) == (held, held * 4 * 8)
+
+
+def test_cache_bytes_all_keeps_every_frame_decoded_and_says_what_it_refuses(tmp_path):
+    """``cache_bytes="all"`` is `spec.decoded_bytes`, on create and on open: every chunk of
+    the ring ends up decoded in RAM. Opened above `max_ram_bytes`, for a URL, or with
+    another word, it is refused with what was expected and what arrived."""
+    kw = dict(capacity=43, obs_shape=(32, 32), frame_stack=1, seed=0, chunk_frames=4,
+              shard_chunks=3)
+    with ReplayStore.create(tmp_path / "s", cache_bytes="all", **kw) as writer:
+        assert writer.views.memory().cache.budget_bytes == writer.spec.decoded_bytes
+        writer.reset(numbered_frame(0, (32, 32)))
+        for t in range(1, 3 * 43):
+            writer.add(0, float(t), numbered_frame(t, (32, 32)), False, False)
+        spec = writer.spec
+    with ReplayStore.open(tmp_path / "s", "r", cache_bytes="all") as reader:
+        batch = reader.get(reader.valid_ids())
+        first = batch.obs.numpy().reshape(len(batch), -1)[:, :4].copy().view("<u4")
+        assert np.array_equal(first.reshape(-1), batch.ids.numpy())
+        stats = reader.views.memory().cache
+        chunks = spec.num_envs * spec.num_chunks
+        assert (stats.budget_bytes, stats.chunks) == (spec.decoded_bytes, chunks)
+    with pytest.raises(InvalidInputError, match=r"cache_bytes='all' would keep .* GiB of "
+                                                r"decoded frames in RAM, more than max_ram"):
+        ReplayStore.open(tmp_path / "s", "r", cache_bytes="all",
+                         max_ram_bytes=spec.decoded_bytes - 1)
+    with ReplayStore.open(tmp_path / "s", "r", cache_bytes="all",
+                          max_ram_bytes=spec.decoded_bytes) as reader:
+        assert reader.views.memory().cache.budget_bytes == spec.decoded_bytes
+    with pytest.raises(InvalidInputError, match="for a URL, cache_bytes bounds the files"):
+        ReplayStore.open(f"file://{tmp_path}/bucket", "r", cache_bytes="all")
+    for bad in ("ALL", "1GB", 1.5, -1, True):
+        with pytest.raises(InvalidInputError, match=r"cache_bytes must be an int >= 0, 'all' "
+                                                    r"or None, got"):
+            ReplayStore.open(tmp_path / "s", "r", cache_bytes=bad)
 
 
 @pytest.mark.parametrize("stack", [1, 2, 4])
