@@ -156,10 +156,16 @@ def lz4hc_twin(args: Args, rec: Any, path: str, info: dict[str, Any],
                **options: Any) -> dict[str, Any]:
     """With `--lz4hc`: the store at `path` filled again from the same stream with
     ``codec="lz4hc"``, opened, by row; its frame bytes and fill time go into `info` beside
-    the lz4 store's frame bytes."""
+    the lz4 store's frame bytes. A tree whose store has no lz4hc codec (an older
+    ``--baseline``) gets no such row and says so in `info`."""
     if not args.lz4hc:
         return {}
     from mmreplay import ReplayStore
+    from mmreplay.spec import CODECS
+
+    if "lz4hc" not in CODECS:
+        info["mmreplay_lz4hc"] = {"skipped": "this tree's stores have no lz4hc codec"}
+        return {}
 
     twin = f"{path}-lz4hc"
     spent = filled_store(args, rec, twin, codec="lz4hc", **options)
