@@ -765,7 +765,7 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
         raise InvalidInputError(
             f"a URL opens read-only (mode='r'); to write, give a local working copy: "
             f"ReplayStore.open({url!r}, 'r+', local=DIR)")
-    if cache_bytes == validate.CACHE_ALL:
+    if isinstance(cache_bytes, str):  # CACHE_ALL, the one word `validate` lets through
         raise InvalidInputError(
             f"cache_bytes={validate.CACHE_ALL!r} keeps a local store's frames decoded in RAM; "
             f"for a URL, cache_bytes bounds the files fetched into cache_dir: give an int or "
