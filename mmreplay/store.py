@@ -78,6 +78,7 @@ from mmreplay.torch_batch import (
     make_batch,
     make_sequence_batch,
 )
+from mmreplay.validate import CacheBytes
 from mmreplay.views import StoreViews
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
@@ -135,8 +136,7 @@ class ReplayStore(BucketMethods):
 
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
-                 cache_bytes: int | str | None, lock_fd: int | None,
-                 remote: RemoteChunks | None = None,
+                 cache_bytes: CacheBytes, lock_fd: int | None, remote: RemoteChunks | None = None,
                  manifest: dict[str, Any] | None = None) -> None:
         """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
         self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
@@ -171,13 +171,11 @@ class ReplayStore(BucketMethods):
                rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
-        `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add``
-        then takes and every batch returns (e.g. a recurrent state, a log-probability).
-        `mirror` (a URL) pushes every flush there in the background, with `storage_options`
-        where the AWS variables do not say (docs/object-storage.md). `rate_limiter`: see
-        `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=`` (docs/compression.md).
-        ``cache_bytes="all"`` keeps every frame decoded in RAM once read, as cpprb keeps them
-        (`spec.decoded_bytes`; docs/guides/performance.md).
+        `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add`` takes
+        and every batch returns. `mirror` (a URL) pushes every flush there in the background,
+        with `storage_options` where the AWS variables do not say (docs/object-storage.md).
+        `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
+        (docs/compression.md). ``cache_bytes="all"`` keeps every frame decoded in RAM.
         """
         dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
@@ -200,9 +198,8 @@ class ReplayStore(BucketMethods):
              ) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
-        The directory is untrusted: every file is checked (see `manifest`) before anything
-        is allocated; a spec needing more than `max_ram_bytes` is refused (`InvalidStoreError`),
-        as is ``cache_bytes="all"`` (every frame decoded in RAM) above it (`InvalidInputError`).
+        The directory is untrusted: every file is checked (see `manifest`) before anything is
+        allocated; a spec (or ``cache_bytes="all"``) needing more than `max_ram_bytes` is refused.
 
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`, whole files in the background: `cache_fill`); `mirror` as in `create`;
@@ -436,7 +433,7 @@ class ReplayStore(BucketMethods):
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
 
 
-def _check_cache_all(spec: StoreSpec, cache_bytes: int | str | None,
+def _check_cache_all(spec: StoreSpec, cache_bytes: CacheBytes,
                      max_ram_bytes: int) -> None:
     """``cache_bytes="all"`` takes what the (untrusted) spec says: at most `max_ram_bytes`."""
     if cache_bytes == validate.CACHE_ALL and spec.decoded_bytes > max_ram_bytes:
@@ -448,7 +445,7 @@ def _check_cache_all(spec: StoreSpec, cache_bytes: int | str | None,
 
 
 def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
-                 cache_bytes: int | str | None, before_chunk_write: Callable[..., Any],
+                 cache_bytes: CacheBytes, before_chunk_write: Callable[..., Any],
                  remote: RemoteChunks | None, manifest: dict[str, Any] | None) -> FrameStore:
     return FrameStore(root, spec, writable=writable, durable=durable,
                       cache_bytes=validate.cache_budget(spec, cache_bytes),
@@ -466,7 +463,7 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
 
 
 def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
-            cache_bytes: int | str | None, dictionary: Any = None) -> ReplayStore:
+            cache_bytes: CacheBytes, dictionary: Any = None) -> ReplayStore:
     """A new store's files at `root` (absent or an empty directory), opened for writing;
     a "zstd-dict" store takes `dictionary` (bytes) if given."""
     if dictionary is not None:
@@ -757,7 +754,7 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
 
 
 def _open_url(cls: type[ReplayStore], url: str, mode: str,
-              cache_dir: str | os.PathLike[str] | None, cache_bytes: int | str | None,
+              cache_dir: str | os.PathLike[str] | None, cache_bytes: CacheBytes,
               storage_options: dict[str, str] | None, max_ram_bytes: int,
               cache_fill: bool | None = None) -> ReplayStore:
     """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
@@ -789,7 +786,7 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
 
 
 def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
-               cache_bytes: int | str | None, max_ram_bytes: int,
+               cache_bytes: CacheBytes, max_ram_bytes: int,
                remote: RemoteChunks | None = None) -> ReplayStore:
     check_root(root)
 

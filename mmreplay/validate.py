@@ -192,9 +192,10 @@ AUTO_CACHE_BYTES = 256 << 20
 
 
 CACHE_ALL = "all"  # `cache_bytes` that keeps every frame of the ring decoded in RAM
+CacheBytes = int | str | None  # a checked `cache_bytes`: an int >= 0, `CACHE_ALL` or None
 
 
-def cache_bytes(value: Any) -> int | str | None:
+def cache_bytes(value: Any) -> CacheBytes:
     """The `cache_bytes` argument: an int >= 0, ``"all"`` (`CACHE_ALL`: the ring's decoded
     size, every frame decoded in RAM as cpprb keeps them), or None to let `cache_budget`
     pick."""
@@ -206,7 +207,7 @@ def cache_bytes(value: Any) -> int | str | None:
     return int(value)
 
 
-def cache_budget(spec: StoreSpec, value: int | str | None) -> int:
+def cache_budget(spec: StoreSpec, value: CacheBytes) -> int:
     """The decoded-chunk cache budget for a checked `cache_bytes`.
 
     A cache hit saves one small file read and an lz4 decode but costs a copy, and a
