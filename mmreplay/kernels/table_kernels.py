@@ -219,7 +219,7 @@ def _gather(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
     order. Each transition's next stack is gathered right after its obs stack, and a frame
     the two share is copied from the obs just written (still in the CPU's cache) instead of
     from the table: a batch of 4-stacks and one-step next stacks reads 5 frames a transition
-    from RAM, not 8."""
+    from RAM, not 8 (n-step next stacks share 4 - n)."""
     if stack <= 0 or sources.size % (2 * stack):
         for i in range(sources.size):
             _copy_frame(table, fb, tails, sources[i], out, i)
