@@ -246,12 +246,12 @@ def test_cache_bytes_all_keeps_every_frame_decoded_and_says_what_it_refuses(tmp_
 
 @pytest.mark.parametrize("stack", [1, 2, 4])
 def test_a_batch_gather_copies_shared_frames_from_its_obs_as_the_table_holds_them(stack):
-    """`_gather` of a batch's obs and next stacks (``stack`` > 0) interleaves the two
+    """`gather_frames` of a batch's obs and next stacks (``stack`` > 0) interleaves the two
     and copies a frame they share from the obs just written: every frame equals the
     plain gather's, for table rows, RAM tails and the zero frame, shared or not."""
     from mmreplay.kernels import tables
 
-    gather = tables()._gather
+    gather = tables().gather_frames
     rng = np.random.default_rng(stack)
     fb, rows, tail_rows = 24, 30, 6
     table = rng.integers(0, 255, (rows, fb), dtype=np.uint8)

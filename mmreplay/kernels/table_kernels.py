@@ -165,7 +165,7 @@ def table_read(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndar
     writer's RAM, ``ram_src``/``ram_size``, else in its mapped file, ``src``/``size``; the
     file marked used at ``tick``) straight into the row it claims (`claim_row`); then the
     gather (`table_gather`; ``stack`` > 0: `flat` is a batch's obs and next stacks, see
-    `_gather`). ``table`` is ``(row_of, key_of, ref, pin, state)``; ``chunk`` =
+    `gather_frames`). ``table`` is ``(row_of, key_of, ref, pin, state)``; ``chunk`` =
     ``tail_rows.shape[0] // envs`` frames a chunk.
 
     Returns 0; or, gathering nothing, the count of chunks whose files are not mapped (keys
@@ -206,13 +206,13 @@ def table_read(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndar
         sources[i] = row * chunk + offset
     if count:
         return count
-    _gather(rows.ctypes.data, n // chunk, tail_rows, sources, out, stack)
+    gather_frames(rows.ctypes.data, n // chunk, tail_rows, sources, out, stack)
     return 0
 
 
 @numba.njit(nogil=True, cache=True)
-def _gather(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
-            out: np.ndarray, stack: int) -> None:
+def gather_frames(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
+                  out: np.ndarray, stack: int) -> None:
     """`table_gather` with the table's frames at address `table` (`fb` bytes a frame).
 
     ``stack`` > 0: the sources are a batch's obs and next stacks, ``(2, B, stack)`` in
