@@ -261,7 +261,7 @@ def test_a_batch_gather_copies_shared_frames_from_its_obs_as_the_table_holds_the
         batch = int(rng.integers(1, 9))
         obs = rng.choice(np.r_[np.arange(rows), -1 - np.arange(tail_rows), zero],
                          size=(batch, stack))
-        shift = rng.integers(0, stack + 1, batch)  # frames of obs the next stack shares
+        shift = rng.integers(0, stack + 1, batch)  # next stack = obs moved on `shift` frames
         nxt = rng.choice(np.r_[np.arange(rows), -1 - np.arange(tail_rows), zero],
                          size=(batch, stack))
         for b in range(batch):
