@@ -4,7 +4,6 @@
     store = ReplayStore.create("runs/buf", capacity=1_000_000, obs_shape=(84, 84), frame_stack=4)
 """
 
-from mmreplay import _moved
 from mmreplay.errors import (
     ClosedStoreError,
     DatasetFormatError,
@@ -44,5 +43,3 @@ __all__ = [
     "UnknownIdError",
 ]
 __version__ = "0.1.0"
-
-_moved.install()

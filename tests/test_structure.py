@@ -1,17 +1,16 @@
-"""The package's structure, checked from its source: seams, layers, old paths, sizes.
+"""The package's structure, checked from its source: seams, layers, sizes.
 
 Layers of ``mmreplay/``, lowest first. A module may import modules of its own layer or of
 lower ones, never of a higher one, and the import graph (every ``import``/``from``, at any
 depth of a module, lazy ones included) has no cycle::
 
-    0  mmreplay.errors, .spec, .validate, ._moved   exceptions, config, argument checks
+    0  mmreplay.errors, .spec, .validate            exceptions, config, argument checks
     1  mmreplay.kernels                             the compiled read path
     2  mmreplay.index                               step ring, samplers, sum tree, sequences
     3  mmreplay.storage                             the on-disk format
     4  mmreplay (package), .store, .torch_batch, .prefetch, .reader, .recorder,
        .priorities, .sequence_reader, .views        the facade and its collaborators
-    5  mmreplay.integrations, mmreplay.sb3          SB3, gymnasium, Ray (``mmreplay.sb3``
-                                                    is the short import path of the SB3 buffer)
+    5  mmreplay.integrations                        SB3, gymnasium, Ray
     6  mmreplay.datasets                            Dopamine, Minari, episodes, staging
     7  mmreplay.tools (and mmreplay.__main__)       the command line, inspection, verify
 
@@ -21,15 +20,8 @@ Storage sits above index because the commit code persists the ring's step column
 from __future__ import annotations
 
 import ast
-import importlib
-import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-
-from mmreplay._moved import MOVED
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mmreplay"
@@ -37,20 +29,18 @@ MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300
 
 LAYERS: dict[str, int] = {
-    "mmreplay.errors": 0, "mmreplay.spec": 0, "mmreplay.validate": 0, "mmreplay._moved": 0,
+    "mmreplay.errors": 0, "mmreplay.spec": 0, "mmreplay.validate": 0,
     "mmreplay.kernels": 1,
     "mmreplay.index": 2,
     "mmreplay.storage": 3,
     "mmreplay": 4,
-    "mmreplay.integrations": 5, "mmreplay.sb3": 5,
+    "mmreplay.integrations": 5,
     "mmreplay.datasets": 6,
     "mmreplay.tools": 7, "mmreplay.__main__": 7,
 }
 
 # Private names of other modules that mmreplay may use, each with its reason.
 ALLOWED_PRIVATE = {
-    ("mmreplay/__init__.py", "from mmreplay import _moved"):
-        "the package installs its own old-path finder at import",
     ("mmreplay/integrations/sb3.py", "sys._getframe"):
         "finds the SB3 algorithm constructing the buffer; the stdlib has no public form",
     ("mmreplay/integrations/sb3.py", "ReplayBuffer._maybe_cast_dtype"):
@@ -168,19 +158,6 @@ def graph_problems(graph: dict[str, set[str]], layer: dict[str, int]) -> list[st
     return out
 
 
-def old_path_imports(source: str, where: str) -> list[str]:
-    """Imports of module paths listed in `MOVED`, as ``where:line: path``."""
-    out = []
-    for node in ast.walk(ast.parse(source, where)):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        out += [f"{where}:{node.lineno}: {n}" for n in names if n in MOVED]
-    return out
-
-
 # -- (a) only the owner touches a private name ---------------------------------------------
 def test_no_module_uses_another_modules_private_names():
     found = {}
@@ -201,14 +178,14 @@ def test_every_allowed_private_use_still_exists():
 def test_private_scan_finds_reach_ins_and_spares_owners():
     source = (
         "from mmreplay.storage.safe_io import _line\n"
-        "import mmreplay._moved\n"
+        "import mmreplay._private\n"
         "def f(store):\n    return store._ring\n"
         "class A:\n    _slots = 1\n    def __init__(self):\n        self._x = 0\n"
         "    def same(self, other):\n        return other._x + other._slots + self._y\n"
         "    def _y(self):\n        return 0\n"
         "def helper(a):\n    return a._x\n")
     assert private_uses(source, "t.py") == [
-        "from mmreplay.storage.safe_io import _line", "import mmreplay._moved",
+        "from mmreplay.storage.safe_io import _line", "import mmreplay._private",
         "store._ring"]  # `helper` is A's module's own
     other = "class B:\n    def reach(self, a):\n        return a._x\n"
     assert private_uses(other, "u.py") == ["a._x"]
@@ -237,37 +214,7 @@ def test_storage_and_index_import_neither_the_store_nor_tools():
             assert not bad, f"{name} imports {bad}"
 
 
-# -- (c) nobody imports an old module path ----------------------------------------------------
-def test_no_file_imports_an_old_module_path():
-    files = [*module_files(), *sorted((ROOT / "tests").rglob("*.py")),
-             *sorted((ROOT / "scripts").rglob("*.py"))]
-    found = [hit for path in files
-             for hit in old_path_imports(path.read_text(), str(path.relative_to(ROOT)))]
-    assert not found, f"imports of moved modules (use the new paths): {found}"
-
-
-def test_old_path_scan_finds_old_imports():
-    source = ("import mmreplay.frame_store\nfrom mmreplay import cli\n"
-              "from mmreplay.storage import frame_store\n")
-    assert old_path_imports(source, "t.py") == ["t.py:1: mmreplay.frame_store",
-                                                "t.py:2: mmreplay.cli"]
-
-
-# -- (d) old paths still import, with a warning naming the new one ---------------------------
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_path_imports_the_new_module_and_warns(old):
-    new = MOVED[old]
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    messages = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert any(new in m and old in m for m in messages), messages
-    assert module.__spec__.name == new  # the real module keeps its own spec
-
-
-# -- (e) sizes -----------------------------------------------------------------------------------
+# -- (c) sizes -----------------------------------------------------------------------------------
 def oversized(source: str, where: str) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(source, where)):
