@@ -113,7 +113,7 @@ def make_vec_envs(args: Args, atari: bool) -> Any:
 
 def build_model(args: Args, run: Path, atari: bool) -> tuple[Any, int, int]:
     """(the model, new or resumed, the steps it has done, the steps to reach)."""
-    from mmreplay.sb3 import FrameOnceReplayBuffer
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
 
     algo_cls, hp, total = hyperparameters(args, atari)
     if args.buffer == "mmreplay":
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.algo not in ("dqn", "qrdqn") or args.buffer not in ("mmreplay", "sb3"):
         raise UsageError(f"--algo must be dqn or qrdqn and --buffer mmreplay or sb3, "
                          f"not {args.algo!r} and {args.buffer!r}")
-    from mmreplay.sb3 import FrameOnceReplayBuffer
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
 
     run = prepare_run_dir(Path(args.run_dir), resume=args.resume, overwrite=args.overwrite)
     model, done_steps, total = build_model(args, run, "NoFrameskip" in args.env_id)
