@@ -76,8 +76,6 @@ def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, sh
             fs._table.clear()
             if fs._shard_writer is not None:
                 from_ram += int(np.count_nonzero(fs._shard_writer.ram_src))
-        if rng.random() < 0.3:
-            fs.forget_shard(int(rng.integers(2)), int(rng.integers(-(-slots // 6))))
         flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
         want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
         assert np.array_equal(fs.read(flat), want)

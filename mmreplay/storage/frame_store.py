@@ -183,11 +183,6 @@ class FrameStore:
                                                  self.num_chunks, before_chunk_write,
                                                  durable=durable)
 
-    def forget_shard(self, env: int, shard: int) -> None:
-        """Unmap a shard file about to be replaced by someone else (a bucket's cache)."""
-        if self._shards is not None:
-            self._shards.forget(env, shard)
-
     # -- layout ---------------------------------------------------------------
     def chunk_path(self, env: int, chunk: int) -> Path:
         """The file of a chunk in the file-per-chunk layout (format 1)."""
