@@ -37,7 +37,7 @@ ENDLESS = sys.maxsize  # a limit this large is never reached
 REVOKED = -1  # a limit that admits nothing: `used + n <= REVOKED` never holds
 
 
-class Lease:
+class StepLease:
     """`limit` steps one holder may insert without the limiter's lock (see the module)."""
 
     __slots__ = ("busy", "cap", "folded", "limit", "used", "wake")
@@ -51,7 +51,7 @@ class Lease:
         self.folded = 0  # the limiter's: `used` as of its last fold
 
 
-NO_LEASE = Lease(REVOKED, 1, False)  # a holder's lease before its first: admits nothing
+NO_LEASE = StepLease(REVOKED, 1, False)  # a holder's lease before its first: admits nothing
 
 
 class Leases:
@@ -59,8 +59,8 @@ class Leases:
     calls it under its lock only."""
 
     def __init__(self) -> None:
-        self.live: Lease | None = None
-        self.revoked: list[Lease] = []
+        self.live: StepLease | None = None
+        self.revoked: list[StepLease] = []
 
     def revoke(self) -> None:
         """Revoke the live lease (folded until its holder is seen not busy)."""
@@ -70,10 +70,10 @@ class Leases:
             self.revoked.append(live)
             self.live = None
 
-    def issue(self, limit: int, cap: int, wake: bool) -> Lease:
+    def issue(self, limit: int, cap: int, wake: bool) -> StepLease:
         """Revoke the live lease, then hand out a new one of `limit` steps."""
         self.revoke()
-        self.live = Lease(limit, cap, wake)
+        self.live = StepLease(limit, cap, wake)
         return self.live
 
     def reserved_steps(self) -> int:
@@ -110,7 +110,7 @@ class Leases:
         assert live is None or 0 <= live.folded <= live.used <= max(live.limit, 0)
 
 
-def _fold(lease: Lease) -> int:
+def _fold(lease: StepLease) -> int:
     """The steps `lease`'s holder counted since its last fold (now folded)."""
     used = lease.used
     steps, lease.folded = used - lease.folded, used

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.admission import ENDLESS, NO_LEASE, REVOKED, Lease, Leases
+from mmreplay.admission import ENDLESS, NO_LEASE, REVOKED, Leases, StepLease
 from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
 
 CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -157,7 +157,7 @@ class RateLimiter:
             if self._waiters:
                 self._cond.notify_all()
 
-    def lease(self, cap: int) -> Lease:
+    def lease(self, cap: int) -> StepLease:
         """A new lease for one holder whose inserts bring at most `cap` steps each: the steps
         it may insert and count without this lock (the protocol: `mmreplay.admission`).
         The lease handed out before is revoked. Its limit is what surely fits below the
@@ -502,7 +502,7 @@ class LimiterSlot:
 
     def __init__(self) -> None:
         self.limiter: RateLimiter | None = None
-        self.lease: Lease | None = None  # the holder's: under the store's lock only
+        self.lease: StepLease | None = None  # the holder's: under the store's lock only
 
     def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
                inserts: int, capacity: int) -> None:
@@ -517,7 +517,7 @@ class LimiterSlot:
         self.limiter = limiter
         self.lease = None if limiter is None else NO_LEASE
 
-    def hold(self, limiter: RateLimiter, lease: Lease) -> None:
+    def hold(self, limiter: RateLimiter, lease: StepLease) -> None:
         """Under the holder's lock: use `lease` from now on if `limiter` is still the one
         held (else it is left unused: the limiter drops it when it revokes it)."""
         if self.limiter is limiter:

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 
 from mmreplay import InvalidInputError, ReplayStore, rate_limit
-from mmreplay.admission import NO_LEASE, REVOKED, Lease
+from mmreplay.admission import NO_LEASE, REVOKED, StepLease
 from mmreplay.errors import RateLimiterClosedError, RateLimitTimeoutError
 from mmreplay.rate_limit import LimiterSlot, RateLimiter
 
@@ -69,7 +69,7 @@ class Holder:
         return "lock"
 
     @property
-    def lease(self) -> Lease:
+    def lease(self) -> StepLease:
         assert self.slot.lease is not None
         return self.slot.lease
 
