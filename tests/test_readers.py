@@ -68,7 +68,7 @@ READER = textwrap.dedent("""
         return checked(*args, **kwargs)
     store_module._checked_spec = counting
     stats = dict(opens=0, retried=0, most_attempts=0, failures=0, inconsistent=0,
-                 raced_get=0, checked=0, errors=[])
+                 raced_get=0, empty=0, checked=0, errors=[])
     def problem(what):
         stats["inconsistent"] += 1
         stats["errors"].append(what)
@@ -85,7 +85,8 @@ READER = textwrap.dedent("""
             stats["retried"] += calls > 1
             stats["most_attempts"] = max(stats["most_attempts"], calls)
         counts = store.counts
-        ids = store.valid_ids()
+        ids = store.valid_ids()  # empty when the writer overtook the whole generation read
+        stats["empty"] += ids.size == 0
         try:
             batch = store.get(ids)
         except UnknownIdError:  # the writer gave some up meanwhile: refused, not wrong
@@ -97,8 +98,9 @@ READER = textwrap.dedent("""
             problem(f"frames_written {counts.frames_written} with {total} transitions")
         if ids.size and not np.array_equal(ids, np.arange(ids[0], total)):
             problem(f"ids {ids[0]}..{ids[-1]} ({ids.size}) with {total} transitions")
-        obs = batch.obs.numpy().reshape(ids.size, -1).view("<u4").reshape(-1)
-        nxt = batch.next_obs.numpy().reshape(ids.size, -1).view("<u4").reshape(-1)
+        # A frame is 4 bytes (OBS): said outright, so that an empty batch reshapes too.
+        obs = batch.obs.numpy().reshape(ids.size, 4).view("<u4").reshape(-1)
+        nxt = batch.next_obs.numpy().reshape(ids.size, 4).view("<u4").reshape(-1)
         for name, got, want in [("obs", obs, ids), ("next_obs", nxt, ids + 1),
                                 ("action", batch.action.numpy(), ids),
                                 ("reward", batch.reward.numpy(), ids.astype(np.float32))]:
@@ -197,6 +199,19 @@ def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path)
         assert store.counts.transitions == int(commits_line.split()[1])
         batch = store.get(ids)
         assert np.array_equal(batch.action.numpy(), ids)
+
+
+def test_the_reader_script_takes_an_empty_view_for_what_it_is(tmp_path):
+    """A reader that finds no sampleable transition (the writer overtook its generation,
+    or none was written yet) checks nothing and says so, rather than failing."""
+    path = tmp_path / "store"
+    store = ReplayStore.create(path, obs_shape=OBS, capacity=64, chunk_frames=4, seed=0)
+    store.reset(numbered_frame(0, OBS))
+    store.close()
+    out, err = spawn(READER, path, 2).communicate(timeout=120)
+    stats = json.loads(out)
+    assert (stats["opens"], stats["empty"], stats["checked"]) == (2, 2, 0), (stats, err)
+    assert stats["inconsistent"] == stats["failures"] == 0, stats
 
 
 def step_files(path) -> set[str]:
