@@ -7,8 +7,9 @@ Helpers (import them: ``from conftest import frame``; pytest puts tests/ on sys.
   little-endian), so a frame read from the wrong slot never matches;
 - `new_frame_store(path, ...)`: a writable `FrameStore` over a fresh frames array.
 
-`scripts/` is put on sys.path too, so tests can import the scripts and their shared module
-(`common`) as `python scripts/x.py` does.
+`scripts/` and `scripts/bench/` are put on sys.path too, so tests can import the scripts,
+their shared module (`common`) and the benchmarks' (`ale_frames`, `benchlib`) as
+`python scripts/x.py` and `python scripts/bench/x.py` do.
 
 `pytest_runtest_teardown` stops the Ray cluster of test_ray's `cluster` fixture once the next
 test does not use it.
@@ -27,8 +28,9 @@ from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.append(str(SCRIPTS))
+for _path in (SCRIPTS, SCRIPTS / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.append(str(_path))
 
 
 def frame(value: int, shape: tuple[int, ...]) -> np.ndarray:

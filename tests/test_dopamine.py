@@ -37,11 +37,11 @@ STACK = 4
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list:
     import sys
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
         import ale_frames
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "scripts" / "bench"))
     rec = ale_frames.record_frames("ALE/Breakout-v5", FRAMES, seed=5,
                                    cache_dir=tmp_path_factory.mktemp("ale"))
     out = episode_records(rec.frames, rec.is_first, rec.actions, rec.rewards, rec.terminated,

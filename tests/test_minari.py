@@ -35,11 +35,11 @@ def minari_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="module")
 def breakout(tmp_path_factory: pytest.TempPathFactory):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
         import ale_frames
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "scripts" / "bench"))
     return ale_frames.record_frames("ALE/Breakout-v5", 1200, seed=2,
                                     cache_dir=tmp_path_factory.mktemp("ale"))
 

@@ -93,7 +93,7 @@ def test_parity_script_summarizes_runs(tmp_path):
             train_return_last_100=value / 2)))
     out = tmp_path / "parity.json"
     cmd, env = command()
-    cmd[1] = str(ROOT / "scripts" / "sb3_parity.py")
+    cmd[1] = str(ROOT / "scripts" / "bench" / "sb3_parity.py")
     proc = subprocess.run([*cmd, "--algos", "dqn", "--seeds", "1,2", "--run-root",
                            str(tmp_path / "runs"), "--out", str(out)], env=env,
                           capture_output=True, text=True, timeout=120, check=False)

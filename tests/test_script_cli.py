@@ -24,10 +24,11 @@ from mmreplay import ReplayStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-TRAINING = ["train_dqn.py", "apex_dqn.py", "sb3_dqn.py", "sb3_parity.py", "train_r2d2.py",
-            "train_offline.py", "record_atari.py"]
-BENCH = ["bench.py", "bench_scale.py", "bench_sequences.py", "bench_prioritized.py",
-         "bench_ray.py", "bench_datasets.py", "bench_prefetch.py", "bench_overhead.py"]
+TRAINING = ["train_dqn.py", "apex_dqn.py", "sb3_dqn.py", "train_r2d2.py", "train_offline.py",
+            "record_atari.py"]
+BENCH = [f"bench/{name}" for name in (
+    "bench.py", "bench_scale.py", "bench_sequences.py", "bench_prioritized.py", "bench_ray.py",
+    "bench_datasets.py", "bench_prefetch.py", "bench_overhead.py", "sb3_parity.py")]
 CARTPOLE_DQN = ["--env", "CartPole-v1", "--learning-rate", "1e-3", "--buffer-size", "2000",
                 "--batch-size", "16", "--learning-starts", "100", "--target-network-frequency",
                 "100"]
@@ -99,9 +100,9 @@ def assert_one_line(outcome: Outcome, *words: str) -> None:
 
 @pytest.mark.parametrize("name", TRAINING + BENCH)
 def test_help_shows_every_option_with_its_text_and_default(in_process, name: str) -> None:
-    if name in ("apex_dqn.py", "bench_ray.py"):
+    if name in ("apex_dqn.py", "bench/bench_ray.py"):
         pytest.importorskip("ray")
-    if name.startswith("sb3"):
+    if "sb3" in name:
         pytest.importorskip("stable_baselines3")
     shown = in_process(name, "--help")
     assert shown.code == 0, shown.err[-2000:]

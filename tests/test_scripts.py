@@ -42,8 +42,8 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def ale_frames(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """`scripts/ale_frames.py`, imported the way `bench.py` imports it."""
-    monkeypatch.syspath_prepend(str(SCRIPTS))
+    """`scripts/bench/ale_frames.py`, imported the way `bench.py` imports it."""
+    monkeypatch.syspath_prepend(str(SCRIPTS / "bench"))
     import ale_frames
 
     return ale_frames
@@ -102,7 +102,7 @@ def bench_quick(tmp_path_factory: pytest.TempPathFactory,
     """`bench.py --quick` run once for the module: (its stdout, its JSON result)."""
     tmp_path = tmp_path_factory.mktemp("bench_quick")
     out_dir = tmp_path / "bench"
-    proc = run_script("bench.py", "--quick", "--out-dir", str(out_dir),
+    proc = run_script("bench/bench.py", "--quick", "--out-dir", str(out_dir),
                       "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads((out_dir / "core_quick.json").read_text())
@@ -217,7 +217,7 @@ def test_bench_quick_compares_with_cpprb_when_installed(
 
 def test_bench_scale_smoke(tmp_path: Path, ale_cache: Path) -> None:
     out_dir = tmp_path / "bench"
-    proc = run_here("bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
+    proc = run_here("bench/bench_scale.py", "--frames", "3000", "--distinct-frames", "2000",
                     "--reps", "6", "--warmup", "1", "--report-every", "1000",
                     "--compare-frames", "2000", "--rounds", "2", "--ab-cache-mib", "1",
                     "--out-dir", str(out_dir), "--cache-dir", str(ale_cache))
@@ -244,7 +244,7 @@ def test_bench_scale_smoke(tmp_path: Path, ale_cache: Path) -> None:
 
 def test_bench_sequences_smoke(tmp_path: Path, ale_cache: Path) -> None:
     out_dir = tmp_path / "bench"
-    proc = run_here("bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
+    proc = run_here("bench/bench_sequences.py", "--frames", "3000", "--distinct-frames", "2000",
                     "--reps", "3", "--warmup", "1", "--length", "20", "--torchrl-frames", "0",
                     "--out-dir", str(out_dir), "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
@@ -259,7 +259,7 @@ def test_bench_sequences_smoke(tmp_path: Path, ale_cache: Path) -> None:
 
 def test_bench_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    proc = run_script("bench_overhead.py", "--frames", "2000", "--small-steps", "300",
+    proc = run_script("bench/bench_overhead.py", "--frames", "2000", "--small-steps", "300",
                       "--reps", "40", "--block", "10", "--dqn-steps", "100", "--dqn-rounds",
                       "1", "--partial-cache-mib", "1", "--lz4hc", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -299,7 +299,7 @@ def test_bench_overhead_smoke(tmp_path: Path) -> None:
 
 def test_bench_codec_smoke(tmp_path: Path) -> None:
     out = tmp_path / "codec.json"
-    proc = run_here("bench_codec.py", "--games", "Pong", "--frames", "600",
+    proc = run_here("bench/bench_codec.py", "--games", "Pong", "--frames", "600",
                     "--dict-train-chunks", "8", "--sample-plan", "Pong:1200",
                     "--c4-sizes", "1200", "--push-steps", "300", "--reps", "10",
                     "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
@@ -326,7 +326,7 @@ def test_bench_codec_smoke(tmp_path: Path) -> None:
 def test_bench_chunk_layout_smoke(tmp_path: Path, ale_cache: Path) -> None:
     """Every layout's batches read back the frames encoded (the script checks them before
     timing and fails otherwise), and each row has its figures."""
-    proc = run_here("bench_chunk_layout.py", "--frames", "2000", "--batches", "100",
+    proc = run_here("bench/bench_chunk_layout.py", "--frames", "2000", "--batches", "100",
                     "--block", "50", "--out-dir", str(tmp_path), "--cache-dir", str(ale_cache))
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "chunk_layout.json").read_text())["layouts"]

@@ -56,11 +56,11 @@ def test_offline_cql_learns_cartpole_from_random_data(tmp_path: Path) -> None:
 
 
 def test_offline_dqn_runs_on_an_imported_dopamine_checkpoint(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     try:
         import ale_frames
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT / "scripts" / "bench"))
     rec = ale_frames.record_frames("ALE/Breakout-v5", 600, seed=1, cache_dir=tmp_path)
     buf = DopamineBuffer(511, (84, 84))
     for record in episode_records(rec.frames, rec.is_first, rec.actions, rec.rewards,
@@ -81,7 +81,7 @@ def test_offline_dqn_runs_on_an_imported_dopamine_checkpoint(tmp_path: Path) -> 
 def test_bench_datasets_runs_with_tiny_arguments(tmp_path: Path) -> None:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_datasets.py"), "--records", "3001",
+        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_datasets.py"), "--records", "3001",
          "--distinct-frames", "1500", "--gzip-level", "1", "--workdir", str(tmp_path / "w"),
          "--out", str(tmp_path / "figures.json")],
         env={**os.environ, "PYTHONPATH": path, "MINARI_DATASETS_PATH": str(tmp_path / "m")},

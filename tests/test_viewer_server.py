@@ -494,7 +494,7 @@ def test_view_command_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
 
 def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
     out = tmp_path / "viewer.json"
-    proc = run_here("bench_viewer.py", "--frames", "2000", "--envs", "2", "--no-browser",
+    proc = run_here("bench/bench_viewer.py", "--frames", "2000", "--envs", "2", "--no-browser",
                     "--out", str(out))  # in this process: the figures it writes are checked
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(out.read_text())

@@ -265,7 +265,7 @@ class BlockWriter:
     frames sent (the store ends the interrupted ones as truncated). Frames travel
     zstd-compressed (level 1) by default: 2.8-5.3x fewer bytes than lz4 for about the same
     CPU on real Atari frames (docs/compression.md), and faster than raw blocks even on one
-    machine (``scripts/bench_ray.py``).
+    machine (``scripts/bench/bench_ray.py``).
 
     With a rate limiter in the store a block waits there for the learner, at most
     `insert_timeout_s` (None: the limiter's own timeout); a block that timed out is

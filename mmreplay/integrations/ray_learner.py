@@ -25,7 +25,7 @@ class RemoteBatches:
     waiting (at most `max_pending_updates` pending). Set ``it.beta`` to anneal; batches
     already asked for keep the old value. `waits` holds the latest waits in ``next()``
     (seconds). With `compress` the stacks cross Ray as lz4 bytes (faster than raw arrays
-    here: ``scripts/bench_ray.py``); `batches_per_call` > 1 spreads a call's overhead over
+    here: ``scripts/bench/bench_ray.py``); `batches_per_call` > 1 spreads a call's overhead over
     several small batches (drawn together, so later ones see older priorities).
     """
 

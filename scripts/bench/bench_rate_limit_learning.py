@@ -1,6 +1,6 @@
 """Learning with and without the rate limiter: Ape-X DQN on CartPole, same seeds.
 
-    python scripts/bench_rate_limit_learning.py  # ~15 min on 2 cores
+    python scripts/bench/bench_rate_limit_learning.py  # ~15 min on 2 cores
 
 writes data/bench/rate_limit_learning.json.
 
@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
 from common import parse_args, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import CACHE_DIR
 from common import build_parser
 

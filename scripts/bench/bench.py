@@ -1,8 +1,8 @@
 """Figures for mmreplay on real Atari frames: speed, RAM and disk, side by side with baselines.
 
-    python scripts/bench.py                       # every section (~10 min; frames cached)
-    python scripts/bench.py --sections core,disk  # some sections
-    python scripts/bench.py --quick               # tiny smoke run, writes core_quick.json
+    python scripts/bench/bench.py                       # every section (~10 min; frames cached)
+    python scripts/bench/bench.py --sections core,disk  # some sections
+    python scripts/bench/bench.py --quick               # tiny smoke run, writes core_quick.json
 
 Sections (`--sections`), each made of functions that return dicts of figures:
 
@@ -23,7 +23,7 @@ Sections (`--sections`), each made of functions that return dicts of figures:
     open   open + first batch of the scale store, its files evicted from the page cache
     flush  flush after `--flush-steps` new steps: scale store vs a `--flush-small` store
 
-The sections live in `scripts/benchlib/` (`core`, `baselines`, `scale`, `workers`, `targets`,
+The sections live in `scripts/bench/benchlib/` (`core`, `baselines`, `scale`, `workers`, `targets`,
 with the shared measuring tools in `harness`); this file chooses and reports them. Every figure
 about a process (RSS, caches, open) comes from a fresh subprocess: this file run as
 ``bench.py _worker JOB``. Page-cache eviction is `posix_fadvise(DONTNEED)` per file
@@ -42,6 +42,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from benchlib.config import SCALE_SECTIONS, Args, parse_args, sections_of
 from benchlib.core import bench_core, print_core
 from benchlib.harness import machine_info, steady_malloc, write_json

@@ -1,6 +1,6 @@
 """Ingest and sampling through Ray against the in-process store, on real ALE frames.
 
-    python scripts/bench_ray.py        # ~4 min; prints a table, writes data/bench/ray.json
+    python scripts/bench/bench_ray.py        # ~4 min; prints a table, writes data/bench/ray.json
 
 Ingest: one store of `num_envs` envs (frame stack 4, n-step 3) fed the recorded Breakout stream
 (each env replays it from its own offset) by (a) `store.add` of every env in this process, and
@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import ray
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
 import torch.nn as nn
 from ale_frames import record_frames
@@ -307,7 +308,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         ray.shutdown()
-    out = Path(__file__).resolve().parents[1] / args.out  # relative to the repository
+    out = Path(__file__).resolve().parents[2] / args.out  # relative to the repository
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
 

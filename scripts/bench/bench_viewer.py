@@ -1,8 +1,8 @@
 """How fast `mmreplay view` answers on a large store: server start, each endpoint, and (with
 Chromium) each view and interaction as the browser sees them.
 
-    python scripts/bench_viewer.py                        # 1M frames, 16 envs (~3 min to build)
-    python scripts/bench_viewer.py --frames 20000 --no-browser
+    python scripts/bench/bench_viewer.py                      # 1M frames, 16 envs (~3 min to build)
+    python scripts/bench/bench_viewer.py --frames 20000 --no-browser
 
 The store holds 84x84 synthetic frames (a moving block: they compress like Atari frames
 do, well). Each endpoint is timed cold (first request of the generation: tables built,

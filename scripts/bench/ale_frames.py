@@ -32,12 +32,13 @@ from pathlib import Path
 import ale_py
 import gymnasium as gym
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from common import make_env
 from tqdm import tqdm
 
 gym.register_envs(ale_py)
 
-CACHE_DIR = Path(__file__).resolve().parents[1] / "data" / "cache"
+CACHE_DIR = Path(__file__).resolve().parents[2] / "data" / "cache"
 # Bump when the recording procedure changes, so stale caches are not reused.
 CACHE_VERSION = 1
 FIELDS = ("frames", "is_first", "actions", "rewards", "terminated", "truncated")

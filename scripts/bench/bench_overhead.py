@@ -1,8 +1,8 @@
 """Per-call overhead, side by side with the buffers a user would otherwise pick.
 
-    python scripts/bench_overhead.py                          # this checkout
+    python scripts/bench/bench_overhead.py                          # this checkout
     git archive main mmreplay | tar -x -C /tmp/mmreplay-main  # an older version beside it:
-    python scripts/bench_overhead.py --baseline /tmp/mmreplay-main
+    python scripts/bench/bench_overhead.py --baseline /tmp/mmreplay-main
 
 Each code tree (this checkout, then ``--baseline`` if given) runs in a fresh subprocess that
 imports mmreplay from that tree and measures, in that one process:
@@ -53,11 +53,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from common import dir_bytes, parse_args, run_main
 
 ADD_BLOCK = 512  # adds per timed block in `add_blocks` (two of the adapter's stages)
 SCRIPTS = Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
+ROOT = SCRIPTS.parents[1]
 
 
 @dataclass
@@ -523,7 +524,7 @@ def main() -> None:
     if args.baseline:
         more = ["--sections", args.baseline_sections] if args.baseline_sections else []
         trees["baseline"] = run_tree(Path(args.baseline).resolve(), argv + more)
-    report = {"command": "python scripts/bench_overhead.py " + " ".join(argv),
+    report = {"command": "python scripts/bench/bench_overhead.py " + " ".join(argv),
               "args": asdict(args), "machine": platform.platform(),
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "trees": trees,
               "note": "medians and p90 per call in microseconds; ratios are to the baseline "

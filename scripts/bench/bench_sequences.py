@@ -1,8 +1,8 @@
 """Sequence replay at scale: `sample_sequences` over a store of real Atari frames, beside
 TorchRL's `SliceSampler` over a `LazyMemmapStorage` of the same frames.
 
-    python scripts/bench_sequences.py                           # 1,000,000 frames
-    python scripts/bench_sequences.py --frames 3000 --distinct-frames 2000 --reps 3 \\
+    python scripts/bench/bench_sequences.py                           # 1,000,000 frames
+    python scripts/bench/bench_sequences.py --frames 3000 --distinct-frames 2000 --reps 3 \\
         --torchrl-frames 3000 --length 20                       # smoke run
 
 One single-env store (frame_stack=4) is filled by cycling `--distinct-frames` recorded
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import CACHE_DIR, AleFrames, record_frames
 from benchlib.harness import (
     feed_timed,

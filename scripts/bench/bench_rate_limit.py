@@ -22,8 +22,8 @@ limiter's cost when it never blocks. Writes ``data/bench/rate_limit.json``.
    out the calls that compress a chunk and the machine's stalls: the admission's own cost
    inside `add`; the costs are also given as a share of the mean `add` without a limiter.
 
-    python scripts/bench_rate_limit.py                      # ~3 minutes, every section
-    python scripts/bench_rate_limit.py --sections overhead  # one section; the others are kept
+    python scripts/bench/bench_rate_limit.py                      # ~3 minutes, every section
+    python scripts/bench/bench_rate_limit.py --sections overhead  # one section; the others are kept
 """
 
 from __future__ import annotations

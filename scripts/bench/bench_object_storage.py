@@ -1,9 +1,9 @@
 """Stores in object storage, measured against a local SeaweedFS server (`weed server -s3`).
 
-    python scripts/bench_object_storage.py                      # 1M frames (~10 min)
-    python scripts/bench_object_storage.py --frames 200000      # smaller
-    python scripts/bench_object_storage.py --frames 20000 --add-steps 5000 --kills 2  # smoke
-    python scripts/bench_object_storage.py --only read,cuts     # the read side (~5 min)
+    python scripts/bench/bench_object_storage.py                      # 1M frames (~10 min)
+    python scripts/bench/bench_object_storage.py --frames 200000      # smaller
+    python scripts/bench/bench_object_storage.py --frames 20000 --add-steps 5000 --kills 2  # smoke
+    python scripts/bench/bench_object_storage.py --only read,cuts     # the read side (~5 min)
 
 Figures (issue 20's targets; read by people, never asserted):
 
@@ -40,11 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import AleFrames, record_frames
 from benchlib.harness import machine_info, write_json
 from common import build_parser
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402

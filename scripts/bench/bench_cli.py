@@ -1,7 +1,7 @@
 """Start-up time of the `mmreplay` command: ``--version``, ``info``, ``episodes``, ``verify``.
 
-    python scripts/bench_cli.py                       # this checkout only
-    python scripts/bench_cli.py --before-rev 2f892f1  # side by side with an older commit
+    python scripts/bench/bench_cli.py                       # this checkout only
+    python scripts/bench/bench_cli.py --before-rev 2f892f1  # side by side with an older commit
 
 Each command runs as a fresh process (``python -m mmreplay ...``, as the console script
 does) on `--store` (default ``data/breakout_store``) `--runs` times; with `--before-rev`
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"--version": ["--version"], "info": ["info", "{store}"],
             "episodes": ["episodes", "{store}"], "verify": ["verify", "{store}"]}
 

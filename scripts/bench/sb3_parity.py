@@ -1,7 +1,7 @@
 """Learning parity: SB3 DQN / QR-DQN with `FrameOnceReplayBuffer` vs SB3's own buffer.
 
-    python scripts/sb3_parity.py                       # DQN and QR-DQN, CartPole-v1, seeds 1-5
-    python scripts/sb3_parity.py --algos dqn --seeds 1,2 --jobs 2
+    python scripts/bench/sb3_parity.py                      # DQN and QR-DQN, CartPole-v1, seeds 1-5
+    python scripts/bench/sb3_parity.py --algos dqn --seeds 1,2 --jobs 2
 
 Runs ``scripts/sb3_dqn.py`` (rl-baselines3-zoo hyperparameters) once per algorithm, buffer
 and seed, ``--jobs`` at a time with one torch thread each, into ``<run-root>/<algo>-<buffer>-
@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from common import parse_args, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUFFERS = ("mmreplay", "sb3")
 
 
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     todo = [(a, b, s) for a in algos for s in seeds for b in BUFFERS]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(lambda job: run_one(args, *job), todo))
-    report = dict(env_id=args.env_id, command="python scripts/sb3_parity.py " + " ".join(argv),
-                  summary=summarize(runs), runs=runs)
+    command = "python scripts/bench/sb3_parity.py " + " ".join(argv)
+    report = dict(env_id=args.env_id, command=command, summary=summarize(runs), runs=runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print("| algo | buffer | seeds | final eval return (10 ep.) | last-100 train return |")

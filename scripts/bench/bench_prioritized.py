@@ -1,7 +1,7 @@
 """Latency of one prioritized learner step: draw a batch, then write back its new priorities.
 
-    python scripts/bench_prioritized.py                 # 1M slots, all valid, random priorities
-    python scripts/bench_prioritized.py --slots 10000   # smaller
+    python scripts/bench/bench_prioritized.py               # 1M slots, all valid, random priorities
+    python scripts/bench/bench_prioritized.py --slots 10000   # smaller
 
 Times, per repetition, ``sample(rng, batch, beta)`` plus ``set_priorities`` of the drawn slots
 on mmreplay's `PrioritizedSampler` (the batch as drawn: of a slot drawn twice the last value
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from common import parse_args, run_main
 
 import mmreplay
@@ -215,7 +216,7 @@ def main() -> None:
     else:
         steps["cpprb PrioritizedReplayBuffer"] = theirs
     result: dict[str, Any] = {
-        "command": "python scripts/bench_prioritized.py " + " ".join(sys.argv[1:]),
+        "command": "python scripts/bench/bench_prioritized.py " + " ".join(sys.argv[1:]),
         "args": vars(args), "load_average_at_start": list(os.getloadavg()),
         "mmreplay_from": str(Path(mmreplay.__file__).parent),
         "samplers": report_all(time_in_turns(steps, args, rng), "cpprb PrioritizedReplayBuffer")}

@@ -1,7 +1,7 @@
 """How long a learner waits for a batch, with and without `store.batches(prefetch=...)`.
 
-    python scripts/bench_prefetch.py                  # 100k real Breakout frames
-    python scripts/bench_prefetch.py --frames 20000 --distinct-frames 20000
+    python scripts/bench/bench_prefetch.py                  # 100k real Breakout frames
+    python scripts/bench/bench_prefetch.py --frames 20000 --distinct-frames 20000
 
 The learner does real work between batches: a Nature-CNN forward/backward/Adam step on the
 CPU (batch 32 of 4x84x84 uint8 stacks). The arms, timed in turn for `--rounds` rounds of
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
 from ale_frames import CACHE_DIR, record_frames
 from benchlib.harness import feed_timed, machine_info, new_store, write_json

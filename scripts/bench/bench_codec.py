@@ -23,11 +23,11 @@ compiled decode is timed too (CPU µs per chunk, chunks per batch), and the deco
 cache's state is recorded (84x84 stores this size cache nothing: every chunk a batch touches
 is decoded).
 
-    python scripts/bench_codec.py                       # the issue's run: 30k frames a game
-    python scripts/bench_codec.py --frames 2000 --sample-plan MsPacman:20000 --reps 200
-    python scripts/bench_codec.py --part games --out /tmp/games.json &   # the two parts at once
-    python scripts/bench_codec.py --part sampling --out /tmp/sampling.json
-    python scripts/bench_codec.py --merge /tmp/games.json /tmp/sampling.json
+    python scripts/bench/bench_codec.py                       # the issue's run: 30k frames a game
+    python scripts/bench/bench_codec.py --frames 2000 --sample-plan MsPacman:20000 --reps 200
+    python scripts/bench/bench_codec.py --part games --out /tmp/games.json & # the two parts at once
+    python scripts/bench/bench_codec.py --part sampling --out /tmp/sampling.json
+    python scripts/bench/bench_codec.py --merge /tmp/games.json /tmp/sampling.json
 
 Writes ``data/bench/codec.json``.
 """

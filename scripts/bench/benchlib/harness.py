@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import zarr
 from ale_frames import AleFrames
 from common import dir_blocks, dir_bytes
@@ -192,7 +193,7 @@ def package_version(name: str) -> str | None:
 
 def source_info() -> dict[str, Any]:
     """Which mmreplay ran: its path, and the repository's HEAD and whether mmreplay/ differs."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
 
     def git(*argv: str) -> str | None:
         proc = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True,

@@ -20,8 +20,8 @@ alternated with the others in blocks of `--block` batches in one process:
 The streams are bare lz4 (no blosc header, no crc32c: the store adds ~0.2-0.5 µs of checks a
 chunk to each alike). Every layout's batches are checked against the frames first.
 
-    python scripts/bench_chunk_layout.py                          # 40,000 Breakout frames
-    python scripts/bench_chunk_layout.py --frames 2000 --batches 200 --out-dir /tmp/cl
+    python scripts/bench/bench_chunk_layout.py                          # 40,000 Breakout frames
+    python scripts/bench/bench_chunk_layout.py --frames 2000 --batches 200 --out-dir /tmp/cl
 
 Writes ``chunk_layout.json`` under `--out-dir`. Figures only.
 """
@@ -39,6 +39,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import CACHE_DIR, record_frames
 from benchlib.harness import machine_info, write_json
 from common import parse_args, run_main

@@ -1,4 +1,4 @@
-"""The sections of `scripts/bench.py`, one module each, over a small shared harness.
+"""The sections of `scripts/bench/bench.py`, one module each, over a small shared harness.
 
     harness    latency, feeding a store from recorded frames, RSS, page-cache eviction,
                machine info, JSON output (what every bench script measures with)

@@ -1,6 +1,6 @@
 """Sizes and speeds of the dataset tools on a Dopamine-format checkpoint of real ALE frames.
 
-    python scripts/bench_datasets.py --records 1000000          # writes data/bench/datasets.json
+    python scripts/bench/bench_datasets.py --records 1000000       # writes data/bench/datasets.json
 
 1. Records `distinct_frames` Breakout frames (random policy, cached by `ale_frames`), keeps
    their finished episodes and lays them end to end, with Dopamine's 3 zero records before
@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import record_frames
 from common import dir_bytes, parse_args, run_main
 from numpy.lib import format as npy_format
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

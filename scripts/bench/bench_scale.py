@@ -1,10 +1,10 @@
 """mmreplay at scale: a 10M-frame store of real Atari frames — add rate, sample, RSS, disk, time.
 
-    python scripts/bench_scale.py                     # 10,000,000 frames (~15 min quiet;
+    python scripts/bench/bench_scale.py                     # 10,000,000 frames (~15 min quiet;
                                                       # the A/B's readers add a few GiB RSS)
-    python scripts/bench_scale.py --frames 2000000    # smaller
-    python scripts/bench_scale.py --frames 3000 --distinct-frames 2000 --reps 5   # smoke run
-    python scripts/bench_scale.py --store-dir /tmp/big --reuse   # the A/B again, no refill
+    python scripts/bench/bench_scale.py --frames 2000000    # smaller
+    python scripts/bench/bench_scale.py --frames 3000 --distinct-frames 2000 --reps 5   # smoke run
+    python scripts/bench/bench_scale.py --store-dir /tmp/big --reuse   # the A/B again, no refill
 
 One single-env store (frame_stack=4, `cache_bytes = --cache-mib` MiB) is filled by cycling
 through `--distinct-frames` real recorded frames (so compression reflects those distinct frames
@@ -29,6 +29,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
 from ale_frames import CACHE_DIR, AleFrames, record_frames
 from benchlib.alternate import alternate, mappings, max_mappings, ratio
 from benchlib.core import bench_disk
