@@ -41,6 +41,7 @@ import gymnasium as gym
 import numpy as np
 import ray
 import torch
+import tyro
 from common import (
     Learner,
     QNetwork,
@@ -53,7 +54,6 @@ from common import (
     linear_schedule,
     make_env,
     on_interrupt,
-    parse_args,
     prepare_run,
     push_frames,
     resume_command,
@@ -475,7 +475,7 @@ def finish(run: Run, feeder: Feeder, progress: Progress, batches: RemoteBatches 
 
 
 def main() -> int:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     run_dir, bucket = prepare_run(  # before Ray starts: a refused run dir costs nothing
         Path(args.run_dir or f"runs/apex-{args.env.replace('/', '-')}-{args.seed}"),
         resume=args.resume, overwrite=args.overwrite, store=args.store)

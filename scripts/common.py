@@ -1,11 +1,10 @@
 """The parts the scripts share, so each script keeps only what is its own.
 
-    from common import parse_args, run_main        # `python scripts/x.py` puts scripts/ on sys.path
+    from common import prepare_run_dir, run_main   # `python scripts/x.py` puts scripts/ on sys.path
 
-- **Arguments**: `parse_args(Args)` builds an argparse parser from an args dataclass: one
-  ``--kebab-case`` flag per field, the field's docstring as its help with the default shown,
-  ``--flag value`` and ``--flag=value``, booleans as ``--x/--no-x``; a bad or missing value is
-  one line on stderr and exit status 2.
+Arguments are not parsed here: each script declares an ``Args`` dataclass (a docstring under
+each field) and calls ``tyro.cli(Args, description=__doc__)``, as cleanrl's scripts do.
+
 - **Run directories**: `prepare_run_dir` refuses a directory that already holds a run unless
   ``--resume`` or ``--overwrite`` says what to do with it (``--overwrite`` removes it first).
 - **Exit behaviour**: `run_main(main)` turns ordinary mistakes (`mmreplay.errors.MmreplayError`,
@@ -27,103 +26,28 @@ scripts and their workers, which make no env or network, import neither gymnasiu
 
 from __future__ import annotations
 
-import argparse
-import ast
-import inspect
 import os
 import shlex
 import shutil
 import signal
 import sys
-import types
-import typing
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 if TYPE_CHECKING:
     import gymnasium as gym
 
-T = TypeVar("T")
 NETWORKS = ("nature_cnn", "mlp", "QNetwork", "Learner")  # defined in nets.py (imports torch)
 INTERRUPTED = 130  # exit status of a run stopped by Ctrl-C (128 + SIGINT)
-USAGE = 2  # exit status of an ordinary mistake (argparse's own)
+USAGE = 2  # exit status of an ordinary mistake (that of an argument error too)
 
 
 class UsageError(ValueError):
     """An argument or a run directory the script cannot work with; shown as one line."""
-
-
-# -- arguments ---------------------------------------------------------------------------------
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of the dataclass `cls` (a string literal after it)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__[:-1]):  # base classes first, a subclass may redefine
-        try:
-            tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, doc in zip(body, body[1:], strict=False):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                    and isinstance(doc.value.value, str)):
-                docs[node.target.id] = " ".join(doc.value.value.split())
-    return docs
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``prog: error: message (see --help)`` and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE, f"{self.prog}: error: {message} (see --help)\n")
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's examples as written (the module docstrings are laid out)."""
-
-
-def _value_type(hint: Any) -> type:
-    """The type a flag converts its value to, for a field's type hint (``int | None``: int,
-    the field keeps its None default unless the flag is given)."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
-        return next(a for a in args if a is not type(None))
-    return hint
-
-
-def build_parser(cls: type, description: str | None = None) -> argparse.ArgumentParser:
-    """One ``--kebab-case`` flag per field of the args dataclass `cls`, documented by its
-    field docstrings, each with its default."""
-    parser = _Parser(description=description, formatter_class=_Formatter, allow_abbrev=False)
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    for f in fields(cls):
-        if f.default is MISSING:
-            raise TypeError(f"{cls.__name__}.{f.name} needs a default to become a flag")
-        flag, default = "--" + f.name.replace("_", "-"), f.default
-        kind = _value_type(hints[f.name])
-        shown = "none" if default is None else repr(default) if kind is str else default
-        text = f"{docs.get(f.name, '')} (default: {shown})".strip()
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=text.replace("%", "%%"))
-            continue
-        parser.add_argument(flag, type=kind, default=default, dest=f.name,
-                            metavar=kind.__name__.upper(),
-                            help=text.replace("%", "%%"))
-    return parser
-
-
-def parse_args(cls: type[T], argv: list[str] | None = None, *,
-               description: str | None = None) -> T:
-    """The args dataclass `cls` filled from the command line (`argv`, default sys.argv)."""
-    namespace = build_parser(cls, description).parse_args(argv)
-    return cls(**vars(namespace))
 
 
 # -- run directories ---------------------------------------------------------------------------

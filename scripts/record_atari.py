@@ -16,6 +16,7 @@ from pathlib import Path
 import ale_py
 import gymnasium as gym
 import numpy as np
+import tyro
 from common import (
     UsageError,
     dir_blocks,
@@ -23,7 +24,6 @@ from common import (
     holds_run,
     make_env,
     on_interrupt,
-    parse_args,
     prepare_run_dir,
     run_main,
 )
@@ -125,7 +125,7 @@ def describe(out: Path) -> None:
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     out = prepare_out(args)
     record(args, out)
     describe(out)

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import UsageError, on_interrupt, parse_args, prepare_run_dir, resume_command, run_main
+import tyro
+from common import UsageError, on_interrupt, prepare_run_dir, resume_command, run_main
 
 
 @dataclass
@@ -151,7 +152,7 @@ def report(args: Args, model: Any, done_steps: int, wall: float) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(Args, argv, description=__doc__)
+    args = tyro.cli(Args, args=argv, description=__doc__)
     if args.algo not in ("dqn", "qrdqn") or args.buffer not in ("mmreplay", "sb3"):
         raise UsageError(f"--algo must be dqn or qrdqn and --buffer mmreplay or sb3, "
                          f"not {args.algo!r} and {args.buffer!r}")

@@ -57,6 +57,7 @@ import gymnasium as gym
 import matplotlib
 import numpy as np
 import torch
+import tyro
 from common import (
     Learner,
     QNetwork,
@@ -70,7 +71,6 @@ from common import (
     linear_schedule,
     make_env,
     on_interrupt,
-    parse_args,
     prepare_run,
     push_frames,
     resume_command,
@@ -413,7 +413,7 @@ def finish(run: Run, solved_at: int | None, interrupted: bool, started: tuple[fl
 
 
 def main() -> int:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     frame_stack = 4 if is_atari(args.env) else 1
     run_dir, bucket = prepare_run(Path(args.run_dir or f"runs/{args.env.replace('/', '-')}-"
                                        f"{args.seed}"), resume=args.resume,

@@ -31,12 +31,12 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn.functional as F
+import tyro
 from common import (
     QNetwork,
     UsageError,
     make_env,
     on_interrupt,
-    parse_args,
     prepare_run_dir,
     run_main,
 )
@@ -180,7 +180,7 @@ def write_results(run_dir: Path, args: Args, evals: list[dict[str, float]],
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     check(args)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import tyro
 from common import (
     is_atari,
     make_env,
     nature_cnn,
     on_interrupt,
-    parse_args,
     prepare_run_dir,
     run_main,
 )
@@ -282,7 +282,7 @@ def setup(args: Args, run_dir: Path) -> tuple[ReplayStore, RecurrentQ, Recurrent
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     run_dir = prepare_run_dir(Path(args.run_dir or tempfile.mkdtemp(prefix="r2d2_")),
                               overwrite=args.overwrite, resumable=False)
     store, net, target, optimizer, acting = setup(args, run_dir)

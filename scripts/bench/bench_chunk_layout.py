@@ -40,9 +40,10 @@ from typing import Any
 import numba
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import CACHE_DIR, record_frames
 from benchlib.harness import machine_info, write_json
-from common import parse_args, run_main
+from common import run_main
 from numba import types
 from numcodecs import blosc
 
@@ -228,7 +229,7 @@ def timed_gathers(layouts: dict[str, tuple[Layout, np.ndarray]], frames: np.ndar
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     rec = record_frames(args.game, args.frames, seed=args.seed, cache_dir=args.cache_dir)
     frames = rec.frames.reshape(len(rec.frames), -1)
     picks = np.linspace(0, min(len(frames), 2048) - 1, DICT_BYTES // frames.shape[1] + 1)

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import record_frames
-from common import dir_bytes, parse_args, run_main
+from common import dir_bytes, run_main
 from numpy.lib import format as npy_format
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +128,7 @@ def timed_child(args: list[str], env: dict[str, str] | None = None) -> dict[str,
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     work = ROOT / args.workdir
     shutil.rmtree(work, ignore_errors=True)
     src = dopamine_source(args.game, args.distinct_frames)

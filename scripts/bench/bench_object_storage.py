@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import AleFrames, record_frames
 from benchlib.harness import machine_info, write_json
-from common import build_parser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from s3_server import FaultProxy, S3Server, weed_binary  # noqa: E402
@@ -486,7 +486,7 @@ def _push(store: ReplayStore, url: str, server: S3Server, proxy: FaultProxy,
 
 
 def main() -> None:
-    args = Args(**vars(build_parser(Args, __doc__.splitlines()[0]).parse_args()))
+    args = tyro.cli(Args, description=__doc__.splitlines()[0])
     rec = record_frames("ALE/Breakout-v5", args.distinct_frames, seed=0)
     path = Path(args.out_dir) / "object_storage.json"
     result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}

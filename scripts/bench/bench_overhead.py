@@ -54,7 +54,8 @@ from typing import Any
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
-from common import dir_bytes, parse_args, run_main
+import tyro
+from common import dir_bytes, run_main
 
 ADD_BLOCK = 512  # adds per timed block in `add_blocks` (two of the adapter's stages)
 SCRIPTS = Path(__file__).resolve().parent
@@ -516,9 +517,9 @@ def run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "_worker":
-        worker(parse_args(Args, sys.argv[3:], description=__doc__), sys.argv[2])
+        worker(tyro.cli(Args, args=sys.argv[3:], description=__doc__), sys.argv[2])
         return
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     argv = sys.argv[1:]
     trees = {"this_checkout": run_tree(ROOT, argv)}
     if args.baseline:

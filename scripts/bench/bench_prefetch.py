@@ -39,9 +39,10 @@ from typing import Any
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
+import tyro
 from ale_frames import CACHE_DIR, record_frames
 from benchlib.harness import feed_timed, machine_info, new_store, write_json
-from common import QNetwork, parse_args, run_main
+from common import QNetwork, run_main
 from torch import nn
 
 from mmreplay import ReplayStore
@@ -190,7 +191,7 @@ def report(result: dict[str, Any], args: Args) -> None:
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="mmreplay-prefetch-"))
     result: dict[str, Any] = {"machine": machine_info(), "config": asdict(args)}

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
-from common import parse_args, run_main
+import tyro
+from common import run_main
 
 import mmreplay
 from mmreplay.index.samplers import PrioritizedSampler, RankSampler
@@ -202,7 +203,7 @@ def report_all(times: dict[str, np.ndarray], cpprb_name: str) -> dict[str, dict[
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     rng = np.random.default_rng(args.seed)
     print(f"{args.slots:,} slots, batch {args.batch_size}, {args.reps} reps, "
           f"alpha {args.alpha}, beta {args.beta}; load average {os.getloadavg()}")

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
-from common import parse_args, run_main
+import tyro
+from common import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,7 +128,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     settings = [0.0, *(float(x) for x in args.samples_per_insert.split(","))]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rl-learning-") as tmp:

@@ -28,8 +28,9 @@ import ray
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
 import torch
 import torch.nn as nn
+import tyro
 from ale_frames import record_frames
-from common import parse_args, run_main
+from common import run_main
 
 from mmreplay import ReplayStore
 from mmreplay.integrations.ray import BlockWriter, RemoteBatches, start_store_actor
@@ -278,7 +279,7 @@ def learner_rows(path: Path, batch: int, train: bool, args: Args) -> dict[str, A
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     rec = record_frames(args.game, args.distinct_frames, args.seed)
     rows = env_rows(rec, args.num_envs, args.steps // args.num_envs + 1)

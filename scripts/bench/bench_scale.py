@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import CACHE_DIR, AleFrames, record_frames
 from benchlib.alternate import alternate, mappings, max_mappings, ratio
 from benchlib.core import bench_disk
@@ -45,7 +46,7 @@ from benchlib.harness import (
     steady_malloc,
     write_json,
 )
-from common import parse_args, run_main
+from common import run_main
 
 from mmreplay import ReplayStore
 
@@ -267,7 +268,7 @@ def print_report(result: dict[str, Any], args: Args) -> None:
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     malloc = steady_malloc() if args.steady_malloc else "unchanged (--no-steady-malloc)"
     start = time.perf_counter()
     rec = record_frames(args.game, args.distinct_frames, args.seed, cache_dir=args.cache_dir,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import CACHE_DIR, AleFrames, record_frames
 from benchlib.harness import (
     feed_timed,
@@ -38,7 +39,7 @@ from benchlib.harness import (
     new_store,
     write_json,
 )
-from common import parse_args, run_main
+from common import run_main
 
 from mmreplay import ReplayStore
 
@@ -168,7 +169,7 @@ def bench_torchrl(rec: AleFrames, args: Args, root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     rec = record_frames(args.game, args.distinct_frames, seed=args.seed,
                         cache_dir=args.cache_dir, progress=True)
     root = Path(tempfile.mkdtemp(prefix="bench_seq_", dir=args.work_dir or None))

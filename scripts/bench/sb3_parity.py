@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
-from common import parse_args, run_main
+import tyro
+from common import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 BUFFERS = ("mmreplay", "sb3")
@@ -81,7 +82,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(Args, argv, description=__doc__)
+    args = tyro.cli(Args, args=argv, description=__doc__)
     algos = args.algos.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     todo = [(a, b, s) for a in algos for s in seeds for b in BUFFERS]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
 from ale_frames import CACHE_DIR
-from common import build_parser
+from common import UsageError
 
 SECTIONS = ("core", "ram", "disk", "cold", "open", "flush")
 
@@ -76,14 +77,15 @@ QUICK = {"frames": 2000, "add_steps": 2000, "reps": 10, "warmup": 2, "scale_fram
 
 
 def parse_args(description: str) -> Args:
-    parser = build_parser(Args, description)
-    args = Args(**vars(parser.parse_args()))
+    """`Args` from the command line (tyro), with `--quick`'s sizes applied and the sections
+    checked."""
+    args = tyro.cli(Args, description=description)
     if args.quick:
         args = replace(args, disk_games="Pong,Breakout",
                        **{name: min(getattr(args, name), value) for name, value in QUICK.items()})
     unknown = set(sections_of(args)) - set(SECTIONS)
     if unknown:
-        parser.error(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
+        raise UsageError(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
     return args
 
 
