@@ -11,6 +11,12 @@ Helpers (import them: ``from conftest import frame``; pytest puts tests/ on sys.
 their shared module (`common`) and the benchmarks' (`ale_frames`, `benchlib`) as
 `python scripts/x.py` and `python scripts/bench/x.py` do.
 
+Tiers: a test marked ``integration`` starts servers, browsers, training runs, Ray, crash
+loops or the docs build; ``python -m pytest -m "not integration"`` is the inner loop, and CI
+runs everything. Modules and tests carry the marker themselves; `pytest_collection_modifyitems`
+adds it to every test that uses a fixture of `INTEGRATION_FIXTURES` (SeaweedFS, Chromium,
+Ray), so that a new test on those fixtures is in the right tier without a thought.
+
 `pytest_runtest_teardown` stops the Ray cluster of test_ray's `cluster` fixture once the next
 test does not use it.
 """
@@ -69,6 +75,18 @@ def fast_switches() -> Iterator[None]:
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(before)
+
+
+# Fixtures that start a server, a browser or a cluster: SeaweedFS (`s3_server`), Chromium
+# (test_viewer), Ray (test_ray).
+INTEGRATION_FIXTURES = frozenset({"s3_session", "s3_auth_session", "browser", "cluster"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``integration`` each test that uses a fixture of `INTEGRATION_FIXTURES`."""
+    for item in items:
+        if INTEGRATION_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:

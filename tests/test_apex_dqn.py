@@ -22,6 +22,8 @@ pytest.importorskip("tqdm")
 from mmreplay import ReplayStore  # noqa: E402
 from mmreplay.rate_limit import summary as summary_of  # noqa: E402
 
+pytestmark = pytest.mark.integration  # Ape-X training on a Ray cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--env", "CartPole-v1", "--num-actors", "2", "--learning-starts", "300",
         "--buffer-size", "4000", "--batch-size", "16", "--actor-steps", "64",

@@ -73,6 +73,7 @@ def test_inspecting_verbs_load_no_torch_numba_or_partners(small_store: Path, ver
     assert got == {"code": 0, "loaded": []}
 
 
+@pytest.mark.integration
 def test_sample_still_builds_torch_batches(small_store: Path) -> None:
     """torch is loaded where a batch is built, and the batch is torch tensors."""
     got = loaded_by(["sample", str(small_store), "--batch-size", "4"])

@@ -182,6 +182,7 @@ def restore(orig: Pristine, rel: str) -> None:
     (orig.root / rel).write_bytes(orig.files[rel])
 
 
+@pytest.mark.integration  # a loop over every mutation of a store
 def test_every_mutation_is_detected_or_unread(stores: list[Pristine]) -> None:
     rng = np.random.default_rng(2024)
     for i in range(MUTATIONS):

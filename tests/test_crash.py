@@ -55,6 +55,8 @@ from crash_writer import (
 
 from mmreplay import ReplayStore
 
+pytestmark = pytest.mark.integration  # crash loops: writer processes killed with SIGKILL
+
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 RANDOM_SEEDS = 20 if LONG else 2  # per config, each a chain of KILLS_PER_TRIAL kills
 INJECTED_SEEDS = 10 if LONG else 1  # per config, each a chain of INJECTIONS_PER_TRIAL crashes

@@ -124,6 +124,7 @@ for block in json.load(open(sys.argv[1])):
 """
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("page", PYTHON_PAGES, ids=rel)
 def test_python_blocks_run(page, tmp_path):
     """The page's Python blocks, in order, in one namespace, in a fresh process."""
@@ -220,6 +221,7 @@ API_NAMES = {
 }
 
 
+@pytest.mark.integration
 def test_site_builds_strictly(tmp_path):
     proc = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -240,6 +242,7 @@ def broken_copy(tmp_path: Path, addition: str) -> Path:
     return copy / "mkdocs.yml"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("addition", [
     "See [the missing page](guides/no-such-page.md).",
     "See [a missing heading](guides/resume.md#no-such-heading).",

@@ -204,6 +204,7 @@ def test_partly_filled_checkpoint_and_two_checkpoints(records: list, tmp_path: P
         assert_import_matches(store, [early, late], n_step=n_step)
 
 
+@pytest.mark.integration  # the CLI in a subprocess
 def test_cli_import_dopamine(records: list, tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     for number, count in ((0, 300), (1, 500), (2, 700)):

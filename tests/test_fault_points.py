@@ -51,6 +51,8 @@ from test_io_errors import (
 from mmreplay import ReplayStore
 from mmreplay.storage.manifest import read_manifest
 
+pytestmark = pytest.mark.integration  # crash loops: processes killed at every fault point
+
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 SCENARIOS = {
     "plain": Scenario(prefix=10, segment=14),

@@ -133,6 +133,7 @@ def test_hostile_store_is_refused(case: Case, bases: dict[str, Path], tmp_path: 
     check_untouched(env, before, times, listing)
 
 
+@pytest.mark.integration
 def test_huge_cases_allocate_nothing(bases: dict[str, Path], tmp_path: Path) -> None:
     """Out of process: every huge case refused in both modes, peak RSS growth bounded."""
     envs = {c.name: make_case(c, bases, tmp_path / "huge" / c.name) for c in HUGE}
@@ -278,18 +279,21 @@ def replaced(m: dict[str, Any], path: tuple[Any, ...], value: Any) -> bytes:
     return json.dumps({**body, "checksum": manifest_checksum(body)}).encode()
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.binary(max_size=3000))
 def test_fuzz_manifest_bytes(data: bytes) -> None:
     only_invalid_store_error(full_check, data)
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(value=JSON)
 def test_fuzz_manifest_json_values(value: Any) -> None:
     only_invalid_store_error(full_check, json.dumps(value).encode())
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.data(), value=JSON)
 def test_fuzz_manifest_fields(valid_manifest: dict[str, Any], data: st.DataObject,
@@ -305,6 +309,7 @@ def fuzz_store(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     return root
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.data(), value=JSON)
 def test_fuzz_open_with_one_field_replaced(fuzz_store: Path, valid_manifest: dict[str, Any],
@@ -327,6 +332,7 @@ def frames_meta_and_spec(bases: dict[str, Path]) -> tuple[dict[str, Any], Any]:
     return meta, parse_spec(manifest(bases["uniform"]))
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.binary(max_size=3000))
 def test_fuzz_zarr_json_bytes(frames_meta_and_spec: tuple[dict[str, Any], Any],
@@ -335,6 +341,7 @@ def test_fuzz_zarr_json_bytes(frames_meta_and_spec: tuple[dict[str, Any], Any],
     only_invalid_store_error(lambda: check_frames_meta(parse_json(data, "zarr.json"), spec))
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.data(), value=JSON)
 def test_fuzz_zarr_json_fields(frames_meta_and_spec: tuple[dict[str, Any], Any],
@@ -363,12 +370,14 @@ def load_fuzzed(root: Path, data: bytes) -> None:
                                               dtype=np.dtype("<f8"), shape=(2, 3)))
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(data=st.binary(max_size=400))
 def test_fuzz_npy_bytes(npy_dir: Path, data: bytes) -> None:
     load_fuzzed(npy_dir, npy_format.magic(1, 0) + data if len(data) % 2 else data)
 
 
+@pytest.mark.integration  # hypothesis fuzzing
 @FUZZ
 @given(header=st.one_of(
     st.text(max_size=200),

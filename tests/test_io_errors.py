@@ -334,6 +334,7 @@ def assert_committed(got: dict[str, Any], want: dict[str, Any], *, gave_up: bool
             np.testing.assert_array_equal(got[name], want[name][keep], err_msg=where)
 
 
+@pytest.mark.integration  # a loop over every write fault
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_every_write_fault_is_loud_and_loses_nothing(name: str, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:

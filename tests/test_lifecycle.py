@@ -63,6 +63,7 @@ def writer(path: Path, steps: int, flush_at: int, end: str) -> subprocess.Comple
     return run_python(WRITER.format(args=repr((str(path), steps, flush_at, end))))
 
 
+@pytest.mark.integration  # interpreter exits in subprocesses
 @pytest.mark.parametrize("end", ["return", "raise"])
 def test_a_store_never_closed_is_flushed_at_exit_with_a_warning(tmp_path: Path, end: str) -> None:
     path = tmp_path / "s"
@@ -76,6 +77,7 @@ def test_a_store_never_closed_is_flushed_at_exit_with_a_warning(tmp_path: Path, 
     assert int(last.next_obs[0, -1, 0, 0]) == 202
 
 
+@pytest.mark.integration  # interpreter exits in subprocesses
 def test_a_crash_still_keeps_only_what_a_flush_committed(tmp_path: Path) -> None:
     path = tmp_path / "s"
     proc = writer(path, 203, 120, "os._exit")  # no atexit hooks, as SIGKILL
@@ -84,6 +86,7 @@ def test_a_crash_still_keeps_only_what_a_flush_committed(tmp_path: Path) -> None
         assert store.counts.transitions == 120
 
 
+@pytest.mark.integration  # interpreter exits in subprocesses
 def test_a_closed_store_warns_nothing_at_exit(tmp_path: Path) -> None:
     proc = run_python(f"""
         import numpy as np
@@ -179,6 +182,7 @@ def test_recorder_with_close_store_false_only_flushes(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.integration  # interpreter exits in subprocesses
 def test_readme_recorder_line_without_a_store_handle_keeps_the_steps(tmp_path: Path) -> None:
     """The README's one-liner, then a normal exit: the steps are on disk."""
     proc = run_python(f"""
@@ -196,6 +200,7 @@ def test_readme_recorder_line_without_a_store_handle_keeps_the_steps(tmp_path: P
         assert reader.counts.frames_written == 8 * 201
 
 
+@pytest.mark.integration  # interpreter exits in subprocesses
 def test_an_sb3_buffer_left_open_is_closed_by_its_owner_without_a_warning(tmp_path: Path) -> None:
     pytest.importorskip("stable_baselines3")
     proc = run_python(f"""

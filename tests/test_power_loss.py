@@ -37,6 +37,8 @@ from mmreplay import ReplayStore
 from mmreplay.storage import commit, frame_store, manifest, safe_io, shards
 from mmreplay.storage.manifest import MANIFEST
 
+pytestmark = pytest.mark.integration  # power-loss loops: every cut of a disk journal reopened
+
 DIRS = ("", "frames", "steps", "tail")  # every directory a commit writes into
 OBS = (3,)
 

@@ -35,6 +35,8 @@ from mmreplay.integrations.ray import (  # noqa: E402
 )
 from mmreplay.rate_limit import RateLimiter  # noqa: E402
 
+pytestmark = pytest.mark.integration  # a Ray cluster
+
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 OBS = (6, 5)
 

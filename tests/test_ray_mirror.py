@@ -36,6 +36,8 @@ from s3_server import S3Server  # noqa: E402
 # cluster: test_ray's module-scoped Ray cluster (autouse), started for this module too
 from test_ray import Ledger, Stream, assert_same_store, cluster, create_args  # noqa: E402, F401
 
+pytestmark = pytest.mark.integration  # a Ray cluster and the SeaweedFS server
+
 pytest_plugins = ["s3_server"]  # the fixtures s3, s3_session
 
 

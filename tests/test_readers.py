@@ -166,6 +166,7 @@ def test_second_writer_is_refused_at_once_across_processes(tmp_path, writer_ends
         assert store.counts.transitions == 40
 
 
+@pytest.mark.integration
 def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path):
     path, stop = tmp_path / "store", tmp_path / "stop"
     make_store(path)
@@ -201,6 +202,7 @@ def test_read_only_opens_see_one_generation_beside_a_committing_writer(tmp_path)
         assert np.array_equal(batch.action.numpy(), ids)
 
 
+@pytest.mark.integration
 def test_the_reader_script_takes_an_empty_view_for_what_it_is(tmp_path):
     """A reader that finds no sampleable transition (the writer overtook its generation,
     or none was written yet) checks nothing and says so, rather than failing."""

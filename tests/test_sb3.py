@@ -356,6 +356,7 @@ def tiny_dqn(env, path: Path, **kwargs) -> DQN:
                replay_buffer_kwargs=dict(path=str(path), frame_stack=4), **kwargs)
 
 
+@pytest.mark.integration
 def test_dqn_cnn_learn_save_load_and_replay_buffer_round_trip(tmp_path):
     env = tiny_image_env()
     model = tiny_dqn(env, tmp_path / "store")
@@ -395,6 +396,7 @@ def test_dqn_cnn_learn_save_load_and_replay_buffer_round_trip(tmp_path):
     again.close()
 
 
+@pytest.mark.integration
 def test_dqn_n_steps_is_taken_from_the_algorithm(tmp_path):
     with pytest.warns(UserWarning, match="takes n_steps=3, gamma=0.9 from the algorithm"):
         model = tiny_dqn(tiny_image_env(1), tmp_path / "a", n_steps=3, gamma=0.9)
@@ -421,6 +423,7 @@ def test_dqn_n_steps_conflicts_are_refused(tmp_path, kwargs, message):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.integration
 def test_dqn_optimize_memory_usage_and_no_timeout_handling(tmp_path):
     model = DQN("CnnPolicy", tiny_image_env(1), buffer_size=200, learning_starts=20,
                 batch_size=4, optimize_memory_usage=True, seed=0,
@@ -521,6 +524,7 @@ def test_bad_steps_are_refused_and_change_nothing(tmp_path):
     ours.close()
 
 
+@pytest.mark.integration
 def test_importing_needs_no_optional_dependency_and_names_the_extra():
     code = ("import sys; import mmreplay, mmreplay.tools.cli; "
             "assert 'stable_baselines3' not in sys.modules; "
@@ -543,6 +547,7 @@ def test_store_is_a_plain_store(tmp_path):
         assert store.spec.obs_shape == (1, 6, 5) and store.counts.transitions == 25
 
 
+@pytest.mark.integration
 def test_docs_snippet_runs(tmp_path, monkeypatch):
     """The SB3 guide's first snippet, with a small buffer and a short run."""
     guide = (Path(__file__).parent.parent / "docs" / "guides" / "sb3.md").read_text()

@@ -21,6 +21,8 @@ from script_runner import run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
 
+pytestmark = pytest.mark.integration  # SB3 training runs of scripts/sb3_dqn.py, killed subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "sb3_dqn.py"
 

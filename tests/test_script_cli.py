@@ -150,6 +150,7 @@ def test_help_shows_every_option_with_its_text_and_default(in_process, name: str
     assert re.search(r"\n    python scripts/", description), description  # examples as laid out
 
 
+@pytest.mark.integration
 def test_sb3_dqn_takes_flag_equals_value_and_refuses_a_second_run(tmp_path: Path) -> None:
     """--seed=1 is accepted; a re-run into the run dir trains nothing and changes nothing."""
     pytest.importorskip("stable_baselines3")
@@ -181,6 +182,7 @@ def test_an_unknown_flag_is_a_short_message_and_exit_2(in_process) -> None:
                           "Unrecognized options: --no-such-flag")
 
 
+@pytest.mark.integration
 def test_a_bad_value_from_a_real_command_line() -> None:
     """The same, as a user's shell runs it: a fresh interpreter, no traceback."""
     proc = run("sb3_dqn.py", "--total-timesteps", timeout=120)
@@ -191,6 +193,7 @@ def test_a_bad_value_from_a_real_command_line() -> None:
 # -- run directories and ordinary mistakes --------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_train_r2d2_refuses_a_run_dir_that_holds_a_run(tmp_path: Path) -> None:
     ReplayStore.create(tmp_path / "store", capacity=64, obs_shape=(2,), seed=0).close()
     (tmp_path / "summary.json").write_text("{}")
@@ -217,6 +220,7 @@ def test_an_unknown_env_id_is_one_line(in_process, tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_apex_dqn_checks_the_run_dir_before_starting_ray(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     (tmp_path / "checkpoint.pt").write_bytes(b"a run")
@@ -243,6 +247,7 @@ def checkpoint_step(run_dir: Path) -> int:
         return -1
 
 
+@pytest.mark.integration
 def test_ctrl_c_checkpoints_says_where_to_resume_and_exits_130(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -339,6 +344,7 @@ def test_prepare_run_dir_refuses_resumes_and_overwrites(tmp_path: Path) -> None:
         prepare_run_dir(run_dir, resume=True, overwrite=True)
 
 
+@pytest.mark.integration
 def test_run_main_exit_statuses(tmp_path: Path) -> None:
     """0, 2 for ordinary mistakes (one line), 130 after Ctrl-C (cleanup called), and a real
     bug keeps its traceback."""

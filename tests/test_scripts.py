@@ -27,6 +27,8 @@ from script_runner import run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
 
+pytestmark = pytest.mark.integration  # script and benchmark smoke runs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 

@@ -37,6 +37,9 @@ from reference import ReferenceReplay
 
 from mmreplay import EmptyStoreError, ReadOnlyError, ReplayStore
 
+# A hypothesis state machine of the whole store: 25-30 s, so CI's tier.
+pytestmark = pytest.mark.integration
+
 LONG = os.environ.get("MMREPLAY_LONG") == "1"
 OBS = (2, 3)
 EXACT_FIELDS = ("obs", "next_obs", "action", "terminated", "truncated")

@@ -35,6 +35,8 @@ from script_runner import Outcome, run_here  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
 
+pytestmark = pytest.mark.integration  # training runs of scripts/train_dqn.py, some in subprocesses
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_dqn.py"
 

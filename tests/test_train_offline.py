@@ -25,6 +25,8 @@ from script_runner import Outcome, run_here  # noqa: E402
 from mmreplay.datasets.dopamine import import_dopamine  # noqa: E402
 from mmreplay.integrations.gymnasium import RecordToStore, create_store_for  # noqa: E402
 
+pytestmark = pytest.mark.integration  # offline training runs and a benchmark smoke run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from script_runner import run_here
 
+pytestmark = pytest.mark.integration  # R2D2 training runs of scripts/train_r2d2.py
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 train_r2d2 = pytest.importorskip("train_r2d2")  # importable: gymnasium is in the test extra
 

@@ -460,6 +460,7 @@ def test_store_data_caches_per_generation(tmp_path: Path) -> None:
 
 
 # -- the command ---------------------------------------------------------------------------------
+@pytest.mark.integration
 def test_view_command_prints_the_url_and_serves(store_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "mmreplay.tools.cli", "view", str(store_path),
@@ -483,6 +484,7 @@ def test_view_command_prints_the_url_and_serves(store_path: Path) -> None:
             proc.stderr.close()
 
 
+@pytest.mark.integration
 def test_view_command_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "mmreplay.tools.cli", "view",
@@ -492,6 +494,7 @@ def test_view_command_on_a_missing_store_is_one_line(tmp_path: Path) -> None:
     assert out.stderr.startswith("mmreplay: error:")
 
 
+@pytest.mark.integration
 def test_bench_viewer_script_smoke(tmp_path: Path) -> None:
     out = tmp_path / "viewer.json"
     proc = run_here("bench/bench_viewer.py", "--frames", "2000", "--envs", "2", "--no-browser",
