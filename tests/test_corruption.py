@@ -201,6 +201,7 @@ def test_every_mutation_is_detected_or_unread(stores: list[Pristine]) -> None:
     assert sum(FIGURES.values()) == MUTATIONS
 
 
+@pytest.mark.integration  # reads the figures of the loop above
 def test_mutations_reach_every_file_and_kind(stores: list[Pristine],
                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The figures: outcome per target and kind (printed with -s)."""

@@ -29,6 +29,8 @@ from mmreplay.datasets.dopamine import import_dopamine  # noqa: E402
 from mmreplay.tools.cli import main  # noqa: E402
 from mmreplay.tools.cli_datasets import parse_checkpoints  # noqa: E402
 
+pytestmark = pytest.mark.integration  # real ALE frames through Dopamine's format, 20-30 s
+
 ROOT = Path(__file__).resolve().parents[1]
 FRAMES = 1500
 STACK = 4
@@ -204,7 +206,6 @@ def test_partly_filled_checkpoint_and_two_checkpoints(records: list, tmp_path: P
         assert_import_matches(store, [early, late], n_step=n_step)
 
 
-@pytest.mark.integration  # the CLI in a subprocess
 def test_cli_import_dopamine(records: list, tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     for number, count in ((0, 300), (1, 500), (2, 700)):

@@ -23,7 +23,10 @@ from mmreplay.datasets.minari import export_minari, import_minari  # noqa: E402
 from mmreplay.tools.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:minari.utils")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:minari.utils"),
+    pytest.mark.integration,  # real ALE frames through Minari's format, 10-20 s in all
+]
 
 
 @pytest.fixture(autouse=True)
