@@ -8,6 +8,7 @@ from mmreplay import _moved
 from mmreplay.errors import (
     ClosedStoreError,
     DatasetFormatError,
+    DeviceMemoryError,
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
@@ -28,6 +29,7 @@ __all__ = [
     "Batch",
     "ClosedStoreError",
     "DatasetFormatError",
+    "DeviceMemoryError",
     "EmptyStoreError",
     "InvalidInputError",
     "InvalidStoreError",

@@ -14,7 +14,9 @@ Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
 policy in `samplers`, commits and loading in `commit`, open-time checks in
 `manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`. The store's own
 collaborators: `recorder` (reset/add), `reader` (transition reads beside a writer),
-`sequence_reader` (the sequence API), `priorities` (the priority column).
+`sequence_reader` (the sequence API), `priorities` (the priority column), and with
+``device=`` `device_reader` (every kept frame once in a device's memory, batches gathered
+there: `device_frames`).
 
 Tools read a store through its public methods and its read-only views (``store.views``,
 see `views`) only.
@@ -36,6 +38,8 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from mmreplay import lifecycle, validate
+from mmreplay.device_frames import check_fits
+from mmreplay.device_reader import DeviceReader, open_device
 from mmreplay.errors import ClosedStoreError, InvalidInputError, InvalidStoreError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
@@ -156,6 +160,7 @@ class ReplayStore(BucketMethods):
         self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
         self._limits = LimiterSlot()
         self._closed = False
+        self._device: DeviceReader | None = None  # ``device=``: `_use_device`
         rng = _start(manifest, writable, self._commits, self._ring, self._frames,
                      self._priorities, self._reader)
         self._rng = np.random.default_rng() if rng is None else rng
@@ -168,7 +173,8 @@ class ReplayStore(BucketMethods):
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | str | None = None, extras: Any = None,
                mirror: str | None = None, storage_options: dict[str, str] | None = None,
-               rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
+               rate_limiter: RateLimiter | None = None, device: Any = None,
+               **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add`` takes
@@ -176,14 +182,19 @@ class ReplayStore(BucketMethods):
         with `storage_options` where the AWS variables do not say (docs/object-storage.md).
         `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
         (docs/compression.md). ``cache_bytes="all"`` keeps every frame decoded in RAM.
+        ``device="cuda"`` keeps every frame once in that device's memory too: batches are
+        gathered there (docs/guides/device_frames.md); refused if it does not fit.
         """
         dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
                          num_envs=num_envs, frame_stack=frame_stack, n_step=n_step, gamma=gamma,
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
+        if device is not None:
+            check_fits(spec, device)  # before any file is made
         store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes),
                         dictionary)
+        _use_device(store, device)
         store.reseed(seed)
         store.set_rate_limiter(rate_limiter)
         store.flush()
@@ -194,8 +205,8 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | str | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None
-             ) -> Any:
+             rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None,
+             device: Any = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything is
@@ -204,14 +215,18 @@ class ReplayStore(BucketMethods):
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`, whole files in the background: `cache_fill`); `mirror` as in `create`;
         ``mode="r+"`` with `local` pulls it there and mirrors back (docs/object-storage.md).
+        `device` as in `create`: the kept frames are decoded into it now.
         """
         cache_bytes = validate.cache_bytes(cache_bytes)
         path, mirror = _working_copy(path, mode, mirror, local, storage_options, take_over)
         _check_open_args(path, mode, rate_limiter, cache_fill)
         if is_url(path):
+            _refuse_url_device(str(path), device)
             return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
                              max_ram_bytes, cache_fill)
-        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
+        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes,
+                           device=device)
+        _use_device(store, device)
         if rate_limiter is not None:
             store.set_rate_limiter(rate_limiter)
         return store.attach_mirror(mirror, storage_options, take_over)
@@ -290,8 +305,9 @@ class ReplayStore(BucketMethods):
         """`batch_size` sampleable transitions, with replacement. Uniform by default; with
         ``sampler="prioritized"``/``"rank"`` the draw follows the priorities and
         ``batch.weights`` are importance weights with exponent `beta`. With a rate limiter,
-        waits first until the writers let `batch_size` samples out."""
-        return make_batch(_sample_arrays(self, batch_size, beta, False))
+        waits first until the writers let `batch_size` samples out. A ``device=`` store's
+        batch is on its device."""
+        return _sample_batch(self, batch_size, beta, pin_memory=False)
 
     def sample_arrays(self, batch_size: int, beta: float = 0.4, *,
                       pin_memory: bool = False) -> ArrayBatch:
@@ -330,6 +346,8 @@ class ReplayStore(BucketMethods):
     @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
+        if self._device is not None:
+            return self._device.get(validate.transition_ids(ids))
         return make_batch(self._reader.get(validate.transition_ids(ids)))
 
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
@@ -351,6 +369,8 @@ class ReplayStore(BucketMethods):
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
         key = sequence_key(self.spec, length, cross_episodes, period)
+        if self._device is not None:
+            return self._device.get_sequences(key, validate.transition_ids(ids))
         return _sequence_batch(self._sequences.get(key, validate.transition_ids(ids)))
 
     @_locked
@@ -558,6 +578,7 @@ def _close(store: ReplayStore) -> None:
                 store.flush()
         finally:
             store._closed = True
+            store._device = None  # its memory goes back to the device
             lock_fd, store._lock_fd = store._lock_fd, None
             _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
 
@@ -586,6 +607,9 @@ def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -
 def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
                 pin_memory: bool) -> BatchPrefetcher:
     """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline."""
+    if pin_memory and store._device is not None:
+        raise InvalidInputError("batches(pin_memory=True) is for batches read into host "
+                                "memory; a device= store's batches are on its device")
     if store.remote is not None:
         if pin_memory:
             raise InvalidInputError("batches(pin_memory=True) is for local stores; a bucket "
@@ -597,7 +621,38 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
 
 def _sample_batch(store: ReplayStore, batch_size: int, beta: float, *,
                   pin_memory: bool) -> Batch:
+    if store._device is not None:
+        return _device_batch(store, store._device, batch_size, beta)
     return make_batch(_sample_arrays(store, batch_size, beta, pin_memory))
+
+
+def _device_batch(store: ReplayStore, device: DeviceReader, batch_size: int,
+                  beta: float) -> Batch:
+    with store._limits.sampling(_items(batch_size)), store._lock:
+        _refuse_closed(store, "sample")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return device.sample(store._rng, size, beta)
+
+
+def _use_device(store: ReplayStore, device: Any) -> None:
+    """Keep every kept frame of `store` on `device` from now on (None: nothing); a store
+    whose frames cannot be put there is closed and the error raised."""
+    if device is None:
+        return
+    try:
+        with store._lock:
+            store._device = open_device(device, store.spec, store._reader, store._sequences)
+            store._recorder.device = store._device.frames
+    except BaseException:
+        store.close()
+        raise
+
+
+def _refuse_url_device(url: str, device: Any) -> None:
+    if device is not None:
+        raise InvalidInputError(
+            f"device= needs a local store: {url} is read from a bucket, chunk by chunk on "
+            f"demand; open a local working copy (mode='r+', local=DIR) with device=")
 
 
 def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
@@ -644,6 +699,8 @@ def _sample_sequences(store: ReplayStore, batch_size: int, length: int, cross_ep
         _refuse_closed(store, "sample_sequences")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = sequence_key(store.spec, length, cross_episodes, period)
+        if store._device is not None:
+            return store._device.sample_sequences(key, store._rng, size, beta)
         return _sequence_batch(store._sequences.sample_batch(key, store._rng, size, beta))
 
 
@@ -787,12 +844,14 @@ def _open_url(cls: type[ReplayStore], url: str, mode: str,
 
 def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
                cache_bytes: CacheBytes, max_ram_bytes: int,
-               remote: RemoteChunks | None = None) -> ReplayStore:
+               remote: RemoteChunks | None = None, device: Any = None) -> ReplayStore:
     check_root(root)
 
     def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
         spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
         _check_cache_all(spec, cache_bytes, max_ram_bytes)
+        if device is not None:
+            check_fits(spec, device)
         return cls(root, spec, writable=lock_fd is not None, durable=durable,
                    cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
 

@@ -1,0 +1,242 @@
+"""Every kept frame once in a device's memory: the frame ring of ``device=`` stores.
+
+`DeviceFrames` owns one torch tensor on the device, ``(num_envs * slots_per_env + 1,
+*obs_shape)`` in the store's dtype: row ``flat`` holds what the frame store holds at flat slot
+``flat``, and the last row is zeros, so a plan's ``-1`` (zero stack padding) gathers zeros
+without a branch::
+
+    add ──> StepRing (CPU) ──> FrameStore (disk: the durable copy, unchanged)
+                          └──> DeviceFrames.write: staged, copied in one block before the
+                                                   next gather (or when the stage is full)
+    open ──> FrameStore.read of the kept slots, a block at a time ──> DeviceFrames.fill
+    sample ──> draw + `StepRing.lookup` on the CPU: the plan, (2, B, k) flat slots
+           ──> frames[plan] on the device (`gather`)
+
+It also owns the memory check (`check_fits`) and the one-copy transfer of a batch's small
+arrays (`to_device`). It does not own which slots a batch reads (`ring`, `sequences`), the
+draw (`samplers`) or the bytes on disk (`frame_store`). torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmreplay.errors import DeviceMemoryError, InvalidInputError
+from mmreplay.spec import StoreSpec
+
+if TYPE_CHECKING:
+    import torch
+
+FILL_BYTES = 32 << 20  # a fill reads and copies this many bytes of frames at a time
+STAGE_BYTES = 4 << 20  # write-through frames staged before one copy to the device
+ALIGN = 16  # every array packed by `to_device` starts at a multiple of this many bytes
+
+
+def parse_device(device: Any) -> torch.device:
+    """`device` as a torch device (a string such as ``"cuda:0"`` or a ``torch.device``);
+    `InvalidInputError` if torch does not know it or CUDA is asked for and absent."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device must name a torch device ('cuda', 'cuda:0', 'cpu'), "
+                                f"got {device!r:.60}") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device={device!r}: torch.cuda.is_available() is False")
+    if parsed.type not in ("cuda", "cpu"):
+        raise InvalidInputError(f"device type {parsed.type!r} is not supported: 'cuda' or "
+                                f"'cpu'")
+    return parsed
+
+
+def ring_bytes(spec: StoreSpec) -> int:
+    """Bytes the frame ring of `spec` takes on its device (one zero row included)."""
+    return (spec.num_envs * spec.slots_per_env + 1) * spec.frame_bytes
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes free for the ring on `device`: CUDA's free memory, for the CPU the kernel's
+    ``MemAvailable`` (None where it cannot be known: no check)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(spec: StoreSpec, device: Any, *,
+               budget: Callable[[torch.device], int | None] = free_bytes) -> torch.device:
+    """The parsed device, if the frame ring of `spec` fits in what `budget` says is free
+    there; `DeviceMemoryError` saying both figures otherwise. Allocates nothing."""
+    parsed = parse_device(device)
+    need, free = ring_bytes(spec), budget(parsed)
+    if free is not None and need > free:
+        raise DeviceMemoryError(
+            f"device={str(parsed)!r}: the store's frames need {need:,} bytes "
+            f"({need / 2**30:.2f} GiB: {spec.num_envs * spec.slots_per_env:,} frames of "
+            f"{spec.frame_bytes:,} bytes, plus one zero frame), but {free:,} bytes "
+            f"({free / 2**30:.2f} GiB) are free there; use a smaller capacity or no device=")
+    return parsed
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a numpy dtype."""
+    import torch
+
+    return torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("="))).dtype
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A fresh uint8 host tensor to copy from: page-locked for a CUDA device (PyTorch's host
+    allocator reuses it only once the copies queued from it are done, so a
+    ``non_blocking`` copy from it is safe whatever the caller does next)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+class DeviceFrames:
+    """The frame ring on a device: write-through, fill from disk, gather by plan."""
+
+    def __init__(self, spec: StoreSpec, device: torch.device) -> None:
+        import torch
+
+        self.spec = spec
+        self.device = device
+        rows = spec.num_envs * spec.slots_per_env + 1
+        self.frames = torch.zeros((rows, *spec.obs_shape), dtype=torch_dtype(spec.obs_dtype),
+                                  device=device)
+        # At most slots_per_env staged frames: no slot is staged twice (one index_copy_).
+        self.stage_rows = max(1, min(spec.slots_per_env, STAGE_BYTES // spec.frame_bytes))
+        self._stage: np.ndarray | None = None  # (stage_rows, *obs_shape) view of `_host`
+        self._host: torch.Tensor | None = None
+        self._stage_slots = np.empty(self.stage_rows, np.int64)
+        self.staged = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ring takes on its device."""
+        return int(self.frames.numel() * self.frames.element_size())
+
+    # -- writing -------------------------------------------------------------------
+    def write(self, flat: np.ndarray, frames: np.ndarray) -> None:
+        """Frames `frames` (``(len(flat), *obs_shape)``) at flat slots `flat`, staged: they
+        reach the device by the next `flush` (every gather flushes first)."""
+        done = 0
+        while done < flat.size:
+            if self._stage is None:
+                self._new_stage()
+            assert self._stage is not None
+            take = min(flat.size - done, self.stage_rows - self.staged)
+            self._stage[self.staged:self.staged + take] = frames[done:done + take]
+            self._stage_slots[self.staged:self.staged + take] = flat[done:done + take]
+            self.staged += take
+            done += take
+            if self.staged == self.stage_rows:
+                self.flush()
+
+    def write_one(self, flat: int, frame: np.ndarray) -> None:
+        """`write` of one frame (the recorder's one-env fast path)."""
+        if self._stage is None:
+            self._new_stage()
+        assert self._stage is not None
+        self._stage[self.staged] = frame
+        self._stage_slots[self.staged] = flat
+        self.staged += 1
+        if self.staged == self.stage_rows:
+            self.flush()
+
+    def _new_stage(self) -> None:
+        nbytes = self.stage_rows * self.spec.frame_bytes
+        self._host = host_buffer(nbytes, self.device)
+        self._stage = self._host.numpy().view(self.spec.obs_dtype).reshape(
+            self.stage_rows, *self.spec.obs_shape)
+
+    def flush(self) -> None:
+        """Copy the staged frames to their rows (one copy, one ``index_copy_``)."""
+        if not self.staged:
+            return
+        import torch
+
+        assert self._host is not None
+        count, nbytes = self.staged, self.staged * self.spec.frame_bytes
+        rows = self._host[:nbytes].to(self.device, non_blocking=True)
+        slots = torch.from_numpy(self._stage_slots[:count].copy()).to(self.device,
+                                                                    non_blocking=True)
+        self.frames.index_copy_(0, slots, rows.view(self.frames.dtype).view(
+            count, *self.spec.obs_shape))
+        self._host = self._stage = None  # a fresh buffer next time (see `host_buffer`)
+        self.staged = 0
+
+    # -- filling from disk ------------------------------------------------------------
+    def fill(self, flat: np.ndarray, read: Callable[[np.ndarray, np.ndarray], np.ndarray]
+             ) -> None:
+        """Copy the frames at flat slots `flat` from `read` (the frame store's
+        ``read(slots, out)``), a block of `FILL_BYTES` at a time: the store is never
+        decoded whole in RAM."""
+        import torch
+
+        self.flush()
+        block = max(1, FILL_BYTES // self.spec.frame_bytes)
+        for lo in range(0, flat.size, block):
+            slots = flat[lo:lo + block]
+            host = host_buffer(slots.size * self.spec.frame_bytes, self.device)
+            out = host.numpy()
+            got = read(slots, out)
+            if got.ctypes.data != out.ctypes.data:  # `read` may not have used `out`
+                out[:] = got.reshape(-1).view(np.uint8)
+            rows = host.to(self.device, non_blocking=True).view(self.frames.dtype)
+            index = torch.from_numpy(slots).to(self.device, non_blocking=True)
+            self.frames.index_copy_(0, index, rows.view(slots.size, *self.spec.obs_shape))
+
+    # -- reading -----------------------------------------------------------------------
+    def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """`to_device` to this ring's device (a batch's plan and small fields)."""
+        return to_device(arrays, self.device)
+
+    def gather(self, plan: torch.Tensor) -> torch.Tensor:
+        """``frames[plan]``: the frames at the flat slots of `plan` (an int64 tensor on the
+        device, any shape; -1 = zeros), shaped ``(*plan.shape, *obs_shape)``."""
+        self.flush()
+        return self.frames[plan]
+
+    def rows(self, flat: np.ndarray) -> torch.Tensor:
+        """The frames at these flat slots, on the device (for checks and tools)."""
+        import torch
+
+        return self.gather(torch.from_numpy(np.asarray(flat, np.int64)).to(self.device))
+
+
+def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """The arrays as tensors on `device`, moved in one copy: packed into one host buffer
+    (each at a multiple of `ALIGN` bytes), copied, and viewed back per name in its dtype and
+    shape. On the CPU the tensors view that buffer."""
+    layout, offset = [], 0
+    for name, array in arrays.items():
+        array = np.ascontiguousarray(array, array.dtype.newbyteorder("="))
+        layout.append((name, array, offset))
+        offset += -(-array.nbytes // ALIGN) * ALIGN
+    host = host_buffer(max(offset, ALIGN), device)
+    packed = host.numpy()
+    for _, array, at in layout:
+        packed[at:at + array.nbytes] = array.reshape(-1).view(np.uint8)
+    moved = host.to(device, non_blocking=True)
+    return {name: _view(moved, at, array) for name, array, at in layout}
+
+
+def _view(buffer: torch.Tensor, at: int, like: np.ndarray) -> torch.Tensor:
+    """The bytes of `buffer` from `at` seen as an array like `like` (dtype and shape)."""
+    part = buffer[at:at + like.nbytes].view(torch_dtype(like.dtype))
+    return part.view(like.shape)
+
