@@ -76,11 +76,12 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(spec: StoreSpec, device: Any, *,
-               budget: Callable[[torch.device], int | None] = free_bytes) -> torch.device:
-    """The parsed device, if the frame ring of `spec` fits in what `budget` says is free
-    there; `DeviceMemoryError` saying both figures otherwise. Allocates nothing."""
+               budget: Callable[[torch.device], int | None] | None = None) -> torch.device:
+    """The parsed device, if the frame ring of `spec` fits in what `budget` (default
+    `free_bytes`) says is free there; `DeviceMemoryError` saying both figures otherwise.
+    Allocates nothing."""
     parsed = parse_device(device)
-    need, free = ring_bytes(spec), budget(parsed)
+    need, free = ring_bytes(spec), (budget or free_bytes)(parsed)
     if free is not None and need > free:
         raise DeviceMemoryError(
             f"device={str(parsed)!r}: the store's frames need {need:,} bytes "

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mmreplay.device_frames import DeviceFrames, check_fits
-from mmreplay.errors import InvalidStoreError
 from mmreplay.index.ring import Lookup
 from mmreplay.index.sequences import SequenceKey, windows
-from mmreplay.reader import READER_RETRIES, Reader
+from mmreplay.reader import Reader
+from mmreplay.recorder import Recorder
 from mmreplay.sequence_reader import SequenceReader
 from mmreplay.spec import StoreSpec
 from mmreplay.torch_batch import Batch, SequenceBatch
@@ -121,20 +121,17 @@ def _extras(moved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def open_device(device: object, spec: StoreSpec, reader: Reader,
-                sequences: SequenceReader | None) -> DeviceReader:
-    """A `DeviceReader` whose frame ring holds every kept frame of the store `reader` reads:
-    checked against the device's free memory, allocated, filled from the frame store (a
-    block at a time). A read-only store beside a writer follows it after the fill (as a
-    read does), so frames the writer replaced meanwhile are no longer sampleable; a fill
-    that fails while the writer gives up frames is tried again."""
+                sequences: SequenceReader | None, recorder: Recorder) -> DeviceReader | None:
+    """A `DeviceReader` whose frame ring holds every kept frame of the store `reader` reads
+    (None for no `device`): checked against the device's free memory, allocated, filled from
+    the frame store a block at a time, and written through by `recorder` from now on. A
+    read-only store beside a writer follows it after the fill, as after any read: frames the
+    writer gave up meanwhile are no longer sampleable (a fill that found a file gone raises
+    `InvalidStoreError`, and the read-only open starts again)."""
+    if device is None:
+        return None
     frames = DeviceFrames(spec, check_fits(spec, device))
-    for attempt in range(READER_RETRIES):
-        try:
-            frames.fill(reader.kept_slots(), reader.frames.read)
-        except InvalidStoreError:
-            if attempt + 1 == READER_RETRIES or not reader.follow_writer():
-                raise
-            continue
-        reader.refresh()
-        return DeviceReader(frames, reader, sequences)
-    raise AssertionError("unreachable")  # the last attempt returns or raises
+    frames.fill(reader.kept_slots(), reader.frames.read)
+    reader.refresh()
+    recorder.device = frames
+    return DeviceReader(frames, reader, sequences)
