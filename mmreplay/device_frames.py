@@ -10,7 +10,7 @@ without a branch::
                                                    next gather (or when the stage is full)
     open ──> FrameStore.read of the kept slots, a block at a time ──> DeviceFrames.fill
     sample ──> draw + `StepRing.lookup` on the CPU: the plan, (2, B, k) flat slots
-           ──> frames[plan] on the device (`gather`)
+           ──> frames.index_select(plan) on the device (`gather`)
 
 It also owns the memory check (`check_fits`) and the one-copy transfer of a batch's small
 arrays (`to_device`). It does not own which slots a batch reads (`ring`, `sequences`), the
@@ -19,6 +19,7 @@ draw (`samplers`) or the bytes on disk (`frame_store`). torch is imported lazily
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -91,8 +92,9 @@ def check_fits(spec: StoreSpec, device: Any, *,
     return parsed
 
 
+@functools.cache
 def torch_dtype(dtype: Any) -> torch.dtype:
-    """The torch dtype of a numpy dtype."""
+    """The torch dtype of a numpy dtype (remembered: a batch asks for each of its fields)."""
     import torch
 
     return torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("="))).dtype
@@ -206,38 +208,52 @@ class DeviceFrames:
         """`to_device` to this ring's device (a batch's plan and small fields)."""
         return to_device(arrays, self.device)
 
+    def plan_rows(self, flat: np.ndarray) -> np.ndarray:
+        """Flat slots as rows of the ring (the host side of a plan): ``-1`` (zero padding)
+        becomes the zero row, so `gather` needs no negative index."""
+        return np.where(flat < 0, self.frames.shape[0] - 1, flat)
+
     def gather(self, plan: torch.Tensor) -> torch.Tensor:
-        """``frames[plan]``: the frames at the flat slots of `plan` (an int64 tensor on the
-        device, any shape; -1 = zeros), shaped ``(*plan.shape, *obs_shape)``."""
+        """The frames at the rows of `plan` (an int64 tensor on the device, any shape, from
+        `plan_rows`), shaped ``(*plan.shape, *obs_shape)``: one ``index_select`` (whole rows
+        copied, on the CPU a ``memcpy`` each, where ``frames[plan]`` goes element by element)."""
         self.flush()
-        return self.frames[plan]
+        out = self.frames.index_select(0, plan.reshape(-1))
+        return out.view(*plan.shape, *self.frames.shape[1:])
 
     def rows(self, flat: np.ndarray) -> torch.Tensor:
-        """The frames at these flat slots, on the device (for checks and tools)."""
+        """The frames at these flat slots (-1: zeros), on the device (for checks and tools)."""
         import torch
 
-        return self.gather(torch.from_numpy(np.asarray(flat, np.int64)).to(self.device))
+        rows = self.plan_rows(np.asarray(flat, np.int64))
+        return self.gather(torch.from_numpy(rows).to(self.device))
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """The arrays as tensors on `device`, moved in one copy: packed into one host buffer
-    (each at a multiple of `ALIGN` bytes), copied, and viewed back per name in its dtype and
-    shape. On the CPU the tensors view that buffer."""
-    layout, offset = [], 0
-    for name, array in arrays.items():
-        array = np.ascontiguousarray(array, array.dtype.newbyteorder("="))
-        layout.append((name, array, offset))
-        offset += -(-array.nbytes // ALIGN) * ALIGN
-    host = host_buffer(max(offset, ALIGN), device)
-    packed = host.numpy()
-    for _, array, at in layout:
+    (each at a multiple of `ALIGN` bytes), copied, split (one call) and viewed back per name
+    in its dtype and shape. On the CPU the tensors view that buffer."""
+    arrays = {name: _native(a) for name, a in arrays.items()}
+    sizes = [-(-a.nbytes // ALIGN) * ALIGN or ALIGN for a in arrays.values()]
+    host = host_buffer(sum(sizes), device)
+    packed, at = host.numpy(), 0
+    for array, size in zip(arrays.values(), sizes, strict=True):
         packed[at:at + array.nbytes] = array.reshape(-1).view(np.uint8)
-    moved = host.to(device, non_blocking=True)
-    return {name: _view(moved, at, array) for name, array, at in layout}
+        at += size
+    parts = host.to(device, non_blocking=True).split(sizes)
+    return {name: _view(part, a) for (name, a), part in zip(arrays.items(), parts, strict=True)}
 
 
-def _view(buffer: torch.Tensor, at: int, like: np.ndarray) -> torch.Tensor:
-    """The bytes of `buffer` from `at` seen as an array like `like` (dtype and shape)."""
-    part = buffer[at:at + like.nbytes].view(torch_dtype(like.dtype))
-    return part.view(like.shape)
+def _view(part: torch.Tensor, like: np.ndarray) -> torch.Tensor:
+    """The bytes of `part` (at least ``like.nbytes``) seen as an array like `like`."""
+    if part.numel() != like.nbytes:
+        part = part[:like.nbytes]
+    part = part.view(torch_dtype(like.dtype))
+    return part if like.ndim == 1 else part.view(like.shape)
 
+
+def _native(array: np.ndarray) -> np.ndarray:
+    """`array` C-contiguous in native byte order (itself when it is)."""
+    if array.dtype.isnative and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("="))

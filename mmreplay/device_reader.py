@@ -70,7 +70,7 @@ class DeviceReader:
     def batch(self, look: Lookup, weights: np.ndarray) -> Batch:
         """The `Batch` of a plan: its arrays moved in one copy, its stacks gathered."""
         moved = self.frames.to_device({
-            "plan": look.slots, "action": look.action, "reward": look.reward,
+            "plan": self.frames.plan_rows(look.slots), "action": look.action, "reward": look.reward,
             "terminated": look.terminated, "truncated": look.truncated,
             "discount": look.discount, "weights": np.asarray(weights, np.float32),
             "ids": look.ids, "steps": look.steps,
@@ -100,7 +100,8 @@ class DeviceReader:
         win = windows(self.reader.ring, starts, key)
         size, length, k = win.obs_slots.shape
         moved = self.frames.to_device({
-            "plan": np.concatenate([win.obs_slots.reshape(size, -1), win.next_obs_slots], 1),
+            "plan": self.frames.plan_rows(
+                np.concatenate([win.obs_slots.reshape(size, -1), win.next_obs_slots], 1)),
             "action": win.action, "reward": np.asarray(win.reward, np.float32),
             "terminated": win.terminated, "truncated": win.truncated,
             "is_first": win.is_first, "mask": win.mask, "ids": np.asarray(win.ids, np.int64),

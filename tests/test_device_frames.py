@@ -219,7 +219,10 @@ def test_device_frames_write_flush_gather_fill():
         ring.write_one(int(flat[0]), frames[2])
         want[flat[0]] = frames[2]
     plan = np.array([[0, -1, 9], [4, 4, -1]])
-    assert np.array_equal(ring.gather(torch.from_numpy(plan)).numpy(), want[plan])
+    assert ring.plan_rows(plan).tolist() == [[0, 10, 9], [4, 4, 10]]
+    assert np.array_equal(ring.gather(torch.from_numpy(ring.plan_rows(plan))).numpy(),
+                          want[plan])
+    assert np.array_equal(ring.rows(plan).numpy(), want[plan])
     assert not want[-1].any()  # -1 is the zero row
     other = DeviceFrames(spec, parse_device("cpu"))
     other.fill(np.array([9, 0, 4]), lambda slots, out: want[slots])
