@@ -19,6 +19,7 @@ draw (`samplers`) or the bytes on disk (`frame_store`). torch is imported lazily
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -126,6 +127,10 @@ class DeviceFrames:
         self._host: torch.Tensor | None = None
         self._stage_slots = np.empty(self.stage_rows, np.int64)
         self.staged = 0
+        # Every write and gather runs on one stream (the device's default one), so a gather
+        # queued before a write reads the frame it planned for, whatever stream the caller is
+        # on; the caller's stream then waits for the batch (`_hand_over`).
+        self._stream = torch.cuda.default_stream(device) if device.type == "cuda" else None
 
     @property
     def nbytes(self) -> int:
@@ -174,11 +179,12 @@ class DeviceFrames:
 
         assert self._host is not None
         count, nbytes = self.staged, self.staged * self.spec.frame_bytes
-        rows = self._host[:nbytes].to(self.device, non_blocking=True)
-        slots = torch.from_numpy(self._stage_slots[:count].copy()).to(self.device,
-                                                                    non_blocking=True)
-        self.frames.index_copy_(0, slots, rows.view(self.frames.dtype).view(
-            count, *self.spec.obs_shape))
+        with self._on_ring():
+            rows = self._host[:nbytes].to(self.device, non_blocking=True)
+            slots = torch.from_numpy(self._stage_slots[:count].copy()).to(self.device,
+                                                                        non_blocking=True)
+            self.frames.index_copy_(0, slots, rows.view(self.frames.dtype).view(
+                count, *self.spec.obs_shape))
         self._host = self._stage = None  # a fresh buffer next time (see `host_buffer`)
         self.staged = 0
 
@@ -199,14 +205,20 @@ class DeviceFrames:
             got = read(slots, out)
             if got.ctypes.data != out.ctypes.data:  # `read` may not have used `out`
                 out[:] = got.reshape(-1).view(np.uint8)
-            rows = host.to(self.device, non_blocking=True).view(self.frames.dtype)
-            index = torch.from_numpy(slots).to(self.device, non_blocking=True)
-            self.frames.index_copy_(0, index, rows.view(slots.size, *self.spec.obs_shape))
+            with self._on_ring():
+                rows = host.to(self.device, non_blocking=True).view(self.frames.dtype)
+                index = torch.from_numpy(slots).to(self.device, non_blocking=True)
+                self.frames.index_copy_(0, index, rows.view(slots.size, *self.spec.obs_shape))
 
     # -- reading -----------------------------------------------------------------------
-    def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """`to_device` to this ring's device (a batch's plan and small fields)."""
-        return to_device(arrays, self.device)
+    def gather_batch(self, arrays: dict[str, np.ndarray]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A batch on the device: `arrays` (its ``"plan"``, from `plan_rows`, and its small
+        fields) moved in one copy (`to_device`), then the plan's frames gathered (`gather`).
+        Returns the frames and the other arrays as tensors."""
+        with self._on_ring():
+            moved = to_device(arrays, self.device)
+        return self.gather(moved.pop("plan")), moved
 
     def plan_rows(self, flat: np.ndarray) -> np.ndarray:
         """Flat slots as rows of the ring (the host side of a plan): ``-1`` (zero padding)
@@ -217,9 +229,32 @@ class DeviceFrames:
         """The frames at the rows of `plan` (an int64 tensor on the device, any shape, from
         `plan_rows`), shaped ``(*plan.shape, *obs_shape)``: one ``index_select`` (whole rows
         copied, on the CPU a ``memcpy`` each, where ``frames[plan]`` goes element by element)."""
-        self.flush()
-        out = self.frames.index_select(0, plan.reshape(-1))
+        with self._on_ring():
+            self.flush()
+            out = self.frames.index_select(0, plan.reshape(-1))
+        self._hand_over(out, plan)
         return out.view(*plan.shape, *self.frames.shape[1:])
+
+    def _on_ring(self) -> contextlib.AbstractContextManager[Any]:
+        """The ring's stream made current (CUDA), or nothing."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._stream)
+
+    def _hand_over(self, *tensors: torch.Tensor) -> None:
+        """Let the caller's current stream use `tensors`, made on the ring's stream: it waits
+        for that stream, and their memory is not reused before it is done with them."""
+        if self._stream is None:
+            return
+        import torch
+
+        current = torch.cuda.current_stream(self.device)
+        if current != self._stream:
+            current.wait_stream(self._stream)
+            for tensor in tensors:
+                tensor.record_stream(current)
 
     def rows(self, flat: np.ndarray) -> torch.Tensor:
         """The frames at these flat slots (-1: zeros), on the device (for checks and tools)."""

@@ -7,7 +7,8 @@ obs and next-obs stack, ``-1`` for zero padding, the first frame's slot for ``"f
 padding, the n-step window's next stack), so a device batch equals the plain store's batch of
 the same draw field by field. The plan and the small fields (action, reward, flags, discount,
 weights, ids, steps, extras) travel in one host-to-device copy (`to_device`: a few KB);
-`DeviceFrames.gather` then builds ``obs`` and ``next_obs`` on the device. Sequences are the
+`DeviceFrames.gather_batch` then builds ``obs`` and ``next_obs`` on the device (on the ring's
+stream; the caller's current stream waits for it). Sequences are the
 same with `sequences.windows` as the plan.
 
 The store holds the lock and checks arguments; this module owns no state but the frames.
@@ -69,13 +70,12 @@ class DeviceReader:
 
     def batch(self, look: Lookup, weights: np.ndarray) -> Batch:
         """The `Batch` of a plan: its arrays moved in one copy, its stacks gathered."""
-        moved = self.frames.to_device({
+        both, moved = self.frames.gather_batch({
             "plan": self.frames.plan_rows(look.slots), "action": look.action, "reward": look.reward,
             "terminated": look.terminated, "truncated": look.truncated,
             "discount": look.discount, "weights": np.asarray(weights, np.float32),
             "ids": look.ids, "steps": look.steps,
             **{EXTRA + name: a for name, a in look.extras.items()}})
-        both = self.frames.gather(moved.pop("plan"))
         return Batch(obs=both[0], next_obs=both[1], action=moved["action"],
                      reward=moved["reward"], terminated=moved["terminated"],
                      truncated=moved["truncated"], discount=moved["discount"],
@@ -99,7 +99,7 @@ class DeviceReader:
         """The windows at valid start slots, gathered on the device (one gather)."""
         win = windows(self.reader.ring, starts, key)
         size, length, k = win.obs_slots.shape
-        moved = self.frames.to_device({
+        frames, moved = self.frames.gather_batch({
             "plan": self.frames.plan_rows(
                 np.concatenate([win.obs_slots.reshape(size, -1), win.next_obs_slots], 1)),
             "action": win.action, "reward": np.asarray(win.reward, np.float32),
@@ -107,7 +107,6 @@ class DeviceReader:
             "is_first": win.is_first, "mask": win.mask, "ids": np.asarray(win.ids, np.int64),
             "weights": np.asarray(weights, np.float32),
             **{EXTRA + name: a for name, a in win.extras.items()}})
-        frames = self.frames.gather(moved.pop("plan"))
         obs = frames[:, :length * k].reshape(size, length, k, *frames.shape[2:])
         batch = SequenceBatch(
             obs=obs, next_obs=frames[:, length * k:], action=moved["action"],

@@ -10,6 +10,10 @@ end skip where CUDA is absent.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -318,3 +322,20 @@ def test_cuda_prefetch_keeps_batches_apart(tmp_path):
             drive((a, b), 3, seed=7, start=50_000 + int(batch.ids[0]))  # writes meanwhile
             assert torch.equal(a.get(batch.ids.cpu()).obs, batch.obs.cpu())
         it.close()
+
+
+# -- the bench, with tiny arguments --------------------------------------------------------------
+def test_bench_writes_its_figures(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts/bench/bench_device_frames.py"), "--frames", "600",
+         "--samples", "20", "--warmup", "2", "--repeats", "1", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=170,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "device_frames.json").read_text())
+    for sampler in ("uniform", "prioritized"):
+        run = report["runs"][sampler]
+        assert run["batch_device"] == "cpu" and len(run["open_fill_s"]) == 1
+        assert 0 < run["sample_us"]["median"] <= run["sample_us"]["p90"]
+        assert run["plain_sample_us"]["median"] > 0

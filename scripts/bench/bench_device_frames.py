@@ -61,6 +61,8 @@ class Args:
     """opens with the device, each timed"""
     frame_stack: int = 4
     """frames per stack"""
+    threads: int = 1
+    """torch intra-op threads (a CPU device's gather runs in them; 0: torch's default)"""
     dir: str = ""
     """where the stores are built (default: a temp directory, removed after)"""
     out_dir: str = "data/bench"
@@ -152,6 +154,7 @@ def measure(path: Path, args: Args) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "torch": torch.__version__,
                             "cpus": len(os.sched_getaffinity(0)),
+                            "torch_threads": torch.get_num_threads(),
                             "load_avg": list(os.getloadavg())}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -160,6 +163,8 @@ def machine() -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-device-"))
     report: dict[str, Any] = {"args": vars(args), "machine": machine(), "runs": {}}
     ring_gib = (args.frames + 1) * OBS[0] * OBS[1] / 2**30
