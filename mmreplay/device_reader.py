@@ -59,9 +59,19 @@ class DeviceReader:
 
     # -- transitions -------------------------------------------------------------------
     def sample(self, rng: np.random.Generator, size: int, beta: float) -> Batch:
-        """`size` transitions drawn by the store's sampler (see `ReplayStore.sample`)."""
-        draw = self.reader.draw(rng, size, beta)
-        return self.batch(self.reader.ring.lookup(draw.slots), draw.weights)
+        """`size` transitions drawn by the store's sampler (see `ReplayStore.sample`), as
+        `Reader.sample` draws them: beside a writer, from the give-ups seen last, drawn again
+        if the writer gave one up since (so the draws equal a plain reader's)."""
+        reader = self.reader
+
+        def attempt() -> Batch | None:
+            reader.ready(follow=False)
+            draw = reader.sampler.sample(rng, size, beta)
+            if not reader.still_valid(draw.slots):
+                return None
+            return self.batch(reader.ring.lookup(draw.slots), draw.weights)
+
+        return reader.consistent(attempt)
 
     def get(self, wanted: np.ndarray) -> Batch:
         """The sampleable transitions with these ids (`UnknownIdError` otherwise)."""

@@ -172,6 +172,25 @@ def test_reopen_refills_the_ring(tmp_path, capacity):
         assert_all_equal(a, b)
 
 
+def test_a_device_reader_beside_a_live_writer(tmp_path):
+    """A read-only device store filled at open, then the writer laps the ring: what the
+    reader still offers (it follows the writer's give-ups) equals a plain reader's read."""
+    with ReplayStore.create(tmp_path / "s", capacity=40, obs_shape=OBS, frame_stack=4,
+                            n_step=3, chunk_frames=4) as writer:
+        drive((writer,), 50)
+        writer.flush()
+        with ReplayStore.open(tmp_path / "s", mode="r", device="cpu") as dev_reader, \
+                ReplayStore.open(tmp_path / "s", mode="r") as plain_reader:
+            before = dev_reader.valid_ids()
+            drive((writer,), 25, seed=2, start=1000)  # gives up and overwrites old frames
+            writer.flush()
+            dev_reader.reseed(4), plain_reader.reseed(4)  # the draw follows the writer first
+            assert_batches_equal(plain_reader.sample(16), dev_reader.sample(16))
+            ids = dev_reader.valid_ids()
+            assert 0 < ids.size < before.size and ids.tolist() == plain_reader.valid_ids().tolist()
+            assert_batches_equal(plain_reader.get(ids), dev_reader.get(ids))
+
+
 def test_a_plain_store_opens_with_a_device_and_back(tmp_path):
     with ReplayStore.create(tmp_path / "s", capacity=40, obs_shape=OBS, frame_stack=4) as s:
         drive((s,), 90)
