@@ -6,10 +6,10 @@ plans it (the sampler's draw, then `StepRing.lookup`: the ``(2, B, k)`` flat slo
 obs and next-obs stack, ``-1`` for zero padding, the first frame's slot for ``"first"``
 padding, the n-step window's next stack), so a device batch equals the plain store's batch of
 the same draw field by field. The plan and the small fields (action, reward, flags, discount,
-weights, ids, steps, extras) travel in one host-to-device copy (`to_device`: a few KB);
-`DeviceFrames.gather_batch` then builds ``obs`` and ``next_obs`` on the device (on the ring's
-stream; the caller's current stream waits for it). Sequences are the
-same with `sequences.windows` as the plan.
+weights, ids, steps, extras) travel in one host-to-device copy (a few KB); then one gather
+builds ``obs`` and ``next_obs`` on the device (`DeviceFrames.gather_batch`: on the ring's
+stream, which the caller's current stream waits for). Sequences are the same with
+`sequences.windows` as the plan.
 
 The store holds the lock and checks arguments; this module owns no state but the frames.
 """

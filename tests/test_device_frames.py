@@ -135,6 +135,22 @@ def test_extras_travel_with_the_batch(tmp_path):
         assert set(b.sample(4).extras) == {"logp", "h"}
 
 
+def test_float_frames(tmp_path):
+    a, b = twins(tmp_path, capacity=30, obs_dtype=np.float32, frame_stack=2, n_step=2)
+    with a, b:
+        for s in (a, b):
+            s.reset(np.zeros(OBS, np.float32))
+        for t in range(70):
+            obs = np.full(OBS, t + 0.25, np.float32)
+            for s in (a, b):
+                s.add(t % 3, 0.5, obs, t % 17 == 16, False)
+            if t % 17 == 16:
+                for s in (a, b):
+                    s.reset(np.full(OBS, -t, np.float32))
+        assert_all_equal(a, b)
+        assert b.sample(2).obs.dtype == torch.float32
+
+
 def test_add_rows_is_written_through(tmp_path):
     from mmreplay import StepRows
 
