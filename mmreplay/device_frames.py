@@ -119,8 +119,11 @@ class DeviceFrames:
         self.spec = spec
         self.device = device
         rows = spec.num_envs * spec.slots_per_env + 1
-        self.frames = torch.zeros((rows, *spec.obs_shape), dtype=torch_dtype(spec.obs_dtype),
+        # Rows are written before any plan reads them (only kept frames are read), so the
+        # ring is not cleared, but for its last row: the zero frame of zero stack padding.
+        self.frames = torch.empty((rows, *spec.obs_shape), dtype=torch_dtype(spec.obs_dtype),
                                   device=device)
+        self.frames[-1].zero_()
         # At most slots_per_env staged frames: no slot is staged twice (one index_copy_).
         self.stage_rows = max(1, min(spec.slots_per_env, STAGE_BYTES // spec.frame_bytes))
         self._stage: np.ndarray | None = None  # (stage_rows, *obs_shape) view of `_host`
@@ -192,10 +195,8 @@ class DeviceFrames:
     def fill(self, flat: np.ndarray, read: Callable[[np.ndarray, np.ndarray], np.ndarray]
              ) -> None:
         """Copy the frames at flat slots `flat` from `read` (the frame store's
-        ``read(slots, out)``), a block of `FILL_BYTES` at a time: the store is never
-        decoded whole in RAM."""
-        import torch
-
+        ``read(slots, out)``), a block of `FILL_BYTES` at a time (the store is never decoded
+        whole in RAM), each run of consecutive slots in one copy straight into its rows."""
         self.flush()
         block = max(1, FILL_BYTES // self.spec.frame_bytes)
         for lo in range(0, flat.size, block):
@@ -205,10 +206,13 @@ class DeviceFrames:
             got = read(slots, out)
             if got.ctypes.data != out.ctypes.data:  # `read` may not have used `out`
                 out[:] = got.reshape(-1).view(np.uint8)
+            rows = host.view(torch_dtype(self.spec.obs_dtype)).view(slots.size,
+                                                                     *self.spec.obs_shape)
+            starts = np.flatnonzero(np.diff(slots, prepend=-2) != 1).tolist()
             with self._on_ring():
-                rows = host.to(self.device, non_blocking=True).view(self.frames.dtype)
-                index = torch.from_numpy(slots).to(self.device, non_blocking=True)
-                self.frames.index_copy_(0, index, rows.view(slots.size, *self.spec.obs_shape))
+                for i, j in zip(starts, [*starts[1:], slots.size], strict=True):
+                    first = int(slots[i])
+                    self.frames[first:first + j - i].copy_(rows[i:j], non_blocking=True)
 
     # -- reading -----------------------------------------------------------------------
     def gather_batch(self, arrays: dict[str, np.ndarray]
