@@ -52,6 +52,8 @@ def parse_device(device: Any) -> torch.device:
     if parsed.type not in ("cuda", "cpu"):
         raise InvalidInputError(f"device type {parsed.type!r} is not supported: 'cuda' or "
                                 f"'cpu'")
+    if parsed.type == "cuda" and parsed.index is None:  # "cuda": the current one, named
+        parsed = torch.device("cuda", torch.cuda.current_device())
     return parsed
 
 
