@@ -389,3 +389,23 @@ def test_bench_writes_its_figures(tmp_path):
         assert run["batch_device"] == "cpu" and len(run["open_fill_s"]) == 1
         assert 0 < run["sample_us"]["median"] <= run["sample_us"]["p90"]
         assert run["plain_sample_us"]["median"] > 0
+
+
+@CUDA
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_cuda_batches_stay_right_behind_a_lagging_gpu(tmp_path, side_stream):
+    """The GPU kept busy (a sleep kernel queued first), batches sampled, then frames added
+    that overwrite their slots: every batch, read once the GPU catches up, still holds the
+    frames its draw planned (the plain store's batch of the same draw), on the default
+    stream or on a side stream."""
+    a, b = twins(tmp_path, device="cuda", capacity=40, frame_stack=4, n_step=3)
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with a, b, torch.cuda.stream(stream):
+        drive((a, b), 60)
+        held = []
+        for t in range(100):
+            torch.cuda._sleep(2_000_000)  # the GPU lags the CPU
+            held.append((a.sample(8), b.sample(8)))
+            drive((a, b), 5, seed=t, start=10_000 + 5 * t)  # overwrites old slots meanwhile
+        for plain, device in held:
+            assert_batches_equal(plain, device, "cuda")
