@@ -128,9 +128,11 @@ class DeviceFrames:
         self.frames[-1].zero_()
         # At most slots_per_env staged frames: no slot is staged twice (one index_copy_).
         self.stage_rows = max(1, min(spec.slots_per_env, STAGE_BYTES // spec.frame_bytes))
-        self._stage: np.ndarray | None = None  # (stage_rows, *obs_shape) view of `_host`
+        # One page-locked buffer per stage: the slots (stage_rows int64), then the frames.
         self._host: torch.Tensor | None = None
-        self._stage_slots = np.empty(self.stage_rows, np.int64)
+        self._stage: np.ndarray = np.empty(0)  # (stage_rows, *obs_shape) view of `_host`
+        self._stage_slots: np.ndarray = np.empty(0, np.int64)  # view of `_host` too
+        self._slot_bytes = -(-self.stage_rows * 8 // ALIGN) * ALIGN
         self.staged = 0
         # Every write and gather runs on one stream (the device's default one), so a gather
         # queued before a write reads the frame it planned for, whatever stream the caller is
@@ -148,9 +150,8 @@ class DeviceFrames:
         reach the device by the next `flush` (every gather flushes first)."""
         done = 0
         while done < flat.size:
-            if self._stage is None:
+            if self._host is None:
                 self._new_stage()
-            assert self._stage is not None
             take = min(flat.size - done, self.stage_rows - self.staged)
             self._stage[self.staged:self.staged + take] = frames[done:done + take]
             self._stage_slots[self.staged:self.staged + take] = flat[done:done + take]
@@ -161,9 +162,8 @@ class DeviceFrames:
 
     def write_one(self, flat: int, frame: np.ndarray) -> None:
         """`write` of one frame (the recorder's one-env fast path)."""
-        if self._stage is None:
+        if self._host is None:
             self._new_stage()
-        assert self._stage is not None
         self._stage[self.staged] = frame
         self._stage_slots[self.staged] = flat
         self.staged += 1
@@ -171,26 +171,29 @@ class DeviceFrames:
             self.flush()
 
     def _new_stage(self) -> None:
-        nbytes = self.stage_rows * self.spec.frame_bytes
-        self._host = host_buffer(nbytes, self.device)
-        self._stage = self._host.numpy().view(self.spec.obs_dtype).reshape(
+        self._host = host_buffer(self._slot_bytes + self.stage_rows * self.spec.frame_bytes,
+                                 self.device)
+        raw = self._host.numpy()
+        self._stage_slots = raw[:self.stage_rows * 8].view(np.int64)
+        self._stage = raw[self._slot_bytes:].view(self.spec.obs_dtype).reshape(
             self.stage_rows, *self.spec.obs_shape)
 
     def flush(self) -> None:
-        """Copy the staged frames to their rows (one copy, one ``index_copy_``)."""
+        """Copy the staged frames to their rows: one copy from page-locked memory (slots and
+        frames; no copy from pageable memory, which may wait for the device), one
+        ``index_copy_``."""
         if not self.staged:
             return
-        import torch
-
         assert self._host is not None
-        count, nbytes = self.staged, self.staged * self.spec.frame_bytes
+        count, head = self.staged, self._slot_bytes
         with self._on_ring():
-            rows = self._host[:nbytes].to(self.device, non_blocking=True)
-            slots = torch.from_numpy(self._stage_slots[:count].copy()).to(self.device,
-                                                                        non_blocking=True)
-            self.frames.index_copy_(0, slots, rows.view(self.frames.dtype).view(
-                count, *self.spec.obs_shape))
-        self._host = self._stage = None  # a fresh buffer next time (see `host_buffer`)
+            moved = self._host[:head + count * self.spec.frame_bytes].to(self.device,
+                                                                         non_blocking=True)
+            slots = moved[:count * 8].view(torch_dtype(np.int64))
+            rows = moved[head:].view(self.frames.dtype).view(count, *self.spec.obs_shape)
+            self.frames.index_copy_(0, slots, rows)
+        self._host = None  # a fresh buffer next time (see `host_buffer`)
+        self._stage, self._stage_slots = np.empty(0), np.empty(0, np.int64)
         self.staged = 0
 
     # -- filling from disk ------------------------------------------------------------
