@@ -7,6 +7,7 @@
 from mmreplay.errors import (
     ClosedStoreError,
     DatasetFormatError,
+    DeviceMemoryError,
     EmptyStoreError,
     InvalidInputError,
     InvalidStoreError,
@@ -27,6 +28,7 @@ __all__ = [
     "Batch",
     "ClosedStoreError",
     "DatasetFormatError",
+    "DeviceMemoryError",
     "EmptyStoreError",
     "InvalidInputError",
     "InvalidStoreError",

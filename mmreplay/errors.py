@@ -70,3 +70,7 @@ class RateLimiterClosedError(MmreplayError, RuntimeError):
 class ObjectStoreError(MmreplayError, OSError):
     """Object storage (a bucket, or a ``file://`` directory) failed a request after its
     retries. The message names the URL and key, never a credential."""
+
+
+class DeviceMemoryError(MmreplayError, MemoryError):
+    """A ``device=`` store whose frames do not fit in the device's free memory."""

@@ -179,16 +179,27 @@ class Reader:
 
     def get(self, wanted: np.ndarray) -> ArrayBatch:
         """The sampleable transitions with these ids (see `ReplayStore.get`)."""
-        self.refresh()
-        flat, found = self.ring.flat_of_ids(wanted)
-        if not found.all():
-            bad = wanted[~found][:5].tolist()
-            raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
+        flat = self.locate(wanted)
         batch = self.batch(flat, np.ones(flat.size, np.float32))
         if not self.still_valid(flat):
             raise UnknownIdError("some of these transitions were overwritten by the writer "
                                  "while they were read")
         return batch
+
+    def locate(self, wanted: np.ndarray) -> np.ndarray:
+        """After a refresh, the flat slots of these transition ids; `UnknownIdError` if any
+        is not sampleable."""
+        self.refresh()
+        flat, found = self.ring.flat_of_ids(wanted)
+        if not found.all():
+            bad = wanted[~found][:5].tolist()
+            raise UnknownIdError(f"transition ids {bad} are not (or no longer) sampleable")
+        return flat
+
+    def kept_slots(self) -> np.ndarray:
+        """The flat slots of every kept frame, env-major and in frame order."""
+        env, frames = self.ring.kept_frames()
+        return env * self.ring.slots_per_env + frames % self.ring.slots_per_env
 
     def batch(self, flat: np.ndarray, weights: np.ndarray, *,
               pin_memory: bool = False) -> ArrayBatch:

@@ -9,7 +9,7 @@ call changes nothing. The store holds the lock and refuses read-only or closed s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, block_fits, record_block
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.frame_store import FrameStore, append_run
+
+if TYPE_CHECKING:
+    from mmreplay.device_frames import DeviceFrames
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,14 @@ class Recorder:
         self.frames = frames
         self.all_envs = np.arange(spec.num_envs, dtype=np.int64)
         self.scalar_step = validate.scalar_step_checker(spec)
+        self.device: DeviceFrames | None = None  # a ``device=`` store's ring: written through
 
     def reset(self, obs: Any, env_ids: Any) -> None:
         """o_0 of a new episode for all envs or the listed ones (see `ReplayStore.reset`)."""
         envs = validate.env_ids(self.spec, env_ids)
         count = 1 if self.spec.num_envs == 1 and env_ids is not None else envs.size
         frames = validate.observations(self.spec, obs, count)
-        self.frames.append(envs, self.ring.begin_episodes(envs), frames)
+        self.append(envs, self.ring.begin_episodes(envs), frames)
 
     def add(self, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
             autoreset: Any, env_ids: Any, extras: Any) -> None:
@@ -59,7 +63,10 @@ class Recorder:
                 and extras is None and not self.spec.extras and self.ring.running[0]:
             step = self.scalar_step(action, reward, next_obs, terminated, truncated)
             if step is not None:  # else: not plain scalars; the general path checks them
-                self.frames.append_one(0, self.ring.record_step(0, *step), next_obs)
+                slot = self.ring.record_step(0, *step)
+                if self.device is not None:
+                    self.device.write_one(slot, next_obs)
+                self.frames.append_one(0, slot, next_obs)
                 return
         spec = self.spec
         envs = self.all_envs if env_ids is None else validate.env_ids(spec, env_ids)
@@ -104,8 +111,10 @@ class Recorder:
             act.reshape(flat, *act.shape[2:]), rew.reshape(flat), term.reshape(flat),
             trunc.reshape(flat),
             {k: v.reshape(flat, *v.shape[2:]) for k, v in extras.items()})
-        first = slots[:count]
+        first, spe = slots[:count], self.spec.slots_per_env
         for i, env in enumerate(envs.tolist()):
+            if self.device is not None:
+                self.device.write(env * spe + (first[i] + np.arange(rows)) % spe, frames[:, i])
             append_run(self.frames, env, int(first[i]), frames[:, i])
 
     def _checked_rows(self, rows: StepRows) -> tuple[Any, ...]:
@@ -153,11 +162,18 @@ class Recorder:
         """A step after its checks (one row per env of `envs`, each running or `auto`)."""
         extras = extras or {}
         if not auto.any():  # the common case: every listed env steps
-            self.frames.append(
-                envs, self.ring.record_steps(envs, act, rew, term, trunc, extras), frames)
+            self.append(envs, self.ring.record_steps(envs, act, rew, term, trunc, extras),
+                        frames)
             return
         step, again = np.flatnonzero(~auto), np.flatnonzero(auto)
         slots = self.ring.record_steps(envs[step], act[step], rew[step], term[step],
                                        trunc[step], {k: v[step] for k, v in extras.items()})
-        self.frames.append(envs[step], slots, frames[step])
-        self.frames.append(envs[again], self.ring.begin_episodes(envs[again]), frames[again])
+        self.append(envs[step], slots, frames[step])
+        self.append(envs[again], self.ring.begin_episodes(envs[again]), frames[again])
+
+    def append(self, envs: np.ndarray, slots: np.ndarray, frames: np.ndarray) -> None:
+        """Frames the ring placed at `slots` of `envs`: to the device ring (if any), then to
+        the frame store (which may raise after taking them: a failed chunk write)."""
+        if self.device is not None:
+            self.device.write(envs * self.spec.slots_per_env + slots, frames)
+        self.frames.append(envs, slots, frames)

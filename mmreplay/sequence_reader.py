@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +27,16 @@ from mmreplay.reader import Reader
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.frame_store import FrameStore
 from mmreplay.torch_batch import OutputBuffers
+
+
+class Started(Protocol):
+    """What a sequence read returns: anything that names the flat slots of its starts."""
+
+    @property
+    def starts(self) -> np.ndarray: ...
+
+
+Read = Callable[[SequenceKey, np.ndarray, np.ndarray], Any]  # (key, starts, weights)
 
 
 @dataclass(frozen=True)
@@ -80,28 +91,31 @@ class SequenceReader:
         return self.frames.spec.frame_bytes
 
     def sample(self, key: SequenceKey, rng: np.random.Generator, batch_size: int,
-               beta: float) -> SequenceArrays:
-        """`batch_size` valid starts drawn by the key's sampler (the caller checks count)."""
+               beta: float, read: Read | None = None) -> Any:
+        """`batch_size` valid starts drawn by the key's sampler (the caller checks count),
+        read by `read` (default `SequenceReader.read`: frames from the frame store)."""
         draw = self.index(key).sampler.sample(rng, batch_size, beta)
-        return self.read(key, draw.slots, draw.weights)
+        return (read or self.read)(key, draw.slots, draw.weights)
 
     # -- what the store's sequence methods do, after their argument checks ----------------
     def sample_batch(self, key: SequenceKey, rng: np.random.Generator, size: int,
-                     beta: float) -> SequenceArrays:
-        """`size` starts drawn by the key's sampler, drawn again if a writer gave one up."""
-        def attempt() -> SequenceArrays | None:
+                     beta: float, read: Read | None = None) -> Any:
+        """`size` starts drawn by the key's sampler, drawn again if a writer gave one up;
+        `read` as in `sample` (a `SequenceArrays` by default)."""
+        def attempt() -> Started | None:
             self.reader.refresh()  # the step priorities that starts take
             index = self.index(key)
             if index.sampler.count() == 0:
                 raise EmptyStoreError(f"cannot sample: no valid start for sequences of "
                                       f"{key.length} steps yet")
-            arrays = self.sample(key, rng, size, beta)
+            arrays = self.sample(key, rng, size, beta, read)
             return arrays if self.reader.still_valid(arrays.starts, index.valid) else None
 
         return self.reader.consistent(attempt)
 
-    def get(self, key: SequenceKey, wanted: np.ndarray) -> SequenceArrays:
-        """The sequences starting at these transition ids (each a valid start)."""
+    def get(self, key: SequenceKey, wanted: np.ndarray, read: Read | None = None) -> Any:
+        """The sequences starting at these transition ids (each a valid start); `read` as
+        in `sample`."""
         self.reader.refresh()
         index = self.index(key)
         flat, found = self.ring.flat_of_ids(wanted, valid=index.valid)
@@ -109,7 +123,7 @@ class SequenceReader:
             bad = wanted[~found][:5].tolist()
             raise UnknownIdError(f"ids {bad} are not (or no longer) valid starts of sequences "
                                  f"of {key.length} steps")
-        arrays = self.read(key, flat, np.ones(flat.size, np.float32))
+        arrays = (read or self.read)(key, flat, np.ones(flat.size, np.float32))
         if not self.reader.still_valid(flat, index.valid):
             raise UnknownIdError("some of these sequences were overwritten by the writer "
                                  "while they were read")

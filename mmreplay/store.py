@@ -14,7 +14,8 @@ Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
 policy in `samplers`, commits and loading in `commit`, open-time checks in
 `manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`. The store's own
 collaborators: `recorder` (reset/add), `reader` (transition reads beside a writer),
-`sequence_reader` (the sequence API), `priorities` (the priority column).
+`sequence_reader` (the sequence API), `priorities` (the priority column); opening in
+`opening`; with ``device=``, `device_reader` (every kept frame once in a device's memory).
 
 Tools read a store through its public methods and its read-only views (``store.views``,
 see `views`) only.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,11 +36,14 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from mmreplay import lifecycle, validate
-from mmreplay.errors import ClosedStoreError, InvalidInputError, InvalidStoreError, ReadOnlyError
+from mmreplay.device_frames import check_fits
+from mmreplay.device_reader import DeviceReader, open_device
+from mmreplay.errors import ClosedStoreError, InvalidInputError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
+from mmreplay.opening import open_store
 from mmreplay.prefetch import BatchPipeline, BatchPrefetcher
 from mmreplay.priorities import Priorities
 from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
@@ -49,27 +52,12 @@ from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
-from mmreplay.storage.commit import (
-    Committer,
-    readers_shared,
-    release_lock,
-    rng_from_state,
-    take_lock,
-)
+from mmreplay.storage.commit import Committer, release_lock, rng_from_state, take_lock
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
-from mmreplay.storage.layout import check_store_files, store_dictionary
-from mmreplay.storage.manifest import (
-    MAX_RAM_BYTES,
-    check_manifest,
-    check_ram,
-    check_root,
-    parse_spec,
-    read_manifest,
-)
-from mmreplay.storage.objects import is_url, open_objects
-from mmreplay.storage.remote_frames import RemoteChunks, fill_on_batches, open_remote
+from mmreplay.storage.layout import store_dictionary
+from mmreplay.storage.manifest import MAX_RAM_BYTES
+from mmreplay.storage.remote_frames import RemoteChunks, fill_on_batches
 from mmreplay.storage.safe_io import TMP_DIR
-from mmreplay.storage.transfer import working_copy
 from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import (
     ArrayBatch,
@@ -81,7 +69,6 @@ from mmreplay.torch_batch import (
 from mmreplay.validate import CacheBytes
 from mmreplay.views import StoreViews
 
-OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -137,7 +124,7 @@ class ReplayStore(BucketMethods):
     # -- construction -------------------------------------------------------------
     def __init__(self, root: Path, spec: StoreSpec, *, writable: bool, durable: bool,
                  cache_bytes: CacheBytes, lock_fd: int | None, remote: RemoteChunks | None = None,
-                 manifest: dict[str, Any] | None = None) -> None:
+                 manifest: dict[str, Any] | None = None, device: Any = None) -> None:
         """Use `create` or `open`. With `manifest` (checked), load the store it commits."""
         self.path, self.spec, self.writable, self.durable = root, spec, writable, durable
         self._lock_fd: int | None = None
@@ -160,6 +147,8 @@ class ReplayStore(BucketMethods):
                      self._priorities, self._reader)
         self._rng = np.random.default_rng() if rng is None else rng
         self._lock_fd = lock_fd
+        self._device = _open_device(device, spec, self._reader, self._sequences, self._recorder,
+                                    self._commits)
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, capacity: int, obs_shape: Any,
@@ -168,7 +157,8 @@ class ReplayStore(BucketMethods):
                action_shape: Any = (), action_dtype: Any = np.int64, seed: int | None = None,
                durable: bool = False, cache_bytes: int | str | None = None, extras: Any = None,
                mirror: str | None = None, storage_options: dict[str, str] | None = None,
-               rate_limiter: RateLimiter | None = None, **options: Any) -> ReplayStore:
+               rate_limiter: RateLimiter | None = None, device: Any = None,
+               **options: Any) -> ReplayStore:
         """Create a new, empty store at `path` (which must not exist or be empty).
 
         `extras` declares per-step columns ``{name: (shape, dtype)}`` that every ``add`` takes
@@ -176,6 +166,7 @@ class ReplayStore(BucketMethods):
         with `storage_options` where the AWS variables do not say (docs/object-storage.md).
         `rate_limiter`: see `set_rate_limiter`. ``codec="zstd-dict"`` takes ``dictionary=``
         (docs/compression.md). ``cache_bytes="all"`` keeps every frame decoded in RAM.
+        ``device="cuda"``: every frame once in GPU memory too (docs/guides/device_frames.md).
         """
         dictionary = options.pop("dictionary", None)
         spec = make_spec(capacity=capacity, obs_shape=obs_shape, obs_dtype=obs_dtype,
@@ -183,10 +174,7 @@ class ReplayStore(BucketMethods):
                          stack_padding=stack_padding, action_shape=action_shape,
                          action_dtype=action_dtype, extras=extras, **options)
         store = _create(cls, Path(path), spec, durable, validate.cache_bytes(cache_bytes),
-                        dictionary)
-        store.reseed(seed)
-        store.set_rate_limiter(rate_limiter)
-        store.flush()
+                        dictionary, seed=seed, rate_limiter=rate_limiter, device=device)
         return lifecycle.track(store).attach_mirror(mirror, storage_options, False)
 
     @classmethod
@@ -194,8 +182,8 @@ class ReplayStore(BucketMethods):
              cache_bytes: int | str | None = None, max_ram_bytes: int = MAX_RAM_BYTES,
              mirror: str | None = None, storage_options: dict[str, str] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, take_over: bool = False,
-             rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None
-             ) -> Any:
+             rate_limiter: RateLimiter | None = None, local: Any = None, cache_fill: Any = None,
+             device: Any = None) -> Any:
         """Open an existing store: ``mode="r+"`` to write, ``"r"`` read-only.
 
         The directory is untrusted: every file is checked (see `manifest`) before anything is
@@ -204,17 +192,13 @@ class ReplayStore(BucketMethods):
         A URL `path` (``s3://...``) opens read-only, chunks fetched into `cache_dir` (at most
         `cache_bytes`, whole files in the background: `cache_fill`); `mirror` as in `create`;
         ``mode="r+"`` with `local` pulls it there and mirrors back (docs/object-storage.md).
+        `device` as in `create` (a local store only): its kept frames are decoded there now.
         """
-        cache_bytes = validate.cache_bytes(cache_bytes)
-        path, mirror = _working_copy(path, mode, mirror, local, storage_options, take_over)
-        _check_open_args(path, mode, rate_limiter, cache_fill)
-        if is_url(path):
-            return _open_url(cls, str(path), mode, cache_dir, cache_bytes, storage_options,
-                             max_ram_bytes, cache_fill)
-        store = _open_path(cls, Path(path), mode, durable, cache_bytes, max_ram_bytes)
-        if rate_limiter is not None:
-            store.set_rate_limiter(rate_limiter)
-        return store.attach_mirror(mirror, storage_options, take_over)
+        return open_store(cls, path, mode, durable=durable, cache_bytes=cache_bytes,
+                          max_ram_bytes=max_ram_bytes, mirror=mirror,
+                          storage_options=storage_options, cache_dir=cache_dir,
+                          take_over=take_over, rate_limiter=rate_limiter, local=local,
+                          cache_fill=cache_fill, device=device)
 
     # -- recording ----------------------------------------------------------------
     @_locked
@@ -291,7 +275,7 @@ class ReplayStore(BucketMethods):
         ``sampler="prioritized"``/``"rank"`` the draw follows the priorities and
         ``batch.weights`` are importance weights with exponent `beta`. With a rate limiter,
         waits first until the writers let `batch_size` samples out."""
-        return make_batch(_sample_arrays(self, batch_size, beta, False))
+        return _sample(self, batch_size, beta)
 
     def sample_arrays(self, batch_size: int, beta: float = 0.4, *,
                       pin_memory: bool = False) -> ArrayBatch:
@@ -330,7 +314,8 @@ class ReplayStore(BucketMethods):
     @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
-        return make_batch(self._reader.get(validate.transition_ids(ids)))
+        ids = validate.transition_ids(ids)
+        return self._device.get(ids) if self._device else make_batch(self._reader.get(ids))
 
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
@@ -351,6 +336,8 @@ class ReplayStore(BucketMethods):
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
         key = sequence_key(self.spec, length, cross_episodes, period)
+        if self._device is not None:
+            return self._device.get_sequences(key, validate.transition_ids(ids))
         return _sequence_batch(self._sequences.get(key, validate.transition_ids(ids)))
 
     @_locked
@@ -390,7 +377,7 @@ class ReplayStore(BucketMethods):
     @_locked
     def counts(self) -> StoreCounts:
         """How much the store has seen and holds now."""
-        return _counts(self)
+        return _counts(self._ring, len(self))
 
     # -- for tools, besides the read-only `views` --------------------------------------
     @_locked
@@ -433,17 +420,6 @@ class ReplayStore(BucketMethods):
                 f"num_envs={self.spec.num_envs}, sampleable={len(self)})")
 
 
-def _check_cache_all(spec: StoreSpec, cache_bytes: CacheBytes,
-                     max_ram_bytes: int) -> None:
-    """``cache_bytes="all"`` takes what the (untrusted) spec says: at most `max_ram_bytes`."""
-    if cache_bytes == validate.CACHE_ALL and spec.decoded_bytes > max_ram_bytes:
-        raise InvalidInputError(
-            f"cache_bytes={validate.CACHE_ALL!r} would keep {spec.decoded_bytes / 2**30:.1f} GiB "
-            f"of decoded frames in RAM, more than max_ram_bytes "
-            f"({max_ram_bytes / 2**30:.1f} GiB); pass a larger max_ram_bytes or an int "
-            f"cache_bytes")
-
-
 def _frame_store(root: Path, spec: StoreSpec, writable: bool, durable: bool,
                  cache_bytes: CacheBytes, before_chunk_write: Callable[..., Any],
                  remote: RemoteChunks | None, manifest: dict[str, Any] | None) -> FrameStore:
@@ -463,46 +439,26 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
 
 
 def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
-            cache_bytes: CacheBytes, dictionary: Any = None) -> ReplayStore:
-    """A new store's files at `root` (absent or an empty directory), opened for writing;
-    a "zstd-dict" store takes `dictionary` (bytes) if given."""
+            cache_bytes: CacheBytes, dictionary: Any = None, *, seed: int | None = None,
+            rate_limiter: RateLimiter | None = None, device: Any = None) -> ReplayStore:
+    """A new store's files at `root` (absent or an empty directory), opened for writing,
+    seeded and flushed; a "zstd-dict" store takes `dictionary` (bytes) if given. A
+    `device` too small for its frames is refused before any file is made."""
     if dictionary is not None:
         dictionary = parse_dictionary(spec.codec, dictionary)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise InvalidInputError(f"{root} already exists and is not an empty directory")
+    if device is not None:
+        check_fits(spec, device)
     create_frames_array(root, spec)
     store = cls(root, spec, writable=True, durable=durable, cache_bytes=cache_bytes,
-                lock_fd=take_lock(root))
+                lock_fd=take_lock(root), device=device)
     if dictionary is not None:
         store._frames.set_dictionary(dictionary)
+    store.reseed(seed)
+    store.set_rate_limiter(rate_limiter)
+    store.flush()
     return store
-
-
-def _working_copy(path: Any, mode: str, mirror: str | None, local: Any,
-                  storage_options: dict[str, str] | None, take_over: bool) -> tuple[Any, Any]:
-    """(path, mirror) to open: a URL opened for writing with `local` becomes the working
-    copy `local` (the bucket's newest generation pulled there unless it holds it) mirrored
-    back to the URL; anything else is returned as it came."""
-    if local is None:
-        return path, mirror
-    if not (is_url(path) and mode == "r+" and mirror is None):
-        raise InvalidInputError("local= is the working copy of a URL opened with mode='r+' "
-                                "(which mirrors back to that URL)")
-    working_copy(open_objects(str(path), storage_options), Path(local), take_over=take_over)
-    return Path(local), str(path)
-
-
-def _check_open_args(path: Any, mode: str, rate_limiter: RateLimiter | None,
-                     cache_fill: Any = None) -> None:
-    if mode not in ("r", "r+"):
-        raise InvalidInputError(f"mode must be 'r' or 'r+', got {mode!r}")
-    if rate_limiter is not None and (mode == "r" or is_url(path)):
-        raise ReadOnlyError("a rate limiter needs a writable store (mode='r+')")
-    if cache_fill is not None and not isinstance(cache_fill, bool):
-        raise InvalidInputError(f"cache_fill is True, False or None, got {cache_fill!r:.60}")
-    if cache_fill is not None and not is_url(path):
-        raise InvalidInputError("cache_fill is for a store read from a bucket (a URL path, "
-                                "mode='r')")
 
 
 def _set_sequence_priorities(store: ReplayStore, ids: Any, td_errors: Any, eta: float) -> int:
@@ -530,12 +486,11 @@ def _commit(store: ReplayStore) -> None:
     store._priorities.dirty.clear()
 
 
-def _counts(store: ReplayStore) -> StoreCounts:
-    ring = store._ring
+def _counts(ring: StepRing, sampleable: int) -> StoreCounts:
     return StoreCounts(frames_written=int(ring.written.sum()),
                        frames_kept=int((ring.written - ring.oldest).sum()),
                        transitions=ring.next_id, episodes=ring.next_episode,
-                       sampleable=len(store))
+                       sampleable=sampleable)
 
 
 def _flush(store: ReplayStore, wait_mirror: bool) -> None:
@@ -558,6 +513,7 @@ def _close(store: ReplayStore) -> None:
                 store.flush()
         finally:
             store._closed = True
+            store._device = None  # its memory goes back to the device
             lock_fd, store._lock_fd = store._lock_fd, None
             _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
 
@@ -597,7 +553,21 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
 
 def _sample_batch(store: ReplayStore, batch_size: int, beta: float, *,
                   pin_memory: bool) -> Batch:
+    if not pin_memory:  # `sample`: a ``device=`` store's batches are gathered there
+        return store.sample(batch_size, beta)
     return make_batch(_sample_arrays(store, batch_size, beta, pin_memory))
+
+
+def _sample(store: ReplayStore, batch_size: int, beta: float) -> Batch:
+    """`sample`: read from the frame store, or for a ``device=`` store planned on the CPU
+    and gathered on its device."""
+    device = store._device
+    if device is None:
+        return make_batch(_sample_arrays(store, batch_size, beta, False))
+    with store._limits.sampling(_items(batch_size)), store._lock:
+        _refuse_closed(store, "sample")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return device.sample(store._rng, size, beta)
 
 
 def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
@@ -644,6 +614,8 @@ def _sample_sequences(store: ReplayStore, batch_size: int, length: int, cross_ep
         _refuse_closed(store, "sample_sequences")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         key = sequence_key(store.spec, length, cross_episodes, period)
+        if store._device is not None:
+            return store._device.sample_sequences(key, store._rng, size, beta)
         return _sequence_batch(store._sequences.sample_batch(key, store._rng, size, beta))
 
 
@@ -658,37 +630,6 @@ def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
         obs=arrays.obs, next_obs=arrays.next_obs, action=win.action, reward=win.reward,
         terminated=win.terminated, truncated=win.truncated, is_first=win.is_first,
         mask=win.mask, ids=win.ids, weights=arrays.weights, extras=win.extras)
-
-
-def _checked_spec(root: Path, manifest: dict[str, Any], max_ram_bytes: int) -> StoreSpec:
-    """The spec of an untrusted store, after every open-time check (see `manifest`)."""
-    spec = parse_spec(manifest)
-    check_ram(spec, max_ram_bytes)
-    check_manifest(manifest, spec)
-    check_store_files(root, manifest, spec)
-    return spec
-
-
-def _open_read_only(root: Path, opened: Callable[[dict[str, Any]], ReplayStore]
-                    ) -> ReplayStore:
-    """Open read-only beside a possibly live writer.
-
-    A writer deletes the files of the generation it replaced after it commits, but not
-    while a reader holds the shared lock on ``root/readers`` (see `readers_shared`).
-    Without that lock a reader that read the old manifest may find a file missing. That is
-    only damage if the manifest is still the one the reader read: otherwise a commit raced
-    the open, and the open starts again. "Still the one" compares contents, not (inode,
-    mtime, size), which a writer committing within one clock tick can repeat.
-    """
-    with readers_shared(root):
-        for attempt in range(OPEN_RETRIES):
-            manifest = read_manifest(root)
-            try:
-                return opened(manifest)
-            except InvalidStoreError:
-                if attempt + 1 == OPEN_RETRIES or read_manifest(root) == manifest:
-                    raise
-    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
@@ -707,6 +648,16 @@ def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
         return rng
     except BaseException:
         _close_parts(frames, commits)
+        raise
+
+
+def _open_device(device: Any, spec: StoreSpec, reader: Reader, sequences: SequenceReader,
+                 recorder: Recorder, commits: Committer) -> DeviceReader | None:
+    """`open_device` (None without a `device`); on failure, closes what the store opened."""
+    try:
+        return open_device(device, spec, reader, sequences, recorder)
+    except BaseException:
+        _close_parts(reader.frames, commits)
         raise
 
 
@@ -751,56 +702,3 @@ def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: 
                      float(manifest["max_priority"]), ring.valid)
     commits.committed = manifest
     return rng_from_state(manifest["rng"])
-
-
-def _open_url(cls: type[ReplayStore], url: str, mode: str,
-              cache_dir: str | os.PathLike[str] | None, cache_bytes: CacheBytes,
-              storage_options: dict[str, str] | None, max_ram_bytes: int,
-              cache_fill: bool | None = None) -> ReplayStore:
-    """Read-only from a bucket: small files now, frame chunks on demand (`RemoteChunks`)."""
-    if mode != "r":
-        raise InvalidInputError(
-            f"a URL opens read-only (mode='r'); to write, give a local working copy: "
-            f"ReplayStore.open({url!r}, 'r+', local=DIR)")
-    if isinstance(cache_bytes, str):  # CACHE_ALL, the one word `validate` lets through
-        raise InvalidInputError(
-            f"cache_bytes={validate.CACHE_ALL!r} keeps a local store's frames decoded in RAM; "
-            f"for a URL, cache_bytes bounds the files fetched into cache_dir: give an int or "
-            f"None")
-    objects = open_objects(url, storage_options)
-    root = Path(tempfile.mkdtemp(prefix="mmreplay-", dir=cache_dir))
-    remote: RemoteChunks | None = None
-    try:
-        remote = open_remote(objects, root, budget_bytes=cache_bytes, fill=cache_fill)
-        store = _open_path(cls, root, "r", False, None, max_ram_bytes, remote=remote)
-        if remote is not None and cache_fill:
-            remote.start_filling()
-    except BaseException:
-        if remote is not None:
-            remote.close()
-        shutil.rmtree(root, ignore_errors=True)
-        raise
-    store.remote = remote
-    weakref.finalize(store, shutil.rmtree, root, ignore_errors=True)
-    return store
-
-
-def _open_path(cls: type[ReplayStore], root: Path, mode: str, durable: bool,
-               cache_bytes: CacheBytes, max_ram_bytes: int,
-               remote: RemoteChunks | None = None) -> ReplayStore:
-    check_root(root)
-
-    def opened(manifest: dict[str, Any], lock_fd: int | None) -> ReplayStore:
-        spec = _checked_spec(root, manifest, max_ram_bytes)  # before any allocation
-        _check_cache_all(spec, cache_bytes, max_ram_bytes)
-        return cls(root, spec, writable=lock_fd is not None, durable=durable,
-                   cache_bytes=cache_bytes, lock_fd=lock_fd, manifest=manifest, remote=remote)
-
-    if mode == "r":
-        return _open_read_only(root, lambda manifest: opened(manifest, None))
-    lock_fd = take_lock(root)
-    try:
-        return lifecycle.track(opened(read_manifest(root), lock_fd))  # flushed at exit
-    except BaseException:
-        release_lock(lock_fd)
-        raise

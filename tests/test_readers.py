@@ -59,7 +59,7 @@ READER = textwrap.dedent("""
     import numpy as np
     from mmreplay import ReplayStore, InvalidStoreError, UnknownIdError
     path, opens = sys.argv[1], int(sys.argv[2])
-    import mmreplay.store as store_module
+    import mmreplay.opening as store_module
     calls = 0
     checked = store_module._checked_spec  # one call per open attempt
     def counting(*args, **kwargs):

@@ -1,0 +1,303 @@
+"""Every kept frame once in a device's memory: the frame ring of ``device=`` stores.
+
+`DeviceFrames` owns one torch tensor on the device, ``(num_envs * slots_per_env + 1,
+*obs_shape)`` in the store's dtype: row ``flat`` holds what the frame store holds at flat slot
+``flat``, and the last row is zeros, so a plan's ``-1`` (zero stack padding) gathers zeros
+without a branch::
+
+    add ──> StepRing (CPU) ──> FrameStore (disk: the durable copy, unchanged)
+                          └──> DeviceFrames.write: staged, copied in one block before the
+                                                   next gather (or when the stage is full)
+    open ──> FrameStore.read of the kept slots, a block at a time ──> DeviceFrames.fill
+    sample ──> draw + `StepRing.lookup` on the CPU: the plan, (2, B, k) flat slots
+           ──> frames.index_select(plan) on the device (`gather`)
+
+It also owns the memory check (`check_fits`) and the one-copy transfer of a batch's small
+arrays (`to_device`). It does not own which slots a batch reads (`ring`, `sequences`), the
+draw (`samplers`) or the bytes on disk (`frame_store`). torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mmreplay.errors import DeviceMemoryError, InvalidInputError
+from mmreplay.spec import StoreSpec
+
+if TYPE_CHECKING:
+    import torch
+
+FILL_BYTES = 32 << 20  # a fill reads and copies this many bytes of frames at a time
+STAGE_BYTES = 4 << 20  # write-through frames staged before one copy to the device
+ALIGN = 16  # every array packed by `to_device` starts at a multiple of this many bytes
+
+
+def parse_device(device: Any) -> torch.device:
+    """`device` as a torch device (a string such as ``"cuda:0"`` or a ``torch.device``);
+    `InvalidInputError` if torch does not know it or CUDA is asked for and absent."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidInputError(f"device must name a torch device ('cuda', 'cuda:0', 'cpu'), "
+                                f"got {device!r:.60}") from exc
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device={device!r}: torch.cuda.is_available() is False")
+    if parsed.type not in ("cuda", "cpu"):
+        raise InvalidInputError(f"device type {parsed.type!r} is not supported: 'cuda' or "
+                                f"'cpu'")
+    if parsed.type == "cuda" and parsed.index is None:  # "cuda": the current one, named
+        parsed = torch.device("cuda", torch.cuda.current_device())
+    return parsed
+
+
+def ring_bytes(spec: StoreSpec) -> int:
+    """Bytes the frame ring of `spec` takes on its device (one zero row included)."""
+    return (spec.num_envs * spec.slots_per_env + 1) * spec.frame_bytes
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes free for the ring on `device`: CUDA's free memory, for the CPU the kernel's
+    ``MemAvailable`` (None where it cannot be known: no check)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(spec: StoreSpec, device: Any, *,
+               budget: Callable[[torch.device], int | None] | None = None) -> torch.device:
+    """The parsed device, if the frame ring of `spec` fits in what `budget` (default
+    `free_bytes`) says is free there; `DeviceMemoryError` saying both figures otherwise.
+    Allocates nothing."""
+    parsed = parse_device(device)
+    need, free = ring_bytes(spec), (budget or free_bytes)(parsed)
+    if free is not None and need > free:
+        raise DeviceMemoryError(
+            f"device={str(parsed)!r}: the store's frames need {need:,} bytes "
+            f"({need / 2**30:.2f} GiB: {spec.num_envs * spec.slots_per_env:,} frames of "
+            f"{spec.frame_bytes:,} bytes, plus one zero frame), but {free:,} bytes "
+            f"({free / 2**30:.2f} GiB) are free there; use a smaller capacity or no device=")
+    return parsed
+
+
+@functools.cache
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a numpy dtype (remembered: a batch asks for each of its fields)."""
+    import torch
+
+    return torch.from_numpy(np.empty(0, np.dtype(dtype).newbyteorder("="))).dtype
+
+
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A fresh uint8 host tensor to copy from: page-locked for a CUDA device (PyTorch's host
+    allocator reuses it only once the copies queued from it are done, so a
+    ``non_blocking`` copy from it is safe whatever the caller does next)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+class DeviceFrames:
+    """The frame ring on a device: write-through, fill from disk, gather by plan."""
+
+    def __init__(self, spec: StoreSpec, device: torch.device) -> None:
+        import torch
+
+        self.spec = spec
+        self.device = device
+        rows = spec.num_envs * spec.slots_per_env + 1
+        # Rows are written before any plan reads them (only kept frames are read), so the
+        # ring is not cleared, but for its last row: the zero frame of zero stack padding.
+        self.frames = torch.empty((rows, *spec.obs_shape), dtype=torch_dtype(spec.obs_dtype),
+                                  device=device)
+        self.frames[-1].zero_()
+        # At most slots_per_env staged frames: no slot is staged twice (one index_copy_).
+        self.stage_rows = max(1, min(spec.slots_per_env, STAGE_BYTES // spec.frame_bytes))
+        # One page-locked buffer per stage: the slots (stage_rows int64), then the frames.
+        self._host: torch.Tensor | None = None
+        self._stage: np.ndarray = np.empty(0)  # (stage_rows, *obs_shape) view of `_host`
+        self._stage_slots: np.ndarray = np.empty(0, np.int64)  # view of `_host` too
+        self._slot_bytes = -(-self.stage_rows * 8 // ALIGN) * ALIGN
+        self.staged = 0
+        # Every write and gather runs on one stream (the device's default one), so a gather
+        # queued before a write reads the frame it planned for, whatever stream the caller is
+        # on; the caller's stream then waits for the batch (`_hand_over`).
+        self._stream = torch.cuda.default_stream(device) if device.type == "cuda" else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the ring takes on its device."""
+        return int(self.frames.numel() * self.frames.element_size())
+
+    # -- writing -------------------------------------------------------------------
+    def write(self, flat: np.ndarray, frames: np.ndarray) -> None:
+        """Frames `frames` (``(len(flat), *obs_shape)``) at flat slots `flat`, staged: they
+        reach the device by the next `flush` (every gather flushes first)."""
+        done = 0
+        while done < flat.size:
+            if self._host is None:
+                self._new_stage()
+            take = min(flat.size - done, self.stage_rows - self.staged)
+            self._stage[self.staged:self.staged + take] = frames[done:done + take]
+            self._stage_slots[self.staged:self.staged + take] = flat[done:done + take]
+            self.staged += take
+            done += take
+            if self.staged == self.stage_rows:
+                self.flush()
+
+    def write_one(self, flat: int, frame: np.ndarray) -> None:
+        """`write` of one frame (the recorder's one-env fast path)."""
+        if self._host is None:
+            self._new_stage()
+        self._stage[self.staged] = frame
+        self._stage_slots[self.staged] = flat
+        self.staged += 1
+        if self.staged == self.stage_rows:
+            self.flush()
+
+    def _new_stage(self) -> None:
+        self._host = host_buffer(self._slot_bytes + self.stage_rows * self.spec.frame_bytes,
+                                 self.device)
+        raw = self._host.numpy()
+        self._stage_slots = raw[:self.stage_rows * 8].view(np.int64)
+        self._stage = raw[self._slot_bytes:].view(self.spec.obs_dtype).reshape(
+            self.stage_rows, *self.spec.obs_shape)
+
+    def flush(self) -> None:
+        """Copy the staged frames to their rows: one copy from page-locked memory (slots and
+        frames; no copy from pageable memory, which may wait for the device), one
+        ``index_copy_``."""
+        if not self.staged:
+            return
+        assert self._host is not None
+        count, head = self.staged, self._slot_bytes
+        with self._on_ring():
+            moved = self._host[:head + count * self.spec.frame_bytes].to(self.device,
+                                                                         non_blocking=True)
+            slots = moved[:count * 8].view(torch_dtype(np.int64))
+            rows = moved[head:].view(self.frames.dtype).view(count, *self.spec.obs_shape)
+            self.frames.index_copy_(0, slots, rows)
+        self._host = None  # a fresh buffer next time (see `host_buffer`)
+        self._stage, self._stage_slots = np.empty(0), np.empty(0, np.int64)
+        self.staged = 0
+
+    # -- filling from disk ------------------------------------------------------------
+    def fill(self, flat: np.ndarray, read: Callable[[np.ndarray, np.ndarray], np.ndarray]
+             ) -> None:
+        """Copy the frames at flat slots `flat` from `read` (the frame store's
+        ``read(slots, out)``), a block of `FILL_BYTES` at a time (the store is never decoded
+        whole in RAM), each run of consecutive slots in one copy straight into its rows."""
+        self.flush()
+        block = max(1, FILL_BYTES // self.spec.frame_bytes)
+        for lo in range(0, flat.size, block):
+            slots = flat[lo:lo + block]
+            host = host_buffer(slots.size * self.spec.frame_bytes, self.device)
+            out = host.numpy()
+            got = read(slots, out)
+            if got.ctypes.data != out.ctypes.data:  # `read` may not have used `out`
+                out[:] = got.reshape(-1).view(np.uint8)
+            rows = host.view(torch_dtype(self.spec.obs_dtype)).view(slots.size,
+                                                                     *self.spec.obs_shape)
+            starts = np.flatnonzero(np.diff(slots, prepend=-2) != 1).tolist()
+            with self._on_ring():
+                for i, j in zip(starts, [*starts[1:], slots.size], strict=True):
+                    first = int(slots[i])
+                    self.frames[first:first + j - i].copy_(rows[i:j], non_blocking=True)
+
+    # -- reading -----------------------------------------------------------------------
+    def gather_batch(self, arrays: dict[str, np.ndarray]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A batch on the device: `arrays` (its ``"plan"``, from `plan_rows`, and its small
+        fields) moved in one copy (`to_device`), then the plan's frames gathered (`gather`).
+        Returns the frames and the other arrays as tensors."""
+        with self._on_ring():
+            moved = to_device(arrays, self.device)
+        return self.gather(moved.pop("plan")), moved
+
+    def plan_rows(self, flat: np.ndarray) -> np.ndarray:
+        """Flat slots as rows of the ring (the host side of a plan): ``-1`` (zero padding)
+        becomes the zero row, so `gather` needs no negative index."""
+        return np.where(flat < 0, self.frames.shape[0] - 1, flat)
+
+    def gather(self, plan: torch.Tensor) -> torch.Tensor:
+        """The frames at the rows of `plan` (an int64 tensor on the device, any shape, from
+        `plan_rows`), shaped ``(*plan.shape, *obs_shape)``: one ``index_select`` (whole rows
+        copied, on the CPU a ``memcpy`` each, where ``frames[plan]`` goes element by element)."""
+        with self._on_ring():
+            self.flush()
+            out = self.frames.index_select(0, plan.reshape(-1))
+        self._hand_over(out, plan)
+        return out.view(*plan.shape, *self.frames.shape[1:])
+
+    def _on_ring(self) -> contextlib.AbstractContextManager[Any]:
+        """The ring's stream made current (CUDA), or nothing."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(self._stream)
+
+    def _hand_over(self, *tensors: torch.Tensor) -> None:
+        """Let the caller's current stream use `tensors`, made on the ring's stream: it waits
+        for that stream, and their memory is not reused before it is done with them."""
+        if self._stream is None:
+            return
+        import torch
+
+        current = torch.cuda.current_stream(self.device)
+        if current != self._stream:
+            current.wait_stream(self._stream)
+            for tensor in tensors:
+                tensor.record_stream(current)
+
+    def rows(self, flat: np.ndarray) -> torch.Tensor:
+        """The frames at these flat slots (-1: zeros), on the device (for checks and tools)."""
+        import torch
+
+        rows = self.plan_rows(np.asarray(flat, np.int64))
+        return self.gather(torch.from_numpy(rows).to(self.device))
+
+
+def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """The arrays as tensors on `device`, moved in one copy: packed into one host buffer
+    (each at a multiple of `ALIGN` bytes), copied, split (one call) and viewed back per name
+    in its dtype and shape. On the CPU the tensors view that buffer."""
+    arrays = {name: _native(a) for name, a in arrays.items()}
+    sizes = [-(-a.nbytes // ALIGN) * ALIGN or ALIGN for a in arrays.values()]
+    host = host_buffer(sum(sizes), device)
+    packed, at = host.numpy(), 0
+    for array, size in zip(arrays.values(), sizes, strict=True):
+        packed[at:at + array.nbytes] = array.reshape(-1).view(np.uint8)
+        at += size
+    parts = host.to(device, non_blocking=True).split(sizes)
+    return {name: _view(part, a) for (name, a), part in zip(arrays.items(), parts, strict=True)}
+
+
+def _view(part: torch.Tensor, like: np.ndarray) -> torch.Tensor:
+    """The bytes of `part` (at least ``like.nbytes``) seen as an array like `like`."""
+    if part.numel() != like.nbytes:
+        part = part[:like.nbytes]
+    part = part.view(torch_dtype(like.dtype))
+    return part if like.ndim == 1 else part.view(like.shape)
+
+
+def _native(array: np.ndarray) -> np.ndarray:
+    """`array` C-contiguous in native byte order (itself when it is)."""
+    if array.dtype.isnative and array.flags.c_contiguous:
+        return array
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("="))
