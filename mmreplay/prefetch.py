@@ -31,7 +31,8 @@ from typing import Any
 from mmreplay.errors import InvalidInputError
 from mmreplay.torch_batch import Batch
 
-SampleFn = Callable[[int, float], Batch]
+SampleFn = Callable[[int, float], Any]  # a Batch, or what `receive` turns into one
+Receive = Callable[[Any], Batch]
 # how the thread polls a full queue for room (see `BatchPrefetcher._put`): the first pause,
 # doubled after each miss up to the last, so a batch taken t seconds after the queue filled is
 # replaced within min(t, POLL_MAX_S). Polls need the GIL: at most 2 ms apart they made a
@@ -47,13 +48,20 @@ class BatchPrefetcher(Iterator[Batch]):
     applies to batches drawn after it, so up to `prefetch` batches already
     waiting keep the old value. An error in the thread (e.g. an empty store)
     is raised by the next ``next()``. Use as a context manager or call ``close``.
+
+    ``receive`` runs in the consumer's thread on each item the threads made, before
+    ``next()`` returns it (`DeviceMover.receive`: hand a batch copied on a side stream over
+    to the consumer's stream); without it, items are batches.
     """
 
     def __init__(self, sample: SampleFn, batch_size: int, *, prefetch: int = 2,
-                 beta: float = 0.4, workers: int = 1) -> None:
+                 beta: float = 0.4, workers: int = 1, receive: Receive | None = None) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidInputError(f"workers must be a positive int, got {workers!r}")
         self.beta = beta
+        self._receive = _as_batch if receive is None else receive
         self._sample = sample
         self._batch_size = batch_size
         self._prefetch = prefetch
@@ -101,8 +109,7 @@ class BatchPrefetcher(Iterator[Batch]):
         if isinstance(item, BaseException):
             self.close()
             raise item
-        assert isinstance(item, Batch)
-        return item
+        return self._receive(item)
 
     def close(self) -> None:
         """Stop the thread and drop batches not yet taken. Idempotent."""
@@ -122,6 +129,11 @@ class BatchPrefetcher(Iterator[Batch]):
         self.close()
 
 
+def _as_batch(item: object) -> Batch:
+    assert isinstance(item, Batch)
+    return item
+
+
 class BatchPipeline(BatchPrefetcher):
     """`BatchPrefetcher` with up to `prefetch` batches fetched at once (see the module doc).
 
@@ -132,13 +144,14 @@ class BatchPipeline(BatchPrefetcher):
     """
 
     def __init__(self, draw: Callable[[int, float], Any], fetch: Callable[[Any], None],
-                 assemble: Callable[[Any, int, float], Batch], batch_size: int, *,
-                 prefetch: int = 2, beta: float = 0.4) -> None:
+                 assemble: Callable[[Any, int, float], Any], batch_size: int, *,
+                 prefetch: int = 2, beta: float = 0.4, receive: Receive | None = None) -> None:
         self._draw, self._fetch, self._assemble = draw, fetch, assemble
         self._fetchers = ThreadPoolExecutor(max(1, prefetch) if isinstance(prefetch, int)
                                             else 1, thread_name_prefix="mmreplay-pipeline")
         try:
-            super().__init__(self._unused, batch_size, prefetch=prefetch, beta=beta)
+            super().__init__(self._unused, batch_size, prefetch=prefetch, beta=beta,
+                             receive=receive)
         except BaseException:
             self._fetchers.shutdown(wait=False)
             raise

@@ -23,12 +23,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError, UnknownIdError
+from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
 from mmreplay.index.ring import StepRing, actions_at, lookup_arrays
 from mmreplay.index.samplers import Draw, Sampler, TreeDraw
 from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
-from mmreplay.torch_batch import ArrayBatch, OutputBuffers, native
+from mmreplay.torch_batch import ArrayBatch, OutputBuffers, PinnedBlocks, native, pinned_frames
 
 READER_RETRIES = 5
 T = TypeVar("T")
@@ -56,7 +56,8 @@ class Reader:
         self.manifest_key: tuple[int, int, int] | None = None  # (inode, mtime, size) seen last
         self.manifest_path = os.fspath(path / MANIFEST)  # checked once a batch: joined once
         self.frame_nbytes = math.prod(ring.spec.obs_shape) * np.dtype(ring.spec.obs_dtype).itemsize
-        self.pools = {False: OutputBuffers(), True: None}  # by pin_memory (made when asked)
+        self.pageable = OutputBuffers()  # reused once no batch views them
+        self.pinned = PinnedBlocks()  # fresh page-locked blocks: never reused by us
 
     # -- keeping the index current -------------------------------------------------
     def refresh(self, *, follow: bool = True) -> None:
@@ -160,7 +161,8 @@ class Reader:
         return flat, ArrayBatch(
             frames=frames, action=native(action, action.dtype), reward=ret, terminated=term,
             truncated=trunc, discount=discount, weights=weights, ids=ids, steps=steps,
-            extras={k: native(a, a.dtype) for k, a in extras.items()})
+            extras={k: native(a, a.dtype) for k, a in extras.items()},
+            pinned=pinned_frames(frames) if pin_memory else None)
 
     def plan(self, rng: np.random.Generator, size: int, beta: float) -> Planned:
         """Draw a batch now, read its frames later (`assemble`): what `sample` draws next,
@@ -202,20 +204,13 @@ class Reader:
                           reward=look.reward, terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount,
                           weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
-                          extras={k: native(a, a.dtype) for k, a in look.extras.items()})
+                          extras={k: native(a, a.dtype) for k, a in look.extras.items()},
+                          pinned=pinned_frames(frames) if pin_memory else None)
 
-    def pool(self, pin_memory: bool) -> OutputBuffers:
-        """The frame buffers of batches (page-locked ones with `pin_memory`)."""
-        pool = self.pools[pin_memory]
-        if pool is None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise InvalidInputError(
-                    "pin_memory=True needs CUDA (torch.cuda.is_available() is False): "
-                    "page-locked buffers only speed up copies to a GPU")
-            pool = self.pools[pin_memory] = OutputBuffers(pin_memory=True)
-        return pool
+    def pool(self, pin_memory: bool) -> OutputBuffers | PinnedBlocks:
+        """Where the frames of a batch go: reused pageable buffers, or with `pin_memory` a
+        fresh page-locked block a batch (`PinnedBlocks` says why)."""
+        return self.pinned if pin_memory else self.pageable
 
     def ids(self, flat: np.ndarray) -> np.ndarray:
         """The transition ids at these flat slots, increasing."""

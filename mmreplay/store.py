@@ -41,7 +41,7 @@ from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
-from mmreplay.prefetch import BatchPipeline, BatchPrefetcher
+from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
 from mmreplay.priorities import Priorities
 from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
 from mmreplay.reader import Planned, Reader
@@ -298,19 +298,21 @@ class ReplayStore(BucketMethods):
         """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`)."""
         return _sample_arrays(self, batch_size, beta, pin_memory)
 
-    def batches(self, batch_size: int, *, prefetch: int = 2,
-                beta: float = 0.4, pin_memory: bool = False) -> BatchPrefetcher:
+    def batches(self, batch_size: int, *, prefetch: int = 2, beta: float = 0.4,
+                pin_memory: bool = False, device: Any = None,
+                workers: int = 1) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
         A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
         fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
         happen in order when the thread makes them, so with concurrent ``add`` calls the
         sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
-        ``pin_memory=True``: see `sample_arrays`.
+        ``pin_memory``, ``device`` (batches copied there by the thread) and ``workers``
+        (threads sampling at once): see docs/guides/gpu.md.
         """
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
-        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory)
+        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory, device, workers)
         self._prefetchers.add(it)
         return it
 
@@ -562,7 +564,8 @@ def _close(store: ReplayStore) -> None:
             _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
 
 
-def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -> BatchPipeline:
+def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
+              finish: Callable[[ArrayBatch], Any], receive: Receive | None) -> BatchPipeline:
     """`batches` of a store read from a bucket: up to `prefetch` batches' chunks fetched at
     once, drawn and assembled in order under the lock (`BatchPipeline`)."""
     remote = store.remote
@@ -574,30 +577,41 @@ def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -
             _refuse_closed(store, "batches")
             return store._reader.plan(store._rng, size, b)
 
-    def assemble(planned: Planned, size: int, b: float) -> Batch:
+    def assemble(planned: Planned, size: int, b: float) -> Any:
         with store._lock:
             _refuse_closed(store, "batches")
-            return make_batch(store._reader.assemble(planned, store._rng, size, b))
+            arrays = store._reader.assemble(planned, store._rng, size, b)
+        return finish(arrays)
 
     return BatchPipeline(draw, lambda planned: remote.prefetch(planned.chunks), assemble,
-                         batch_size, prefetch=prefetch, beta=beta)
+                         batch_size, prefetch=prefetch, beta=beta, receive=receive)
 
 
 def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
-                pin_memory: bool) -> BatchPrefetcher:
-    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline."""
+                pin_memory: bool, device: Any, workers: int) -> BatchPrefetcher:
+    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline;
+    with a `device`, each batch copied there by the thread (`DeviceMover`)."""
+    finish: Callable[[ArrayBatch], Any] = make_batch
+    receive: Receive | None = None
+    if device is not None:
+        from mmreplay.device_batches import DeviceMover  # imports torch
+
+        mover = DeviceMover(device)
+        finish, receive, pin_memory = mover.upload, mover.receive, mover.pin_memory
     if store.remote is not None:
-        if pin_memory:
+        if workers != 1:
+            raise InvalidInputError(f"batches(workers={workers!r}) is for local stores; a "
+                                    f"bucket store's pipeline fetches `prefetch` batches at once")
+        if pin_memory and device is None:
             raise InvalidInputError("batches(pin_memory=True) is for local stores; a bucket "
                                     "store's pipeline assembles into pageable memory")
-        return _pipeline(store, batch_size, prefetch, beta)
-    return BatchPrefetcher(functools.partial(_sample_batch, store, pin_memory=pin_memory),
-                           batch_size, prefetch=prefetch, beta=beta)
+        return _pipeline(store, batch_size, prefetch, beta, finish, receive)
 
+    def sample(size: int, b: float) -> Any:
+        return finish(_sample_arrays(store, size, b, pin_memory))
 
-def _sample_batch(store: ReplayStore, batch_size: int, beta: float, *,
-                  pin_memory: bool) -> Batch:
-    return make_batch(_sample_arrays(store, batch_size, beta, pin_memory))
+    return BatchPrefetcher(sample, batch_size, prefetch=prefetch, beta=beta, workers=workers,
+                           receive=receive)
 
 
 def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mmreplay.errors import InvalidInputError
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,6 +56,13 @@ class ArrayBatch:
     ``frames`` is one C-contiguous ``(2, B, frame_stack, *obs_shape)`` array; ``obs`` and
     ``next_obs`` are its two halves. With a buffer pool (`OutputBuffers`) the frames may
     live in a reused buffer: it is reused only once nothing views it any more.
+
+    ``pinned`` is set when the frames are page-locked (``pin_memory=True``): the same bytes as
+    a tensor of the block PyTorch's pinned allocator handed out (see `PinnedBlocks`). Copy
+    to the GPU from it or its views (`frames_tensor`, `make_batch`): those copies are
+    known to the allocator, which reuses the block only once they are done.
+    ``torch.from_numpy`` of the whole ``frames`` (or ``obs``) is known too (it starts at the
+    block); a tensor made from a numpy view that starts inside it (``next_obs``) is not.
     """
 
     frames: np.ndarray
@@ -66,6 +75,7 @@ class ArrayBatch:
     ids: np.ndarray         # int64
     steps: np.ndarray       # int64
     extras: dict[str, np.ndarray] = field(default_factory=dict)
+    pinned: torch.Tensor | None = None  # frames as a tensor of their page-locked block
 
     @property
     def obs(self) -> np.ndarray:
@@ -84,6 +94,9 @@ def make_batch(arrays: ArrayBatch) -> Batch:
     import torch
 
     tensor, frames = torch.from_numpy, arrays.frames  # numpy halves: cheaper than torch's
+    if arrays.pinned is not None:  # views of the block: copies from them are tracked
+        frames = arrays.pinned
+        tensor = _same
     return Batch(
         obs=tensor(frames[0]), action=tensor(arrays.action), reward=tensor(arrays.reward),
         next_obs=tensor(frames[1]), terminated=tensor(arrays.terminated),
@@ -91,6 +104,18 @@ def make_batch(arrays: ArrayBatch) -> Batch:
         weights=tensor(arrays.weights), ids=tensor(arrays.ids),
         extras={name: tensor(a) for name, a in arrays.extras.items()},
         steps=tensor(arrays.steps))
+
+
+def _same(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+def frames_tensor(arrays: ArrayBatch) -> torch.Tensor:
+    """``arrays.frames`` as a tensor: the pinned block's own tensor when it has one (copies
+    from any view of it are tracked by the allocator), else ``torch.from_numpy``."""
+    import torch
+
+    return torch.from_numpy(arrays.frames) if arrays.pinned is None else arrays.pinned
 
 
 def native(array: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
@@ -102,20 +127,18 @@ def native(array: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
 
 
 class OutputBuffers:
-    """Byte buffers for batch frames, reused once no batch views them.
+    """Pageable byte buffers for batch frames, reused once no batch views them.
 
     A batch's tensors view their buffer (`torch.from_numpy`), so a pooled buffer that only
-    the pool references is free. Small requests get fresh arrays (malloc's heap serves them
-    at once), unless the buffers are pinned: with ``pin_memory=True`` every buffer is
-    page-locked host memory (``torch.empty(..., pin_memory=True)``), so ``tensor.to("cuda",
-    non_blocking=True)`` copies without staging; that needs CUDA.
+    the pool references is free: every use of pageable memory is over once no Python object
+    views it (a copy to a GPU from pageable memory returns only after the bytes left it).
+    Small requests get fresh arrays (malloc's heap serves them at once). Page-locked buffers
+    are not pooled here: see `PinnedBlocks`.
     """
 
-    def __init__(self, *, pin_memory: bool = False, capacity: int = 4,
-                 min_bytes: int = 64 << 10) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, *, capacity: int = 4, min_bytes: int = 64 << 10) -> None:
         self.capacity = capacity
-        self.min_bytes = 0 if pin_memory else min_bytes
+        self.min_bytes = min_bytes
         self.buffers: list[np.ndarray] = []
         self._free_refs = -1
 
@@ -126,18 +149,11 @@ class OutputBuffers:
         for buffer in self.buffers:
             if buffer.size >= nbytes and sys.getrefcount(buffer) <= self._refs_when_free():
                 return buffer
-        buffer = self._allocate(nbytes)
+        buffer = np.empty(nbytes, np.uint8)
         self.buffers.append(buffer)
         if len(self.buffers) > self.capacity:
             self.buffers.pop(0)  # still viewed by a batch: its to free
         return buffer
-
-    def _allocate(self, nbytes: int) -> np.ndarray:
-        if not self.pin_memory:
-            return np.empty(nbytes, np.uint8)
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
     def _refs_when_free(self) -> int:
         """References a buffer held only by the pool has, seen from the loop in `take`."""
@@ -146,6 +162,59 @@ class OutputBuffers:
             for buffer in probe:
                 self._free_refs = sys.getrefcount(buffer)
         return self._free_refs
+
+
+class PinnedBlocks:
+    """Page-locked frame buffers: a fresh block from PyTorch's pinned allocator per batch.
+
+    A pool that rewrites a page-locked buffer once no Python object views it hands out wrong
+    frames: ``tensor.to("cuda", non_blocking=True)`` only *queues* the copy, and the DMA
+    reads the buffer whenever the GPU's stream gets to it, after the tensor may be gone.
+    So this class keeps no buffer. Each `take` asks ``torch.empty(..., pin_memory=True)``
+    (PyTorch's ``CachingHostAllocator``), which does the bookkeeping a pool cannot:
+
+    - a ``non_blocking`` copy from a pinned tensor records the stream it ran on with the
+      block (``record_event`` in ``aten/src/ATen/native/cuda/Copy.cu``; the block is found
+      by the storage's context, so every view of the block's tensor counts, on any stream);
+    - a freed block is put back only with an event recorded on each of those streams, and
+      is handed out again only once those events completed (``CachingHostAllocator.h``:
+      ``free`` then ``process_events``).
+
+    Blocks come from the allocator's cache after the first few batches (no ``cudaHostAlloc``
+    a batch). The frames the reader writes are a numpy view of the block's tensor; the
+    batch carries that tensor (`ArrayBatch.pinned`) and `make_batch` hands out views of it,
+    never ``torch.from_numpy`` copies of its address (a storage the allocator does not know
+    records nothing). DataLoader's ``pin_memory=True`` does the same: a fresh block a batch.
+    """
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A page-locked uint8 array of `nbytes`: a view of a fresh tensor (its ``base``)."""
+        return page_locked_empty(nbytes).numpy()
+
+
+def page_locked_empty(nbytes: int) -> torch.Tensor:
+    """``torch.empty(nbytes, uint8, pin_memory=True)``; `InvalidInputError` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise InvalidInputError("pin_memory=True needs CUDA (torch.cuda.is_available() is "
+                                "False): page-locked buffers only speed up copies to a GPU")
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def pinned_frames(frames: np.ndarray) -> torch.Tensor | None:
+    """`frames` as a tensor of the block it lives in (`PinnedBlocks`), or None when no
+    tensor owns its memory (a read that could not use the block it was given)."""
+    import torch
+
+    owner = frames.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if not isinstance(owner, torch.Tensor) or owner.data_ptr() != frames.ctypes.data \
+            or not frames.flags.c_contiguous:
+        return None
+    dtype = torch.from_numpy(frames[:0].reshape(-1)).dtype
+    return owner[:frames.nbytes].view(dtype).view(frames.shape)
 
 
 def tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
