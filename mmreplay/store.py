@@ -299,17 +299,15 @@ class ReplayStore(BucketMethods):
         return _sample_arrays(self, batch_size, beta, pin_memory)
 
     def batches(self, batch_size: int, *, prefetch: int = 2, beta: float = 0.4,
-                pin_memory: bool = False, device: Any = None,
-                workers: int = 1) -> BatchPrefetcher:
+                pin_memory: bool = False, device: Any = None, workers: int = 1
+                ) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
         A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
         fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
         happen in order when the thread makes them, so with concurrent ``add`` calls the
         sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
-        ``pin_memory``, ``device`` (batches copied there by the thread) and ``workers``
-        (threads sampling at once): see docs/guides/gpu.md.
-        """
+        ``pin_memory``, ``device``, ``workers``: see docs/guides/gpu.md."""
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
         it = _prefetcher(self, batch_size, prefetch, beta, pin_memory, device, workers)
