@@ -60,9 +60,9 @@ class ArrayBatch:
     ``pinned`` is set when the frames are page-locked (``pin_memory=True``): the same bytes as
     a tensor of the block PyTorch's pinned allocator handed out (see `PinnedBlocks`). Copy
     to the GPU from it or its views (`frames_tensor`, `make_batch`): those copies are
-    known to the allocator, which reuses the block only once they are done.
-    ``torch.from_numpy`` of the whole ``frames`` (or ``obs``) is known too (it starts at the
-    block); a tensor made from a numpy view that starts inside it (``next_obs``) is not.
+    known to the allocator, which reuses the block only once they are done. A copy made
+    through ``torch.from_numpy`` is known only where it starts at the block (the whole
+    ``frames``, or ``obs``); from ``next_obs`` or any other view inside it, it is not.
     """
 
     frames: np.ndarray
@@ -93,21 +93,18 @@ def make_batch(arrays: ArrayBatch) -> Batch:
     """A `Batch` of CPU tensors viewing `arrays` (no copy: `torch.from_numpy` of each)."""
     import torch
 
-    tensor, frames = torch.from_numpy, arrays.frames  # numpy halves: cheaper than torch's
-    if arrays.pinned is not None:  # views of the block: copies from them are tracked
-        frames = arrays.pinned
-        tensor = _same
+    tensor, frames = torch.from_numpy, arrays.frames
+    if arrays.pinned is None:  # numpy halves: cheaper than torch's
+        obs, next_obs = tensor(frames[0]), tensor(frames[1])
+    else:  # views of the block's tensor: the pinned allocator sees copies from them
+        obs, next_obs = arrays.pinned[0], arrays.pinned[1]
     return Batch(
-        obs=tensor(frames[0]), action=tensor(arrays.action), reward=tensor(arrays.reward),
-        next_obs=tensor(frames[1]), terminated=tensor(arrays.terminated),
+        obs=obs, action=tensor(arrays.action), reward=tensor(arrays.reward),
+        next_obs=next_obs, terminated=tensor(arrays.terminated),
         truncated=tensor(arrays.truncated), discount=tensor(arrays.discount),
         weights=tensor(arrays.weights), ids=tensor(arrays.ids),
         extras={name: tensor(a) for name, a in arrays.extras.items()},
         steps=tensor(arrays.steps))
-
-
-def _same(value: torch.Tensor) -> torch.Tensor:
-    return value
 
 
 def frames_tensor(arrays: ArrayBatch) -> torch.Tensor:
