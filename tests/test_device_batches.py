@@ -1,0 +1,126 @@
+"""``store.batches(..., device=...)``: batches copied to a device by the prefetch thread
+(`DeviceMover`). ``device="cpu"`` runs the same path (no streams); the stream checks (the
+learner's stream waits on the copy, record_stream, a lagging GPU) run where CUDA is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import frame
+
+from mmreplay import InvalidInputError, ReplayStore
+from mmreplay.device_batches import DeviceMover, Staged, parse_device
+
+OBS = (6, 5)
+CUDA = torch.cuda.is_available()
+
+
+def filled(tmp_path, **kw) -> ReplayStore:
+    store = ReplayStore.create(tmp_path / "s", capacity=3000, obs_shape=OBS, frame_stack=4,
+                               n_step=2, seed=0, chunk_frames=4,
+                               extras={"logits": ((3,), "float32")}, **kw)
+    store.reset(frame(0, OBS))
+    for i in range(400):
+        store.add(i % 3, 1.0 + i, frame(i + 1, OBS), i % 50 == 49, False,
+                  extras={"logits": np.full(3, i, np.float32)})
+        if i % 50 == 49:
+            store.reset(frame(i + 1, OBS))
+    return store
+
+
+def assert_same(batch, again) -> None:
+    for name in ("obs", "next_obs", "action", "reward", "terminated", "truncated", "discount",
+                 "weights", "ids", "steps"):
+        got, want = getattr(batch, name), getattr(again, name)
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want), name
+    assert torch.equal(batch.extras["logits"].cpu(), again.extras["logits"])
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")])
+def test_cpu_device_batches_hold_the_transitions_of_their_ids(tmp_path, device):
+    store = filled(tmp_path)
+    with store.batches(16, prefetch=3, device=device) as it:
+        for _ in range(10):
+            batch = next(it)
+            assert batch.obs.device.type == "cpu"
+            assert batch.obs.untyped_storage().data_ptr() == \
+                batch.next_obs.untyped_storage().data_ptr()  # one frames tensor, one copy
+            assert_same(batch, store.get(batch.ids))
+    store.close()
+
+
+def test_device_batches_from_several_workers(tmp_path):
+    store = filled(tmp_path, sampler="prioritized")
+    ids = store.valid_ids()
+    store.update_priorities(ids, np.linspace(0.1, 3, ids.size))
+    with store.batches(16, prefetch=4, device="cpu", workers=2, beta=1.0) as it:
+        batches = [next(it) for _ in range(20)]
+    for batch in batches:
+        again = store.get(batch.ids)
+        assert torch.equal(batch.obs, again.obs) and torch.equal(batch.reward, again.reward)
+        assert batch.weights.min() < 1  # importance weights, beta=1
+    store.close()
+
+
+def test_bad_devices_and_workers_are_refused(tmp_path):
+    store = filled(tmp_path)
+    with pytest.raises(InvalidInputError, match="device must be"):
+        store.batches(8, device="tpu")
+    with pytest.raises(InvalidInputError, match="device must be"):
+        store.batches(8, device=3.5)
+    with pytest.raises(InvalidInputError, match="workers must be a positive int, got 0"):
+        store.batches(8, workers=0)
+    if not CUDA:
+        with pytest.raises(InvalidInputError, match="needs CUDA"):
+            store.batches(8, device="cuda")
+    store.close()
+
+
+def test_receive_takes_only_what_upload_made():
+    mover = DeviceMover("cpu")
+    assert not mover.pin_memory and mover.stream is None
+    with pytest.raises(TypeError, match="expected a Staged batch"):
+        mover.receive(object())
+    assert parse_device("cpu") == torch.device("cpu")
+
+
+def test_errors_reach_the_consumer_on_the_device_path(tmp_path):
+    store = ReplayStore.create(tmp_path / "empty", capacity=50, obs_shape=OBS, frame_stack=4)
+    it = store.batches(4, device="cpu")
+    with pytest.raises(Exception, match="no sampleable transition"):
+        next(it)
+    store.close()
+
+
+# -- where CUDA is --------------------------------------------------------------------------
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_batches_wait_on_the_copy_and_record_the_stream(tmp_path):  # pragma: no cover
+    store = filled(tmp_path)
+    mover = DeviceMover("cuda")
+    staged = mover.upload(store.sample_arrays(16, pin_memory=True))
+    assert isinstance(staged, Staged) and staged.event is not None
+    batch = mover.receive(staged)
+    assert batch.obs.is_cuda and batch.obs.data_ptr() + batch.obs.nbytes == \
+        batch.next_obs.data_ptr()
+    assert_same(batch, store.get(batch.ids.cpu()))
+    store.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_batches_behind_a_lagging_gpu_are_intact(tmp_path):  # pragma: no cover
+    """400 batches used on the current stream at once, never synchronized, the GPU kept
+    behind; each compared at the end with what `get` reads for its ids."""
+    store = filled(tmp_path)
+    kept = []
+    with store.batches(16, prefetch=4, device="cuda") as it:
+        for _ in range(400):
+            batch = next(it)
+            torch.cuda._sleep(1_000_000)
+            kept.append((batch.ids.clone(), batch.obs + 0, batch.next_obs * 1))  # used at once
+            del batch
+    torch.cuda.synchronize()
+    for ids, obs, next_obs in kept:
+        again = store.get(ids.cpu())
+        assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+    store.close()
