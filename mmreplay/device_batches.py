@@ -24,9 +24,11 @@ The prefetch thread copies each batch to the device on a side stream; the learne
 On ``device="cpu"`` the same steps run without streams or events: the "copy" is the
 CPU batch itself (``Tensor.to`` of a tensor already there), as `make_batch` builds it.
 
-`DeviceMover.upload` is the one place that decides what crosses the bus: a batch's frames
-as one copy (obs and next obs are the two halves of one block). Uploading each distinct
-frame once and stacking on the device would replace that method alone.
+`DeviceMover.upload` is the one place that decides what crosses the bus. The store hands
+it a `FrameSetBatch`: each distinct frame of the batch once (a one-step batch of 4-stacks:
+5 frames a transition, not 8) and their rows, one copy each; the stacks and next stacks
+are gathered on the device, on the side stream. A bucket store's pipeline hands it an
+`ArrayBatch` (stacks built on the CPU), copied as one block.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 
 from mmreplay.errors import InvalidInputError
-from mmreplay.torch_batch import ArrayBatch, Batch, frames_tensor
+from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, frames_tensor
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,9 @@ class DeviceMover:
         """Whether batches should be sampled into page-locked memory before `upload`."""
         return self.cuda
 
-    def upload(self, arrays: ArrayBatch) -> Staged:
-        """Queue the copies of `arrays` to the device; on the CPU, the batch itself."""
+    def upload(self, arrays: ArrayBatch | FrameSetBatch) -> Staged:
+        """Queue the copies of `arrays` to the device (a `FrameSetBatch`: its distinct
+        frames, then its stacks gathered there); on the CPU, the batch itself."""
         if self.stream is None:
             return Staged(_batch_of(arrays, _on_cpu), None)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -112,11 +115,15 @@ def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _batch_of(arrays: ArrayBatch, move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+def _batch_of(arrays: ArrayBatch | FrameSetBatch,
+              move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
     """A `Batch` of `arrays` with each tensor passed through `move`: the frames as one
-    tensor (a single copy), their halves ``obs`` and ``next_obs``."""
-    frames = move(frames_tensor(arrays))
+    tensor (a single copy; a frame set's stacks gathered after it), ``obs`` and
+    ``next_obs`` its halves."""
     tensor = torch.from_numpy
+    frames = move(frames_tensor(arrays))
+    if isinstance(arrays, FrameSetBatch):
+        frames = frames[move(tensor(arrays.index))]  # (2, B, stack, *obs): one gather
     return Batch(
         obs=frames[0], next_obs=frames[1], action=move(tensor(arrays.action)),
         reward=move(tensor(arrays.reward)), terminated=move(tensor(arrays.terminated)),

@@ -28,7 +28,14 @@ from mmreplay.index.ring import StepRing, actions_at, lookup_arrays
 from mmreplay.index.samplers import Draw, Sampler, TreeDraw
 from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
-from mmreplay.torch_batch import ArrayBatch, OutputBuffers, PinnedBlocks, native, pinned_frames
+from mmreplay.torch_batch import (
+    ArrayBatch,
+    FrameSetBatch,
+    OutputBuffers,
+    PinnedBlocks,
+    native,
+    pinned_frames,
+)
 
 READER_RETRIES = 5
 T = TypeVar("T")
@@ -127,6 +134,34 @@ class Reader:
             return batch if self.still_valid(flat) else None
 
         return self.consistent(attempt)
+
+    def sample_frame_set(self, rng: np.random.Generator, size: int, beta: float, *,
+                         pin_memory: bool = False) -> FrameSetBatch:
+        """`sample`'s batch (the same draw) with each distinct frame read once
+        (`FrameSetBatch`)."""
+        def attempt() -> FrameSetBatch | None:
+            self.ready(follow=False)
+            draw = self.sampler.sample(rng, size, beta)
+            batch = self.frame_set(draw.slots, draw.weights, pin_memory)
+            return batch if self.still_valid(draw.slots) else None
+
+        return self.consistent(attempt)
+
+    def frame_set(self, flat: np.ndarray, weights: np.ndarray,
+                  pin_memory: bool) -> FrameSetBatch:
+        """The transitions at valid flat slots, each distinct frame of their stacks read once
+        (-1, the zero padding of an episode's first stacks, is a frame like any other)."""
+        look = self.ring.lookup(flat)
+        unique, index = np.unique(look.slots, return_inverse=True)
+        frames = self.frames.read(unique, out=self.pool(pin_memory).take(
+            unique.size * self.frame_nbytes))
+        return FrameSetBatch(
+            frames=frames, index=index.reshape(look.slots.shape).astype(np.int64, copy=False),
+            action=native(look.action, look.action.dtype), reward=look.reward,
+            terminated=look.terminated, truncated=look.truncated, discount=look.discount,
+            weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
+            extras={k: native(a, a.dtype) for k, a in look.extras.items()},
+            pinned=pinned_frames(frames) if pin_memory else None)
 
     def ready(self, *, follow: bool = True) -> None:
         """Refresh; `EmptyStoreError` if no transition is sampleable.

@@ -74,6 +74,7 @@ from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import (
     ArrayBatch,
     Batch,
+    FrameSetBatch,
     SequenceBatch,
     make_batch,
     make_sequence_batch,
@@ -589,7 +590,7 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
                 pin_memory: bool, device: Any, workers: int) -> BatchPrefetcher:
     """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline;
     with a `device`, each batch copied there by the thread (`DeviceMover`)."""
-    finish: Callable[[ArrayBatch], Any] = make_batch
+    finish: Callable[[Any], Any] = make_batch
     receive: Receive | None = None
     if device is not None:
         from mmreplay.device_batches import DeviceMover  # imports torch
@@ -606,6 +607,8 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
         return _pipeline(store, batch_size, prefetch, beta, finish, receive)
 
     def sample(size: int, b: float) -> Any:
+        if device is not None:  # each distinct frame read and copied once
+            return finish(_sample_frame_set(store, size, b, pin_memory))
         return finish(_sample_arrays(store, size, b, pin_memory))
 
     return BatchPrefetcher(sample, batch_size, prefetch=prefetch, beta=beta, workers=workers,
@@ -618,6 +621,14 @@ def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
         _refuse_closed(store, "sample")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
+
+
+def _sample_frame_set(store: ReplayStore, batch_size: int, beta: float,
+                      pin_memory: bool) -> FrameSetBatch:
+    with store._limits.sampling(_items(batch_size)), store._lock:
+        _refuse_closed(store, "sample")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return store._reader.sample_frame_set(store._rng, size, beta, pin_memory=pin_memory)
 
 
 def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:

@@ -89,6 +89,41 @@ class ArrayBatch:
         return int(self.ids.shape[0])
 
 
+@dataclass(frozen=True)
+class FrameSetBatch:
+    """An `ArrayBatch` whose frames are each read once: ``frames`` ``(U, *obs_shape)`` are
+    the distinct frames of its stacks, ``index`` ``(2, B, frame_stack)`` (int64) their rows,
+    so its ``frames`` would be ``frames[index]``. Where stacks share frames (a one-step
+    batch of 4-stacks: 5 distinct frames a transition, not 8) fewer bytes are read and cross
+    the bus; the stacks are built where the batch goes (`DeviceMover.upload`, or
+    `assembled`). ``pinned`` as in `ArrayBatch`; the other fields are an `ArrayBatch`'s."""
+
+    frames: np.ndarray
+    index: np.ndarray
+    action: np.ndarray
+    reward: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    discount: np.ndarray
+    weights: np.ndarray
+    ids: np.ndarray
+    steps: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    pinned: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def assembled(self) -> ArrayBatch:
+        """The same batch with its stacks built (``frames[index]``): what `sample_arrays`
+        gives for the same draw."""
+        return ArrayBatch(frames=self.frames[self.index], action=self.action,
+                          reward=self.reward, terminated=self.terminated,
+                          truncated=self.truncated, discount=self.discount,
+                          weights=self.weights, ids=self.ids, steps=self.steps,
+                          extras=self.extras)
+
+
 def make_batch(arrays: ArrayBatch) -> Batch:
     """A `Batch` of CPU tensors viewing `arrays` (no copy: `torch.from_numpy` of each)."""
     import torch
@@ -107,7 +142,7 @@ def make_batch(arrays: ArrayBatch) -> Batch:
         steps=tensor(arrays.steps))
 
 
-def frames_tensor(arrays: ArrayBatch) -> torch.Tensor:
+def frames_tensor(arrays: ArrayBatch | FrameSetBatch) -> torch.Tensor:
     """``arrays.frames`` as a tensor: the pinned block's own tensor when it has one (copies
     from any view of it are tracked by the allocator), else ``torch.from_numpy``."""
     import torch

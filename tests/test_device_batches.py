@@ -11,6 +11,7 @@ from conftest import frame
 
 from mmreplay import InvalidInputError, ReplayStore
 from mmreplay.device_batches import DeviceMover, Staged, parse_device
+from mmreplay.torch_batch import FrameSetBatch
 
 OBS = (6, 5)
 CUDA = torch.cuda.is_available()
@@ -123,4 +124,47 @@ def test_cuda_batches_behind_a_lagging_gpu_are_intact(tmp_path):  # pragma: no c
     for ids, obs, next_obs in kept:
         again = store.get(ids.cpu())
         assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+    store.close()
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_device_batches_equal_sample_arrays_of_the_same_draw(tmp_path, sampler):
+    """The device path reads each distinct frame once and gathers the stacks after the copy:
+    the batch equals the general path's (`sample_arrays`) for the same seed."""
+    store = filled(tmp_path, sampler=sampler)
+    if sampler == "prioritized":
+        ids = store.valid_ids()
+        store.update_priorities(ids, np.linspace(0.1, 3, ids.size))
+    store.reseed(7)
+    want = [store.sample_arrays(16, 0.6) for _ in range(3)]
+    store.reseed(7)
+    with store.batches(16, prefetch=1, beta=0.6, device="cpu") as it:
+        got = [next(it) for _ in range(3)]
+    for batch, arrays in zip(got, want, strict=True):
+        assert np.array_equal(batch.obs.numpy(), arrays.obs)
+        assert np.array_equal(batch.next_obs.numpy(), arrays.next_obs)
+        for name in ("action", "reward", "discount", "weights", "ids", "steps", "terminated"):
+            assert np.array_equal(getattr(batch, name).numpy(), getattr(arrays, name)), name
+        assert np.array_equal(batch.extras["logits"].numpy(), arrays.extras["logits"])
+    store.close()
+
+
+def test_each_distinct_frame_crosses_once(tmp_path, monkeypatch):
+    """A 2-step batch of 4-stacks: obs t-3..t and next obs t-1..t+2 share 2 frames, so at
+    most 6 distinct frames a transition reach `upload`, not 8."""
+    seen = []
+    upload = DeviceMover.upload
+
+    def spy(self, arrays):
+        seen.append(arrays)
+        return upload(self, arrays)
+
+    monkeypatch.setattr(DeviceMover, "upload", spy)
+    store = filled(tmp_path)
+    with store.batches(64, prefetch=1, device="cpu") as it:
+        batch = next(it)
+    sent = seen[0]
+    assert isinstance(sent, FrameSetBatch) and sent.index.shape == (2, 64, 4)
+    assert sent.frames.shape[0] <= 6 * 64 and sent.frames.shape[1:] == OBS
+    assert np.array_equal(sent.assembled().frames, np.stack([batch.obs, batch.next_obs]))
     store.close()
