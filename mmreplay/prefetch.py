@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -52,32 +52,37 @@ class BatchPrefetcher(Iterator[Batch]):
     ``receive`` runs in the consumer's thread on each item the threads made, before
     ``next()`` returns it (`DeviceMover.receive`: hand a batch copied on a side stream over
     to the consumer's stream); without it, items are batches.
+
+    `workers` threads call `sample`; a sequence of functions gives each thread its own (one
+    thread a function: read-only views of one store, each with its own lock). Batches then
+    arrive in any order. ``on_close`` runs once the threads stopped.
     """
 
-    def __init__(self, sample: SampleFn, batch_size: int, *, prefetch: int = 2,
-                 beta: float = 0.4, workers: int = 1, receive: Receive | None = None) -> None:
+    def __init__(self, sample: SampleFn | Sequence[SampleFn], batch_size: int, *,
+                 prefetch: int = 2, beta: float = 0.4, workers: int = 1,
+                 receive: Receive | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidInputError(f"workers must be a positive int, got {workers!r}")
         self.beta = beta
         self._receive = _as_batch if receive is None else receive
-        self._sample = sample
+        self._on_close = on_close
         self._batch_size = batch_size
         self._prefetch = prefetch
         self._queue: queue.Queue[object] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
-        # more than one worker only pays where `sample` waits outside the store's lock (a
-        # store read from a bucket waits for the network); batches then arrive in any order
-        self._threads = [threading.Thread(target=self._run, name="mmreplay-prefetch",
-                                          daemon=True) for _ in range(workers)]
+        samplers = list(sample) if isinstance(sample, Sequence) else [sample] * workers
+        self._threads = [threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                          name="mmreplay-prefetch") for fn in samplers]
         for thread in self._threads:
             thread.start()
 
-    def _run(self) -> None:
+    def _run(self, sample: SampleFn) -> None:
         while not self._stop.is_set():
             try:
-                item: object = self._sample(self._batch_size, self.beta)
+                item: object = sample(self._batch_size, self.beta)
             except BaseException as exc:  # handed to the consumer, then stop
                 item = exc
             if not self._put(item) or isinstance(item, BaseException):
@@ -121,6 +126,9 @@ class BatchPrefetcher(Iterator[Batch]):
                 break
         for thread in self._threads:
             thread.join(timeout=5)
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> BatchPrefetcher:
         return self
@@ -159,7 +167,7 @@ class BatchPipeline(BatchPrefetcher):
     def _unused(self, batch_size: int, beta: float) -> Batch:
         raise AssertionError("a pipeline draws, fetches and assembles instead")
 
-    def _run(self) -> None:
+    def _run(self, sample: SampleFn) -> None:
         flight: deque[tuple[Any, float, Future[None]]] = deque()
         try:
             while not self._stop.is_set():

@@ -606,13 +606,41 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
                                     "store's pipeline assembles into pageable memory")
         return _pipeline(store, batch_size, prefetch, beta, finish, receive)
 
-    def sample(size: int, b: float) -> Any:
-        if device is not None:  # each distinct frame read and copied once
-            return finish(_sample_frame_set(store, size, b, pin_memory))
-        return finish(_sample_arrays(store, size, b, pin_memory))
+    draw = _sample_frame_set if device is not None else _sample_arrays  # frame set: each
+    views = _read_only_views(store, workers)  # distinct frame read and copied once
 
-    return BatchPrefetcher(sample, batch_size, prefetch=prefetch, beta=beta, workers=workers,
-                           receive=receive)
+    def sampler(source: ReplayStore) -> Callable[[int, float], Any]:
+        return lambda size, b: finish(draw(source, size, b, pin_memory))
+
+    return BatchPrefetcher([sampler(view) for view in views] or sampler(store), batch_size,
+                           prefetch=prefetch, beta=beta, workers=workers, receive=receive,
+                           on_close=functools.partial(_close_all, views))
+
+
+def _close_all(stores: list[ReplayStore]) -> None:
+    for each in stores:
+        each.close()
+
+
+def _read_only_views(store: ReplayStore, workers: int) -> list[ReplayStore]:
+    """For `workers` threads sampling a read-only store: one read-only view of its directory
+    each (its own lock, index and RNG, seeded from the store's; no frame cache: the views
+    share the OS page cache), so their compiled reads run at once. None for one worker or a
+    writable store (a view sees only what the writer committed)."""
+    if workers == 1 or store.writable:
+        return []
+    with store._lock:
+        seeds = store._rng.integers(0, 1 << 63, size=workers).tolist()
+    views: list[ReplayStore] = []
+    try:
+        for seed in seeds:
+            views.append(ReplayStore.open(store.path, mode="r", cache_bytes=0))
+            views[-1].reseed(seed)
+    except BaseException:
+        for view in views:
+            view.close()
+        raise
+    return views
 
 
 def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
