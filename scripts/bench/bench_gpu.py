@@ -16,12 +16,15 @@ step, which brings |td| back to the host):
     prefetch         ``store.batches(prefetch=4)`` + copy
     pinned           ``store.batches(prefetch=4, pin_memory=True)`` + ``non_blocking`` copy
     device_batches   ``store.batches(prefetch=4, device=...)``: copied by the prefetch thread
+    device_batches_workers  the same from a read-only view, ``workers=--workers``
     device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it
 
-Then the wrong-batch check: batches copied ``non_blocking`` (or delivered on the device)
-with the GPU kept behind (``torch.cuda._sleep``) and never synchronized; each batch's bytes
-on the GPU compared with its CPU copy at the end. Writes ``gpu.json`` under `--out-dir`.
-Frames: real ALE frames of `--games` (recorded once, cached), or synthetic ones.
+Sampling throughput alone (no learner): ``batches(32)`` of a read-only view with 1, 2, 4,
+... up to `--workers` threads. Then the wrong-batch check: batches copied ``non_blocking``
+(or delivered on the device) with the GPU kept behind (``torch.cuda._sleep``) and never
+synchronized; each batch's bytes on the GPU compared with its CPU copy at the end.
+Writes ``gpu.json`` under `--out-dir`. Frames: real ALE frames of `--games` (recorded
+once, cached), or synthetic ones.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from common import QNetwork, parse_args, run_main  # noqa: E402
 from mmreplay import InvalidInputError, ReplayStore  # noqa: E402
 
 FEEDS = ("ceiling", "cpprb", "store_sample", "prefetch", "pinned", "device_batches",
-         "device_store")
+         "device_batches_workers", "device_store")
 PRIORITIZED_FEEDS = ("cpprb", "store_sample", "prefetch", "pinned", "device_batches",
                      "device_store")
 ACTIONS = 18
@@ -72,6 +75,8 @@ class Args:
     """untimed steps before each arm"""
     check_batches: int = 400
     """batches of the wrong-batch check, per path"""
+    workers: int = 16
+    """most sampling threads (a read-only view of the store)"""
     seed: int = 0
     """seed of the stores, cpprb and the networks"""
     out_dir: str = "data/bench"
@@ -250,6 +255,7 @@ class Buffers:
 
     store: ReplayStore
     pstore: ReplayStore
+    reader: ReplayStore  # read-only view of `store`'s directory
     cpprb: Any
     pcpprb: Any
     device_store: ReplayStore | None
@@ -276,7 +282,8 @@ def make_buffers(root: Path, stream: Stream, count: int, device: torch.device) -
               for name, kw in (("u", {}), ("p", {"sampler": "prioritized"}))]
     for store in stores:
         fill_store(store, stream, count)
-    return Buffers(stores[0], stores[1], make_cpprb(stream, count, False),
+    reader = ReplayStore.open(root / "u", mode="r")
+    return Buffers(stores[0], stores[1], reader, make_cpprb(stream, count, False),
                    make_cpprb(stream, count, True),
                    device_store(root, "du", stream, count, device),
                    device_store(root, "dp", stream, count, device, sampler="prioritized"))
@@ -289,7 +296,7 @@ Prioritize = Callable[[Any, torch.Tensor], None]
 
 @contextmanager
 def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: torch.device,
-              ceiling: DeviceBatch) -> Iterator[tuple[Get, Prioritize] | None]:
+              ceiling: DeviceBatch, workers: int) -> Iterator[tuple[Get, Prioritize] | None]:
     """The feed `name` as (get a batch and its ids, set priorities), or None where it is
     not available here (cpprb not installed, no CUDA for pinned memory, no device store)."""
     store = bufs.pstore if prioritized else bufs.store
@@ -305,6 +312,10 @@ def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: to
             yield None
         elif name == "store_sample":
             yield store_feed(lambda: store.sample(size), store, device)
+        elif name == "device_batches_workers":
+            it = stack.enter_context(bufs.reader.batches(size, prefetch=2 * workers,
+                                                         device=device, workers=workers))
+            yield store_feed(lambda: next(it), store, device)
         else:
             kw = {"prefetch": {}, "pinned": {"pin_memory": True},
                   "device_batches": {"device": device}}[name]
@@ -378,7 +389,8 @@ def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device,
     arms, top = [], None
     for sampler, feeds in (("uniform", FEEDS), ("prioritized", PRIORITIZED_FEEDS)):
         for name in feeds:
-            with open_feed(name, bufs, size, sampler == "prioritized", device, ceiling) as feed:
+            with open_feed(name, bufs, size, sampler == "prioritized", device, ceiling,
+                           args.workers) as feed:
                 if feed is None:
                     continue
                 rate = updates_per_s(learner, feed[0],
@@ -391,6 +403,24 @@ def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device,
                   f"{arm['ratio']}", flush=True)
             arms.append(arm)
     return arms
+
+
+# -- sampling throughput ---------------------------------------------------------------------
+def worker_scaling(reader: ReplayStore, most: int, batches: int = 600) -> dict[str, float]:
+    """``batches(32)`` a second from a read-only view with 1, 2, 4, ... `most` workers."""
+    counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
+    rates: dict[str, float] = {}
+    for workers in counts:
+        with reader.batches(32, prefetch=2 * workers, workers=workers) as it:
+            for _ in range(20):
+                next(it)
+            start = time.perf_counter()
+            for _ in range(batches):
+                next(it)
+            rates[str(workers)] = round(batches / (time.perf_counter() - start), 1)
+        print(f"sampling, {workers:2d} workers: {rates[str(workers)]:8.1f} batches/s "
+              f"({rates[str(workers)] / rates['1']:.2f}x one)", flush=True)
+    return rates
 
 
 # -- the wrong-batch check -------------------------------------------------------------------
@@ -459,21 +489,24 @@ def main() -> int:
         bufs = make_buffers(Path(tmp), stream, args.frames, device)
         try:
             arms = learner_arms(bufs, args, device)
+            scaling = worker_scaling(bufs.reader, args.workers)
             wrong = wrong_batch_check(bufs, args.check_batches) if device.type == "cuda" else {}
         finally:
-            for store in (bufs.store, bufs.pstore, bufs.device_store, bufs.pdevice_store):
+            for store in (bufs.reader, bufs.store, bufs.pstore, bufs.device_store,
+                          bufs.pdevice_store):
                 if store is not None:
                     store.close()
-    write_result(args, arms, wrong)
+    write_result(args, arms, scaling, wrong)
     return 0
 
 
-def write_result(args: Args, arms: list[dict[str, Any]], wrong: dict[str, Any]) -> None:
+def write_result(args: Args, arms: list[dict[str, Any]], scaling: dict[str, float],
+                 wrong: dict[str, Any]) -> None:
     from benchlib.harness import machine_info, write_json
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     result = dict(args=asdict(args), machine={**machine_info(), "gpu": gpu}, arms=arms,
-                  wrong_batches=wrong)
+                  sampling_batches_per_s_by_workers=scaling, wrong_batches=wrong)
     print(f"wrote {write_json(result, Path(args.out_dir), 'gpu.json')}")
 
 
