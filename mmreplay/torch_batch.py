@@ -8,8 +8,10 @@ command and code that only records or inspects never pay its import (over a seco
 from __future__ import annotations
 
 import sys
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -60,9 +62,10 @@ class ArrayBatch:
     ``pinned`` is set when the frames are page-locked (``pin_memory=True``): the same bytes as
     a tensor of the block PyTorch's pinned allocator handed out (see `PinnedBlocks`). Copy
     to the GPU from it or its views (`frames_tensor`, `make_batch`): those copies are
-    known to the allocator, which reuses the block only once they are done. A copy made
-    through ``torch.from_numpy`` is known only where it starts at the block (the whole
-    ``frames``, or ``obs``); from ``next_obs`` or any other view inside it, it is not.
+    known to the allocator, which reuses the block only once they are done, on any stream.
+    A copy made through ``torch.from_numpy`` is known to it only where it starts at the
+    block (the whole ``frames``, or ``obs``); from ``next_obs`` or another view inside it,
+    `PinnedBlocks` covers a copy queued on the current stream of the thread that drops it.
     """
 
     frames: np.ndarray
@@ -217,11 +220,48 @@ class PinnedBlocks:
     batch carries that tensor (`ArrayBatch.pinned`) and `make_batch` hands out views of it,
     never ``torch.from_numpy`` copies of its address (a storage the allocator does not know
     records nothing). DataLoader's ``pin_memory=True`` does the same: a fresh block a batch.
+
+    One case escapes the allocator: a numpy user's ``torch.from_numpy`` of a view inside
+    the block (``arrays.next_obs``), copied ``non_blocking``. For it, when the last numpy
+    view of the block dies (the batch's arrays and what was made of them), a mark is
+    recorded on the current CUDA stream of the thread that let it go, and the block is held
+    until the GPU passed that mark: a copy queued on that stream before is done by then (a
+    copy queued on another stream is not covered). This only ever extends a block's life.
     """
+
+    def __init__(self) -> None:
+        self.held: deque[tuple[object, Any]] = deque()  # (storage, stream mark), in order
 
     def take(self, nbytes: int) -> np.ndarray:
         """A page-locked uint8 array of `nbytes`: a view of a fresh tensor (its ``base``)."""
-        return page_locked_empty(nbytes).numpy()
+        self.release_passed()
+        block = page_locked_empty(nbytes)
+        array = block.numpy()  # every numpy view of the batch keeps this one alive
+        watch = weakref.finalize(array, self._hold, block.untyped_storage())
+        watch.atexit = False
+        return array
+
+    def _hold(self, storage: object) -> None:
+        mark = stream_mark()
+        if mark is not None:  # without CUDA nothing can be queued: let go at once
+            self.held.append((storage, mark))
+
+    def release_passed(self) -> None:
+        """Let go of the blocks whose stream mark the GPU passed (in order)."""
+        held = self.held
+        while held and held[0][1].query():
+            held.popleft()
+
+
+def stream_mark() -> Any:
+    """A CUDA event recorded on this thread's current stream, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def page_locked_empty(nbytes: int) -> torch.Tensor:

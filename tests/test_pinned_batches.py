@@ -173,6 +173,11 @@ def test_pinned_batches_reach_a_lagging_gpu_intact(tmp_path):  # pragma: no cove
         both = frames_tensor(store.sample_arrays(32, pin_memory=True))
         return both[0], both[1]
     assert wrong(*lagging_copies(halves, 400)) == 0
+
+    def numpy_views():  # invisible to the allocator: held until the stream passes a mark
+        arrays = store.sample_arrays(32, pin_memory=True)
+        return torch.from_numpy(arrays.obs), torch.from_numpy(arrays.next_obs)
+    assert wrong(*lagging_copies(numpy_views, 400)) == 0
     store.close()
 
 
@@ -189,4 +194,43 @@ def test_whole_numpy_frames_reach_a_lagging_gpu_intact(tmp_path):  # pragma: no 
         del frames
     torch.cuda.synchronize()
     assert sum(not torch.equal(g.cpu(), r) for r, g in zip(refs, on_gpu, strict=True)) == 0
+    store.close()
+
+
+class Mark:
+    """Stands in for a CUDA event: passed once the test says the GPU got there."""
+
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_a_dropped_block_waits_for_the_stream_mark_of_whoever_dropped_it(tmp_path, blocks,
+                                                                        monkeypatch):
+    """A numpy user's ``torch.from_numpy(arrays.next_obs)`` is invisible to the pinned
+    allocator: when the batch's block dies, it is held until the GPU passes a mark recorded
+    then on the current stream, and let go after."""
+    if CUDA:
+        pytest.skip("counts the fake allocator's blocks (CPU only)")
+    marks: list[Mark] = []
+
+    def mark() -> Mark:
+        marks.append(Mark())
+        return marks[-1]
+
+    monkeypatch.setattr(torch_batch, "stream_mark", mark)
+    store = filled(tmp_path)
+    arrays = store.sample_arrays(32, pin_memory=True)
+    queued = torch.from_numpy(arrays.next_obs)  # what a copy would read from, later
+    del arrays
+    assert blocks.alive() == 1 and not marks  # still viewed: no mark yet
+    del queued
+    assert len(marks) == 1 and blocks.alive() == 1  # gone from Python, held for the GPU
+    store.sample_arrays(32, pin_memory=True)  # a take before the mark passed: still held
+    assert blocks.alive() >= 1 and blocks.handed[0]() is not None
+    marks[0].passed = True
+    store.sample_arrays(32, pin_memory=True)
+    assert blocks.handed[0]() is None  # let go once the GPU passed the mark
     store.close()

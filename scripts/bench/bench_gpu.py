@@ -383,12 +383,19 @@ def wrong_batch_check(bufs: Buffers, count: int) -> dict[str, dict[str, int]]:
         frames = torch.from_numpy(arrays.frames).to(cuda, non_blocking=True)
         return torch.from_numpy(arrays.ids), frames[0], frames[1]
 
+    def numpy_views() -> tuple[Any, torch.Tensor, torch.Tensor]:
+        arrays = store.sample_arrays(32, pin_memory=True)
+        return (torch.from_numpy(arrays.ids),
+                torch.from_numpy(arrays.obs).to(cuda, non_blocking=True),
+                torch.from_numpy(arrays.next_obs).to(cuda, non_blocking=True))
+
     for name, kw, hand in (("pageable_batches", {}, copied),
                            ("pinned_batches", {"pin_memory": True}, copied),
                            ("device_batches", {"device": cuda}, used)):
         with store.batches(32, prefetch=4, **kw) as it:
             found[name] = lagging(lambda it=it, hand=hand: hand(next(it)), store, count)
     found["pinned_sample_arrays"] = lagging(whole_frames, store, count)
+    found["pinned_numpy_views"] = lagging(numpy_views, store, count)
     if bufs.device_store is not None:
         ds = bufs.device_store
         found["device_store"] = lagging(lambda: used(ds.sample(32)), ds, count)
