@@ -612,9 +612,13 @@ def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
     def sampler(source: ReplayStore) -> Callable[[int, float], Any]:
         return lambda size, b: finish(draw(source, size, b, pin_memory))
 
-    return BatchPrefetcher([sampler(view) for view in views] or sampler(store), batch_size,
-                           prefetch=prefetch, beta=beta, workers=workers, receive=receive,
-                           on_close=functools.partial(_close_all, views))
+    try:
+        return BatchPrefetcher([sampler(view) for view in views] or sampler(store), batch_size,
+                               prefetch=prefetch, beta=beta, workers=workers, receive=receive,
+                               on_close=functools.partial(_close_all, views))
+    except BaseException:
+        _close_all(views)
+        raise
 
 
 def _close_all(stores: list[ReplayStore]) -> None:
@@ -627,8 +631,8 @@ def _read_only_views(store: ReplayStore, workers: int) -> list[ReplayStore]:
     each (its own lock, index and RNG, seeded from the store's; no frame cache: the views
     share the OS page cache), so their compiled reads run at once. None for one worker or a
     writable store (a view sees only what the writer committed)."""
-    if workers == 1 or store.writable:
-        return []
+    if not isinstance(workers, int) or workers <= 1 or store.writable:
+        return []  # (`BatchPrefetcher` refuses a bad `workers`)
     with store._lock:
         seeds = store._rng.integers(0, 1 << 63, size=workers).tolist()
     views: list[ReplayStore] = []

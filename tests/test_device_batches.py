@@ -64,7 +64,7 @@ def test_device_batches_from_several_workers(tmp_path):
     store.close()
 
 
-def test_bad_devices_and_workers_are_refused(tmp_path):
+def test_bad_devices_and_workers_are_refused(tmp_path, monkeypatch):
     store = filled(tmp_path)
     with pytest.raises(InvalidInputError, match="device must be"):
         store.batches(8, device="tpu")
@@ -72,6 +72,23 @@ def test_bad_devices_and_workers_are_refused(tmp_path):
         store.batches(8, device=3.5)
     with pytest.raises(InvalidInputError, match="workers must be a positive int, got 0"):
         store.batches(8, workers=0)
+    reader = ReplayStore.open(tmp_path / "s", mode="r")
+    for bad in ("2", 1.5, True):
+        with pytest.raises(InvalidInputError, match=f"workers must be a positive int, got {bad!r}"):
+            reader.batches(8, workers=bad)
+    opened = []
+    open_store = ReplayStore.open
+
+    def spy(*args, **kw):
+        opened.append(open_store(*args, **kw))
+        return opened[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ReplayStore, "open", spy)
+        with pytest.raises(InvalidInputError, match="prefetch must be a positive int"):
+            reader.batches(8, workers=2, prefetch=0)
+    assert len(opened) == 2 and all(view.closed for view in opened)  # none left open
+    reader.close()
     if not CUDA:
         with pytest.raises(InvalidInputError, match="needs CUDA"):
             store.batches(8, device="cuda")
