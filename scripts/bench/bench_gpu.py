@@ -362,8 +362,8 @@ def lagging(get: Callable[[], Any], store: ReplayStore, count: int) -> dict[str,
     wrong = 0
     for ids, obs, next_obs in kept:
         again = store.get(ids.numpy())
-        wrong += not (torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(),
-                                                                          again.next_obs))
+        wrong += not (torch.equal(obs.cpu(), again.obs.cpu())
+                      and torch.equal(next_obs.cpu(), again.next_obs.cpu()))
     return {"wrong": wrong, "of": count}
 
 
