@@ -24,14 +24,15 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from mmreplay.errors import InvalidInputError
 from mmreplay.torch_batch import Batch
 
-SampleFn = Callable[[int, float], Batch]
+SampleFn = Callable[[int, float], Any]  # a Batch, or what `receive` turns into one
+Receive = Callable[[Any], Batch]
 # how the thread polls a full queue for room (see `BatchPrefetcher._put`): the first pause,
 # doubled after each miss up to the last, so a batch taken t seconds after the queue filled is
 # replaced within min(t, POLL_MAX_S). Polls need the GIL: at most 2 ms apart they made a
@@ -47,29 +48,41 @@ class BatchPrefetcher(Iterator[Batch]):
     applies to batches drawn after it, so up to `prefetch` batches already
     waiting keep the old value. An error in the thread (e.g. an empty store)
     is raised by the next ``next()``. Use as a context manager or call ``close``.
+
+    ``receive`` runs in the consumer's thread on each item the threads made, before
+    ``next()`` returns it (`DeviceMover.receive`: hand a batch copied on a side stream over
+    to the consumer's stream); without it, items are batches.
+
+    `workers` threads call `sample`; a sequence of functions gives each thread its own (one
+    thread a function: read-only views of one store, each with its own lock). Batches then
+    arrive in any order. ``on_close`` runs once the threads stopped.
     """
 
-    def __init__(self, sample: SampleFn, batch_size: int, *, prefetch: int = 2,
-                 beta: float = 0.4, workers: int = 1) -> None:
+    def __init__(self, sample: SampleFn | Sequence[SampleFn], batch_size: int, *,
+                 prefetch: int = 2, beta: float = 0.4, workers: int = 1,
+                 receive: Receive | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise InvalidInputError(f"workers must be a positive int, got {workers!r}")
         self.beta = beta
-        self._sample = sample
+        self._receive = _as_batch if receive is None else receive
+        self._on_close = on_close
         self._batch_size = batch_size
         self._prefetch = prefetch
         self._queue: queue.Queue[object] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
-        # more than one worker only pays where `sample` waits outside the store's lock (a
-        # store read from a bucket waits for the network); batches then arrive in any order
-        self._threads = [threading.Thread(target=self._run, name="mmreplay-prefetch",
-                                          daemon=True) for _ in range(workers)]
+        samplers = list(sample) if isinstance(sample, Sequence) else [sample] * workers
+        self._threads = [threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                          name="mmreplay-prefetch") for fn in samplers]
         for thread in self._threads:
             thread.start()
 
-    def _run(self) -> None:
+    def _run(self, sample: SampleFn) -> None:
         while not self._stop.is_set():
             try:
-                item: object = self._sample(self._batch_size, self.beta)
+                item: object = sample(self._batch_size, self.beta)
             except BaseException as exc:  # handed to the consumer, then stop
                 item = exc
             if not self._put(item) or isinstance(item, BaseException):
@@ -101,8 +114,7 @@ class BatchPrefetcher(Iterator[Batch]):
         if isinstance(item, BaseException):
             self.close()
             raise item
-        assert isinstance(item, Batch)
-        return item
+        return self._receive(item)
 
     def close(self) -> None:
         """Stop the thread and drop batches not yet taken. Idempotent."""
@@ -114,12 +126,20 @@ class BatchPrefetcher(Iterator[Batch]):
                 break
         for thread in self._threads:
             thread.join(timeout=5)
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> BatchPrefetcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _as_batch(item: object) -> Batch:
+    assert isinstance(item, Batch)
+    return item
 
 
 class BatchPipeline(BatchPrefetcher):
@@ -132,13 +152,14 @@ class BatchPipeline(BatchPrefetcher):
     """
 
     def __init__(self, draw: Callable[[int, float], Any], fetch: Callable[[Any], None],
-                 assemble: Callable[[Any, int, float], Batch], batch_size: int, *,
-                 prefetch: int = 2, beta: float = 0.4) -> None:
+                 assemble: Callable[[Any, int, float], Any], batch_size: int, *,
+                 prefetch: int = 2, beta: float = 0.4, receive: Receive | None = None) -> None:
         self._draw, self._fetch, self._assemble = draw, fetch, assemble
         self._fetchers = ThreadPoolExecutor(max(1, prefetch) if isinstance(prefetch, int)
                                             else 1, thread_name_prefix="mmreplay-pipeline")
         try:
-            super().__init__(self._unused, batch_size, prefetch=prefetch, beta=beta)
+            super().__init__(self._unused, batch_size, prefetch=prefetch, beta=beta,
+                             receive=receive)
         except BaseException:
             self._fetchers.shutdown(wait=False)
             raise
@@ -146,7 +167,7 @@ class BatchPipeline(BatchPrefetcher):
     def _unused(self, batch_size: int, beta: float) -> Batch:
         raise AssertionError("a pipeline draws, fetches and assembles instead")
 
-    def _run(self) -> None:
+    def _run(self, sample: SampleFn) -> None:
         flight: deque[tuple[Any, float, Future[None]]] = deque()
         try:
             while not self._stop.is_set():

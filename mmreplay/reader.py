@@ -23,12 +23,19 @@ from typing import TypeVar
 
 import numpy as np
 
-from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError, UnknownIdError
+from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
 from mmreplay.index.ring import StepRing, actions_at, lookup_arrays
 from mmreplay.index.samplers import Draw, Sampler, TreeDraw
 from mmreplay.storage.frame_store import FrameStore, disk_chunks
 from mmreplay.storage.manifest import MANIFEST, read_manifest
-from mmreplay.torch_batch import ArrayBatch, OutputBuffers, native
+from mmreplay.torch_batch import (
+    ArrayBatch,
+    FrameSetBatch,
+    OutputBuffers,
+    PinnedBlocks,
+    native,
+    pinned_frames,
+)
 
 READER_RETRIES = 5
 T = TypeVar("T")
@@ -56,7 +63,8 @@ class Reader:
         self.manifest_key: tuple[int, int, int] | None = None  # (inode, mtime, size) seen last
         self.manifest_path = os.fspath(path / MANIFEST)  # checked once a batch: joined once
         self.frame_nbytes = math.prod(ring.spec.obs_shape) * np.dtype(ring.spec.obs_dtype).itemsize
-        self.pools = {False: OutputBuffers(), True: None}  # by pin_memory (made when asked)
+        self.pageable = OutputBuffers()  # reused once no batch views them
+        self.pinned = PinnedBlocks()  # fresh page-locked blocks: never reused by us
 
     # -- keeping the index current -------------------------------------------------
     def refresh(self, *, follow: bool = True) -> None:
@@ -127,6 +135,34 @@ class Reader:
 
         return self.consistent(attempt)
 
+    def sample_frame_set(self, rng: np.random.Generator, size: int, beta: float, *,
+                         pin_memory: bool = False) -> FrameSetBatch:
+        """`sample`'s batch (the same draw) with each distinct frame read once
+        (`FrameSetBatch`)."""
+        def attempt() -> FrameSetBatch | None:
+            self.ready(follow=False)
+            draw = self.sampler.sample(rng, size, beta)
+            batch = self.frame_set(draw.slots, draw.weights, pin_memory)
+            return batch if self.still_valid(draw.slots) else None
+
+        return self.consistent(attempt)
+
+    def frame_set(self, flat: np.ndarray, weights: np.ndarray,
+                  pin_memory: bool) -> FrameSetBatch:
+        """The transitions at valid flat slots, each distinct frame of their stacks read once
+        (-1, the zero padding of an episode's first stacks, is a frame like any other)."""
+        look = self.ring.lookup(flat)
+        unique, index = np.unique(look.slots, return_inverse=True)
+        frames = self.frames.read(unique, out=self.pool(pin_memory).take(
+            unique.size * self.frame_nbytes))
+        return FrameSetBatch(
+            frames=frames, index=index.reshape(look.slots.shape).astype(np.int64, copy=False),
+            action=native(look.action, look.action.dtype), reward=look.reward,
+            terminated=look.terminated, truncated=look.truncated, discount=look.discount,
+            weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
+            extras={k: native(a, a.dtype) for k, a in look.extras.items()},
+            pinned=pinned_frames(frames) if pin_memory else None)
+
     def ready(self, *, follow: bool = True) -> None:
         """Refresh; `EmptyStoreError` if no transition is sampleable.
 
@@ -160,7 +196,8 @@ class Reader:
         return flat, ArrayBatch(
             frames=frames, action=native(action, action.dtype), reward=ret, terminated=term,
             truncated=trunc, discount=discount, weights=weights, ids=ids, steps=steps,
-            extras={k: native(a, a.dtype) for k, a in extras.items()})
+            extras={k: native(a, a.dtype) for k, a in extras.items()},
+            pinned=pinned_frames(frames) if pin_memory else None)
 
     def plan(self, rng: np.random.Generator, size: int, beta: float) -> Planned:
         """Draw a batch now, read its frames later (`assemble`): what `sample` draws next,
@@ -213,20 +250,13 @@ class Reader:
                           reward=look.reward, terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount,
                           weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
-                          extras={k: native(a, a.dtype) for k, a in look.extras.items()})
+                          extras={k: native(a, a.dtype) for k, a in look.extras.items()},
+                          pinned=pinned_frames(frames) if pin_memory else None)
 
-    def pool(self, pin_memory: bool) -> OutputBuffers:
-        """The frame buffers of batches (page-locked ones with `pin_memory`)."""
-        pool = self.pools[pin_memory]
-        if pool is None:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise InvalidInputError(
-                    "pin_memory=True needs CUDA (torch.cuda.is_available() is False): "
-                    "page-locked buffers only speed up copies to a GPU")
-            pool = self.pools[pin_memory] = OutputBuffers(pin_memory=True)
-        return pool
+    def pool(self, pin_memory: bool) -> OutputBuffers | PinnedBlocks:
+        """Where the frames of a batch go: reused pageable buffers, or with `pin_memory` a
+        fresh page-locked block a batch (`PinnedBlocks` says why)."""
+        return self.pinned if pin_memory else self.pageable
 
     def ids(self, flat: np.ndarray) -> np.ndarray:
         """The transition ids at these flat slots, increasing."""

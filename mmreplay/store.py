@@ -44,7 +44,7 @@ from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
 from mmreplay.mirror import Mirror
 from mmreplay.opening import open_store
-from mmreplay.prefetch import BatchPipeline, BatchPrefetcher
+from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
 from mmreplay.priorities import Priorities
 from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
 from mmreplay.reader import Planned, Reader
@@ -62,6 +62,7 @@ from mmreplay.storage.zstd_dict import parse_dictionary
 from mmreplay.torch_batch import (
     ArrayBatch,
     Batch,
+    FrameSetBatch,
     SequenceBatch,
     make_batch,
     make_sequence_batch,
@@ -282,19 +283,19 @@ class ReplayStore(BucketMethods):
         """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`)."""
         return _sample_arrays(self, batch_size, beta, pin_memory)
 
-    def batches(self, batch_size: int, *, prefetch: int = 2,
-                beta: float = 0.4, pin_memory: bool = False) -> BatchPrefetcher:
+    def batches(self, batch_size: int, *, prefetch: int = 2, beta: float = 0.4,
+                pin_memory: bool = False, device: Any = None, workers: int = 1
+                ) -> BatchPrefetcher:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
         A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
         fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
         happen in order when the thread makes them, so with concurrent ``add`` calls the
         sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
-        ``pin_memory=True``: see `sample_arrays`.
-        """
+        ``pin_memory``, ``device``, ``workers``: see docs/guides/gpu.md."""
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
-        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory)
+        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory, device, workers)
         self._prefetchers.add(it)
         return it
 
@@ -518,7 +519,8 @@ def _close(store: ReplayStore) -> None:
             _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
 
 
-def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -> BatchPipeline:
+def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
+              finish: Callable[[ArrayBatch], Any], receive: Receive | None) -> BatchPipeline:
     """`batches` of a store read from a bucket: up to `prefetch` batches' chunks fetched at
     once, drawn and assembled in order under the lock (`BatchPipeline`)."""
     remote = store.remote
@@ -530,32 +532,88 @@ def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float) -
             _refuse_closed(store, "batches")
             return store._reader.plan(store._rng, size, b)
 
-    def assemble(planned: Planned, size: int, b: float) -> Batch:
+    def assemble(planned: Planned, size: int, b: float) -> Any:
         with store._lock:
             _refuse_closed(store, "batches")
-            return make_batch(store._reader.assemble(planned, store._rng, size, b))
+            arrays = store._reader.assemble(planned, store._rng, size, b)
+        return finish(arrays)
 
     return BatchPipeline(draw, lambda planned: remote.prefetch(planned.chunks), assemble,
-                         batch_size, prefetch=prefetch, beta=beta)
+                         batch_size, prefetch=prefetch, beta=beta, receive=receive)
 
 
 def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
-                pin_memory: bool) -> BatchPrefetcher:
-    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline."""
+                pin_memory: bool, device: Any, workers: int) -> BatchPrefetcher:
+    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline;
+    with a `device`, each batch copied there by the thread (`DeviceMover`); for a ``device=``
+    store, its own batches, gathered on its device."""
+    if store._device is not None:
+        _refuse_device_options(pin_memory, device, workers)
+        return BatchPrefetcher(store.sample, batch_size, prefetch=prefetch, beta=beta)
+    finish: Callable[[Any], Any] = make_batch
+    receive: Receive | None = None
+    if device is not None:
+        from mmreplay.device_batches import DeviceMover  # imports torch
+
+        mover = DeviceMover(device)
+        finish, receive, pin_memory = mover.upload, mover.receive, mover.pin_memory
     if store.remote is not None:
-        if pin_memory:
+        if workers != 1:
+            raise InvalidInputError(f"batches(workers={workers!r}) is for local stores; a "
+                                    f"bucket store's pipeline fetches `prefetch` batches at once")
+        if pin_memory and device is None:
             raise InvalidInputError("batches(pin_memory=True) is for local stores; a bucket "
                                     "store's pipeline assembles into pageable memory")
-        return _pipeline(store, batch_size, prefetch, beta)
-    return BatchPrefetcher(functools.partial(_sample_batch, store, pin_memory=pin_memory),
-                           batch_size, prefetch=prefetch, beta=beta)
+        return _pipeline(store, batch_size, prefetch, beta, finish, receive)
+
+    draw = _sample_frame_set if device is not None else _sample_arrays  # frame set: each
+    views = _read_only_views(store, workers)  # distinct frame read and copied once
+
+    def sampler(source: ReplayStore) -> Callable[[int, float], Any]:
+        return lambda size, b: finish(draw(source, size, b, pin_memory))
+
+    try:
+        return BatchPrefetcher([sampler(view) for view in views] or sampler(store), batch_size,
+                               prefetch=prefetch, beta=beta, workers=workers, receive=receive,
+                               on_close=functools.partial(_close_all, views))
+    except BaseException:
+        _close_all(views)
+        raise
 
 
-def _sample_batch(store: ReplayStore, batch_size: int, beta: float, *,
-                  pin_memory: bool) -> Batch:
-    if not pin_memory:  # `sample`: a ``device=`` store's batches are gathered there
-        return store.sample(batch_size, beta)
-    return make_batch(_sample_arrays(store, batch_size, beta, pin_memory))
+def _refuse_device_options(pin_memory: bool, device: Any, workers: int) -> None:
+    """A ``device=`` store gathers its batches on its device: copying options do not apply."""
+    if pin_memory or device is not None or workers != 1:
+        raise InvalidInputError(
+            f"batches(pin_memory={pin_memory!r}, device={device!r}, workers={workers!r}): "
+            f"this store keeps its frames on its device and gathers batches there; expected "
+            f"the defaults (pin_memory=False, device=None, workers=1)")
+
+
+def _close_all(stores: list[ReplayStore]) -> None:
+    for each in stores:
+        each.close()
+
+
+def _read_only_views(store: ReplayStore, workers: int) -> list[ReplayStore]:
+    """For `workers` threads sampling a read-only store: one read-only view of its directory
+    each (its own lock, index and RNG, seeded from the store's; no frame cache: the views
+    share the OS page cache), so their compiled reads run at once. None for one worker or a
+    writable store (a view sees only what the writer committed)."""
+    if not isinstance(workers, int) or workers <= 1 or store.writable:
+        return []  # (`BatchPrefetcher` refuses a bad `workers`)
+    with store._lock:
+        seeds = store._rng.integers(0, 1 << 63, size=workers).tolist()
+    views: list[ReplayStore] = []
+    try:
+        for seed in seeds:
+            views.append(ReplayStore.open(store.path, mode="r", cache_bytes=0))
+            views[-1].reseed(seed)
+    except BaseException:
+        for view in views:
+            view.close()
+        raise
+    return views
 
 
 def _sample(store: ReplayStore, batch_size: int, beta: float) -> Batch:
@@ -576,6 +634,14 @@ def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
         _refuse_closed(store, "sample")
         size, beta = validate.batch_size(batch_size), validate.beta(beta)
         return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
+
+
+def _sample_frame_set(store: ReplayStore, batch_size: int, beta: float,
+                      pin_memory: bool) -> FrameSetBatch:
+    with store._limits.sampling(_items(batch_size)), store._lock:
+        _refuse_closed(store, "sample")
+        size, beta = validate.batch_size(batch_size), validate.beta(beta)
+        return store._reader.sample_frame_set(store._rng, size, beta, pin_memory=pin_memory)
 
 
 def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:

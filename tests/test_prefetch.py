@@ -112,3 +112,34 @@ def test_a_full_queue_is_refilled_after_each_take_and_never_overdrawn(tmp_path):
             assert len(next(it)) == 8
         wait_until(lambda: len(calls) == 3 + 6)
     store.close()
+
+
+def test_workers_on_a_read_only_store_sample_from_views_of_their_own(tmp_path, monkeypatch):
+    """Several workers on a read-only store: each samples a read-only view of the directory
+    (its own lock, so their reads run at once); batches hold the transitions of their ids,
+    and closing the iterator closes the views."""
+    store = make(tmp_path)
+    store.reset(frame(0, OBS))
+    record(store, 0, 300)
+    store.close()
+    opened = []
+    open_store = ReplayStore.open
+
+    def spy(*args, **kw):
+        opened.append(open_store(*args, **kw))
+        return opened[-1]
+
+    reader = ReplayStore.open(tmp_path / "s", mode="r")
+    monkeypatch.setattr(ReplayStore, "open", spy)
+    with reader.batches(16, prefetch=4, workers=3) as it:
+        for _ in range(30):
+            batch = next(it)
+            again = reader.get(batch.ids)
+            assert torch.equal(batch.obs, again.obs) and torch.equal(batch.next_obs,
+                                                                     again.next_obs)
+    assert len(opened) == 3 and all(view.closed for view in opened)
+    assert not reader.closed
+    with reader.batches(16, workers=1) as it:
+        next(it)
+    assert len(opened) == 3  # one worker samples the store itself
+    reader.close()

@@ -54,7 +54,7 @@ import torch
 from mmreplay import lifecycle
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
-from mmreplay.torch_batch import ArrayBatch, Batch
+from mmreplay.torch_batch import ArrayBatch, Batch, frames_tensor
 
 try:
     from gymnasium import spaces
@@ -532,12 +532,11 @@ def _make_stage(buf: FrameOnceReplayBuffer) -> StepStage | None:
 def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
     """`FrameOnceReplayBuffer.samples` of a store's `ArrayBatch` (no VecNormalize): each field
     handed to torch without a copy (``obs``, ``next_obs``: views of one tensor of frames)."""
-    frames = batch.frames
+    both = frames_tensor(batch)  # pinned: the block's own tensor, so copies are tracked
     if buf.layout.frame_stack == 1:
-        both = torch.from_numpy(frames.reshape(2, frames.shape[1], *buf.obs_shape))
+        both = both.reshape(2, both.shape[1], *buf.obs_shape)
         obs, next_obs = both[0], both[1]
     else:
-        both = torch.from_numpy(frames)
         obs, next_obs = buf.layout.to_sb3(both[0]), buf.layout.to_sb3(both[1])
     rewards = batch.reward.reshape(-1, 1)
     discounts = None

@@ -8,6 +8,7 @@
     workers    figures about a process, each from a fresh ``bench.py _worker JOB``
     scale      ram, cold, open, flush and disk: the parent side and their tables
     targets    each figure beside the goal it is read against (PASS / SHORT)
+    gpu_learner  the DQN update of `bench/bench_gpu.py`, eager or in a CUDA graph
 
 The other bench scripts (`bench_scale.py`, `bench_sequences.py`, `bench_prioritized.py`, ...)
 import what they share from here.

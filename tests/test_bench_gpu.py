@@ -1,0 +1,32 @@
+"""scripts/bench/bench_gpu.py: without CUDA it says so and exits 0; ``--device cpu`` runs
+its feeds and the eager learner on the CPU with tiny sizes and writes gpu.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from script_runner import run_here
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: the bench would measure")
+def test_bench_gpu_without_cuda_says_so_and_exits_0():
+    outcome = run_here("bench/bench_gpu.py")
+    assert outcome.returncode == 0, outcome.stderr
+    assert "CUDA is not available" in outcome.stdout
+
+
+@pytest.mark.integration
+def test_bench_gpu_runs_its_feeds_on_the_cpu(tmp_path):
+    outcome = run_here("bench/bench_gpu.py", "--device", "cpu", "--quick", "--games", "",
+                       "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--frames",
+                       "1200", "--distinct-frames", "600", "--out-dir", str(tmp_path))
+    assert outcome.returncode == 0, outcome.stderr
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    feeds = {(a["sampler"], a["feed"]) for a in result["arms"]}
+    assert {("uniform", "ceiling"), ("uniform", "store_sample"), ("uniform", "prefetch"),
+            ("uniform", "device_batches"), ("prioritized", "device_batches")} <= feeds
+    assert all(a["updates_per_s"] > 0 for a in result["arms"])
+    assert result["wrong_batches"] == {}  # the check needs CUDA
