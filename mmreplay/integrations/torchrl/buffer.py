@@ -60,7 +60,7 @@ class FrameOnceSampler(Sampler):
 
     def update_priority(self, index: Any, priority: Any, *,
                         storage: Storage | None = None) -> None:
-        store = _ours(storage)._open_store()
+        store = _ours(storage).opened()
         ids = torch.as_tensor(index).reshape(-1).cpu().numpy()
         values = torch.as_tensor(priority).detach().reshape(-1).float().cpu().numpy()
         if values.size != ids.size:

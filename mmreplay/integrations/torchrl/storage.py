@@ -176,7 +176,7 @@ class FrameOnceStorage(Storage):
     def draw(self, batch_size: int, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The store's draw of `batch_size` transitions: (ids, importance weights); the
         batch is held for the ``get`` of those ids that follows (one read, not two)."""
-        batch = self._open_store().sample(batch_size, beta)
+        batch = self.opened().sample(batch_size, beta)
         self._held = (batch.ids, batch)
         return batch.ids, batch.weights
 
@@ -185,7 +185,7 @@ class FrameOnceStorage(Storage):
         if held is not None and held[0] is index:
             return self.to_tensordict(held[1])
         ids = torch.as_tensor(index).reshape(-1).numpy()
-        return self.to_tensordict(self._open_store().get(ids))
+        return self.to_tensordict(self.opened().get(ids))
 
     def to_tensordict(self, batch: Batch) -> TensorDictBase:
         """A sampled batch in TorchRL's layout (see `layout`)."""
@@ -217,7 +217,7 @@ class FrameOnceStorage(Storage):
     # -- persistence -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Flushes the store; the state is where it is and which generation (no frames)."""
-        store = self._open_store()
+        store = self.opened()
         store.flush()
         return {"version": POINTER_VERSION, "path": str(self.path.resolve()),
                 "generation": store.generation, "transitions": store.counts.transitions}
@@ -230,7 +230,7 @@ class FrameOnceStorage(Storage):
         if self.store is None or path.resolve() != self.path.resolve():
             self.path = path
             self.open()
-        store = self._open_store()
+        store = self.opened()
         if store.counts.transitions != state_dict["transitions"]:
             warnings.warn(f"{path}: the store holds {store.counts.transitions} transitions "
                           f"since creation, the save {state_dict['transitions']}: it committed "
@@ -255,7 +255,8 @@ class FrameOnceStorage(Storage):
         raise NotImplementedError("a FrameOnceStorage is its store on disk: to start over, "
                                   "close it and delete its directory")
 
-    def _open_store(self) -> ReplayStore:
+    def opened(self) -> ReplayStore:
+        """The store, once the first ``extend`` created it (or it was opened)."""
         if self.store is None:
             raise InvalidInputError(f"{self.path}: nothing stored yet (extend first)")
         return self.store
