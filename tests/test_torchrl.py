@@ -322,3 +322,30 @@ def test_storage_refuses_in_place_writes(tmp_path: Path) -> None:
     storage = FrameOnceStorage(tmp_path / "rb", 100)
     with pytest.raises(NotImplementedError, match="written by extend"):
         storage.set(0, None)
+
+
+@pytest.mark.integration
+def test_torchrl_dqn_script_learns_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("ale_py")
+    run = tmp_path / "run"
+    tiny = ["--total-frames", "300", "--frames-per-batch", "100", "--learning-starts", "200",
+            "--num-updates", "2", "--batch-size", "8", "--buffer-size", "2000",
+            "--run-dir", str(run)]
+
+    def dqn(*extra: str) -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "torchrl_dqn.py"), *tiny,
+                               *extra], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = dqn()
+    assert first["steps"] == 300 and first["updates"] == 4 and first["transitions"] == 300
+    assert first["frames_written"] == 300 + first["episodes"] + 1  # o_0 of each episode once
+    assert (run / "rb_ckpt" / "storage" / "frame_once.json").exists()
+    assert not list((run / "rb_ckpt").rglob("*.pkl"))
+    again = dqn("--resume")
+    assert again["transitions"] == 600  # the store resumed with the first run's 300
+    # the first run's unfinished episode reads as truncated; the new one starts with its o_0
+    assert again["frames_written"] == 600 + first["episodes"] + again["episodes"] + 2
