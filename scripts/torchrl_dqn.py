@@ -3,6 +3,7 @@ replay buffer swapped for mmreplay's frame-once storage.
 
     python scripts/torchrl_dqn.py --total-frames 20000 --learning-starts 5000
     python scripts/torchrl_dqn.py ... --resume     # continue from run_dir/rb (its checkpoint)
+    python scripts/torchrl_dqn.py ... --overwrite  # start again in the same run_dir
 
 Everything else is TorchRL's: a `Collector` over a `GymWrapper` Atari env with `CatFrames`
 (4 stacks of 84x84 frames, padded by repeating the first frame), a `QValueActor` (the Nature
@@ -30,7 +31,7 @@ import ale_py
 import gymnasium as gym
 import numpy as np
 import torch
-from common import dir_bytes, parse_args, run_main
+from common import dir_bytes, parse_args, prepare_run_dir, run_main
 from tensordict.nn import TensorDictSequential
 from torchrl.collectors import Collector
 from torchrl.data import Composite
@@ -88,6 +89,8 @@ class Args:
     """holds the replay store (run_dir/rb) and its checkpoint (run_dir/rb_ckpt)"""
     resume: bool = False
     """reopen run_dir/rb and load run_dir/rb_ckpt instead of starting empty"""
+    overwrite: bool = False
+    """delete `run_dir` first if it already holds a run (without `--resume`)"""
 
 
 class Scale(torch.nn.Module):
@@ -127,9 +130,7 @@ def make_model(env: TransformedEnv) -> QValueActor:
 def main() -> None:
     args = parse_args(Args, description=__doc__)
     torch.manual_seed(args.seed)
-    run_dir = Path(args.run_dir)
-    if (run_dir / "rb").exists() and not args.resume:
-        raise SystemExit(f"{run_dir / 'rb'} holds a run: pass --resume or another --run-dir")
+    run_dir = prepare_run_dir(Path(args.run_dir), resume=args.resume, overwrite=args.overwrite)
     model = make_model(make_env(args.env_id, args.seed))
     greedy = EGreedyModule(annealing_num_steps=args.annealing_frames, eps_init=args.eps_start,
                            eps_end=args.eps_end, spec=model.spec)
