@@ -119,6 +119,11 @@ class StreamRecorder:
             new[:, 1:] = steps.done[:, :-1] | ~same
             if steps.traj is not None:
                 new[:, 1:] |= steps.traj[:, 1:] != steps.traj[:, :-1]
+            if rows > 1 or self.num_envs == 1:  # a row is one env: it cuts only after done
+                _refuse((new[:, 1:] & ~steps.done[:, :-1])[..., None],
+                        f"a trajectory begins before the one it follows ended (no done "
+                        f"step); one env's steps were expected (num_envs={self.num_envs}): "
+                        f"a flat batch of several envs needs num_envs=<envs>")
         return new
 
     def plan(self, steps: Steps, new: np.ndarray) -> list[Run]:
