@@ -365,6 +365,36 @@ def test_refused_shapes_and_env_counts(tmp_path: Path) -> None:
             bad_batch("none"))
 
 
+def test_reopening_with_other_settings_is_refused(tmp_path: Path) -> None:
+    ours, _, _, _ = both(tmp_path, batches=1)
+    ours.storage.close()
+    with pytest.raises(InvalidInputError, match="sampling 'uniform', expected max_size 10000 "
+                                                "sampling 'prioritized'"):
+        make_rb(tmp_path / "rb", 10_000, batch_size=16, sampler="prioritized")
+    with pytest.raises(InvalidInputError, match="capacity 10000 .* expected max_size 500"):
+        make_rb(tmp_path / "rb", 500, batch_size=16)
+    assert len(make_rb(tmp_path / "rb", 10_000, batch_size=16)) == 3 * 8
+
+
+@pytest.mark.integration
+def test_torchrl_dqn_script_help_and_refused_second_run(tmp_path: Path) -> None:
+    def dqn(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "torchrl_dqn.py"),
+                               *args], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                              check=False)
+
+    shown = dqn("--help")
+    assert shown.returncode == 0
+    for flag in ("--total-frames", "--learning-starts", "--prefetch", "--resume", "--overwrite"):
+        assert flag in shown.stdout
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "something").write_text("x")
+    refused = dqn("--run-dir", str(tmp_path / "run"))
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_storage_refuses_in_place_writes(tmp_path: Path) -> None:
     storage = FrameOnceStorage(tmp_path / "rb", 100)
     with pytest.raises(NotImplementedError, match="written by extend"):

@@ -32,6 +32,7 @@ from torchrl.data.replay_buffers.writers import Writer
 
 from mmreplay.errors import InvalidInputError
 from mmreplay.integrations.torchrl.storage import FrameOnceStorage
+from mmreplay.storage.safe_io import write_atomic
 
 SAMPLER_FILE = "frame_once_sampler.json"
 PREFETCH_FILE = "frame_once_prefetch.json"
@@ -75,8 +76,10 @@ class FrameOnceSampler(Sampler):
         self.beta = float(state_dict["beta"])
 
     def dumps(self, path: str | os.PathLike[str]) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / SAMPLER_FILE).write_text(json.dumps(self.state_dict()))
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / SAMPLER_FILE, json.dumps(self.state_dict()).encode(), folder,
+                     durable=False)
 
     def loads(self, path: str | os.PathLike[str]) -> None:
         self.load_state_dict(json.loads((Path(path) / SAMPLER_FILE).read_text()))
@@ -126,7 +129,7 @@ class FrameOnceReplayBuffer(TensorDictReplayBuffer):
     def _dump_prefetch_state(self, path: Path, prefetch_state: dict[str, Any]) -> None:
         queue = [info["index"].tolist() for _, info in prefetch_state["queue"]]
         state = {"version": 1, "capacity": prefetch_state["capacity"], "queue": queue}
-        (path / PREFETCH_FILE).write_text(json.dumps(state))
+        write_atomic(path / PREFETCH_FILE, json.dumps(state).encode(), path, durable=False)
 
     def _load_prefetch_state(self, path: Path) -> dict[str, Any] | None:
         file = path / PREFETCH_FILE

@@ -91,10 +91,12 @@ class FrameOnceStorage(Storage):
         self.close()
         layout = KeyLayout.from_dict(json.loads((self.path / LAYOUT_FILE).read_text()))
         store = ReplayStore.open(self.path / "store")
-        if store.spec.capacity != self.max_size:
+        want = (self.max_size, self.store_options["sampler"])
+        if (store.spec.capacity, store.spec.sampler) != want:
             store.close()
-            raise InvalidInputError(f"{self.path} holds a store of capacity "
-                                    f"{store.spec.capacity}, expected max_size {self.max_size}")
+            raise InvalidInputError(
+                f"{self.path} holds a store of capacity {store.spec.capacity} sampling "
+                f"{store.spec.sampler!r}, expected max_size {want[0]} sampling {want[1]!r}")
         self.store, self.layout = store, layout
         self.recorder = StreamRecorder(layout, store.spec.num_envs)
 
