@@ -285,7 +285,11 @@ RESUME = textwrap.dedent("""
     rb.sample()  # fills the prefetch queue
     rb.dumps({ckpt!r})
     after = [rb.sample()["index"].tolist() for _ in range(3)]
-    json.dump({{"after": after, "len": len(rb),
+    ids = rb.storage.store.valid_ids()
+    everything = rb.storage.get(torch.from_numpy(ids))
+    json.dump({{"after": after, "len": len(rb), "writes": rb.write_count, "ids": ids.tolist(),
+               "pixels": int(everything["pixels"].sum()),
+               "next_pixels": int(everything["next", "pixels"].sum()),
                "counts": list(rb.storage.store.counts.__dict__.values())}},
               open({out!r}, "w"))
     rb.extend(fake.batch(8))  # added after the save, never flushed
@@ -293,6 +297,7 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_killed_after_save_resumes_with_same_contents(tmp_path: Path) -> None:
     path, ckpt, out = tmp_path / "rb", tmp_path / "ckpt", tmp_path / "out.json"
     code = RESUME.format(tests=str(ROOT / "tests"), path=str(path), ckpt=str(ckpt),
@@ -305,7 +310,12 @@ def test_killed_after_save_resumes_with_same_contents(tmp_path: Path) -> None:
     rb = make_rb(path, 10_000, batch_size=8, frame_stack=4, sampler="prioritized",
                             prefetch=2)
     rb.loads(ckpt)
-    assert len(rb) == before["len"]
+    assert len(rb) == before["len"] and rb.write_count == before["writes"] == 4 * 2 * 8
+    ids = rb.storage.store.valid_ids()
+    assert ids.tolist() == before["ids"]
+    everything = rb.storage.get(torch.from_numpy(ids))
+    assert int(everything["pixels"].sum()) == before["pixels"]
+    assert int(everything["next", "pixels"].sum()) == before["next_pixels"]
     assert list(rb.storage.store.counts.__dict__.values()) == before["counts"]
     assert [rb.sample()["index"].tolist() for _ in range(3)] == before["after"]
 
@@ -348,6 +358,15 @@ def test_refused_streams_say_what_was_expected(tmp_path: Path, change: str,
         rb.extend(bad_batch(change))
     rb.extend(bad_batch("none"))  # a refused batch changed nothing
     assert len(rb) == 12
+
+
+def test_refused_rewards_say_what_the_store_keeps(tmp_path: Path) -> None:
+    td = bad_batch("none")
+    td.set(("next", "reward"), td["next", "reward"].double())
+    rb = make_rb(tmp_path / "rb", 1000, batch_size=4, frame_stack=K)
+    with pytest.raises(InvalidInputError, match=r"one float32 per step .* got per-step \(1,\) "
+                                                r"float64"):
+        rb.extend(td)
 
 
 def test_refused_shapes_and_env_counts(tmp_path: Path) -> None:

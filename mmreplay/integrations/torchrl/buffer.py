@@ -91,6 +91,13 @@ class FrameOnceSampler(Sampler):
 class FrameOnceWriter(Writer):
     """Hands whole collector batches to the storage (which assigns the ids)."""
 
+    @property
+    def _write_count(self) -> int:
+        """TorchRL's ``rb.write_count``: transitions written since the store was created
+        (the store's counter, so it survives a resume)."""
+        store = _ours(self._storage).store
+        return 0 if store is None else store.counts.transitions
+
     def add(self, data: Any) -> Any:
         return self.extend(data.unsqueeze(0))[0]
 

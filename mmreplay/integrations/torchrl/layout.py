@@ -17,6 +17,7 @@ TensorDicts. numpy only: the conversion to and from tensors is `storage`'s.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,11 @@ def infer_layout(entries: dict[Key, np.ndarray], *, batch_dims: int, pixels_key:
             raise InvalidInputError(f"a TorchRL transition needs the entry {key}; got keys "
                                     f"{sorted(entries)}")
     col = {key: _column(key, a.shape, a.dtype, batch_dims) for key, a in entries.items()}
-    pixels = col[pixels_key]
+    pixels, reward = col[pixels_key], col[REWARD]
+    if reward.dtype != "float32" or math.prod(reward.shape) != 1:
+        raise InvalidInputError(
+            f"('next', 'reward') must be one float32 per step (the store keeps float32 "
+            f"rewards; DoubleToFloat converts), got per-step {reward.shape} {reward.dtype}")
     if stacked:
         check_stack_shape(pixels.shape, frame_stack)
     taken = {pixels_key, nxt, ACTION, REWARD, TERMINATED, TRUNCATED, DONE, *exclude}
@@ -153,7 +158,7 @@ def infer_layout(entries: dict[Key, np.ndarray], *, batch_dims: int, pixels_key:
                    if k not in taken and k[-1] not in ALWAYS_DROPPED)
     return KeyLayout(pixels_key=pixels_key, pixels=pixels, frame_stack=frame_stack,
                      stacked=stacked, stack_padding=stack_padding, action=col[ACTION],
-                     reward=col[REWARD], flag_shape=col[TERMINATED].shape, extras=extras)
+                     reward=reward, flag_shape=col[TERMINATED].shape, extras=extras)
 
 
 def check_stack_shape(shape: tuple[int, ...], frame_stack: int) -> None:
