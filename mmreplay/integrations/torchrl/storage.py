@@ -154,6 +154,7 @@ class FrameOnceStorage(Storage):
         got = {k: a.shape[2:] for k, a in entries.items()}
         want = {c.key: c.shape for c in (layout.pixels, layout.action, layout.reward,
                                           *layout.extras)}
+        want[("next", *layout.pixels_key)] = layout.pixels.shape
         for key, shape in want.items():
             if got.get(key) != shape:
                 raise InvalidInputError(f"entry {key} per-step shape {got.get(key)} != "
