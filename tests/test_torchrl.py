@@ -27,7 +27,9 @@ from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer  # noqa: E402
 
 from mmreplay.errors import InvalidInputError  # noqa: E402
 from mmreplay.integrations.torchrl import (  # noqa: E402
+    FrameOnceSampler,
     FrameOnceStorage,
+    FrameOnceWriter,
     make_replay_buffer,
 )
 
@@ -414,10 +416,26 @@ def test_torchrl_dqn_script_help_and_refused_second_run(tmp_path: Path) -> None:
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
-def test_storage_refuses_in_place_writes(tmp_path: Path) -> None:
-    storage = FrameOnceStorage(tmp_path / "rb", 100)
+def test_the_pieces_in_torchrl_s_own_buffer(tmp_path: Path) -> None:
+    storage = FrameOnceStorage(tmp_path / "rb", 1000, frame_stack=K)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=FrameOnceSampler(),
+                                writer=FrameOnceWriter(), batch_size=4, collate_fn=lambda x: x)
+    rb.extend(bad_batch("none"))
+    assert rb.sample()["pixels"].shape == (4, K, *HW) and rb.write_count == 12
+    storage.close()
+
+
+def test_torchrl_s_own_writer_and_sampler_are_refused(tmp_path: Path) -> None:
+    storage = FrameOnceStorage(tmp_path / "rb", 1000, frame_stack=K)
+    plain = TensorDictReplayBuffer(storage=storage, batch_size=4, collate_fn=lambda x: x)
     with pytest.raises(NotImplementedError, match="written by extend"):
-        storage.set(0, None)
+        plain.extend(bad_batch("none"))
+    ours = TensorDictReplayBuffer(storage=storage, writer=FrameOnceWriter(), batch_size=4,
+                                  collate_fn=lambda x: x)
+    ours.extend(bad_batch("none"))
+    with pytest.raises(NotImplementedError, match="sampled by FrameOnceSampler"):
+        ours.sample()  # TorchRL's RandomSampler draws positions, not transition ids
+    storage.close()
 
 
 @pytest.mark.integration

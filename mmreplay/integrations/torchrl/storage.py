@@ -171,6 +171,12 @@ class FrameOnceStorage(Storage):
                      traj=entries.get(TRAJ_IDS),
                      extras={n: entries[c.key] for n, c in layout.extra_names().items()})
 
+    def _rand_given_ndim(self, batch_size: int) -> torch.Tensor:
+        """What TorchRL's own samplers draw from: refused (they draw positions 0..len-1;
+        this storage's indices are transition ids, drawn by `FrameOnceSampler`)."""
+        raise NotImplementedError("FrameOnceStorage is sampled by FrameOnceSampler: its "
+                                  "indices are the store's transition ids, not positions")
+
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         raise NotImplementedError("FrameOnceStorage is written by extend (FrameOnceWriter): "
                                   "stored transitions cannot be overwritten in place")
