@@ -56,8 +56,9 @@ class FakeCollector:
     """Batches of ``num_envs`` envs as TorchRL's collector marks them (see the module doc)."""
 
     def __init__(self, num_envs: int, *, seed: int = 0, max_len: int = 9,
-                 p_terminate: float = 0.08, stacked: bool = True) -> None:
+                 p_terminate: float = 0.08, stacked: bool = True, zeros: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        self.zeros = zeros  # CatFrames(padding="constant"): zeros before o_0
         self.n, self.max_len, self.p, self.stacked = num_envs, max_len, p_terminate, stacked
         self.next_traj = 0
         self.frames = [self._start(e) for e in range(num_envs)]
@@ -68,7 +69,7 @@ class FakeCollector:
 
     def _start(self, env: int) -> list[np.ndarray]:
         o0 = self.rng.integers(1, 256, HW, dtype=np.uint8)
-        return [o0] * K
+        return [np.zeros_like(o0)] * (K - 1) + [o0] if self.zeros else [o0] * K
 
     def _pixels(self, frames: list[np.ndarray]) -> np.ndarray:
         return np.stack(frames) if self.stacked else frames[-1][None]
@@ -122,14 +123,14 @@ class FakeCollector:
         return step
 
 
-def both(tmp_path: Path, num_envs: int = 3, batches: int = 6, steps: int = 8, **kw: Any
-         ) -> tuple[Any, Any, dict[int, int], FakeCollector]:
+def both(tmp_path: Path, num_envs: int = 3, batches: int = 6, steps: int = 8, *,
+         zeros: bool = False, **kw: Any) -> tuple[Any, Any, dict[int, int], FakeCollector]:
     """Our buffer and TorchRL's, fed the same stream; our id -> their index."""
     ours = make_rb(tmp_path / "rb", 10_000, batch_size=16, frame_stack=K, seed=1,
                               **kw)
     theirs = TensorDictReplayBuffer(storage=LazyMemmapStorage(10_000, scratch_dir=tmp_path / "m"),
                                     batch_size=16)
-    fake = FakeCollector(num_envs, stacked=kw.get("stacked", True))
+    fake = FakeCollector(num_envs, stacked=kw.get("stacked", True), zeros=zeros)
     to_theirs: dict[int, int] = {}
     for _ in range(batches):
         td = fake.batch(steps)
@@ -178,6 +179,13 @@ def test_a_wrapped_store_samples_only_kept_transitions_exactly(tmp_path: Path,
         td = ours.sample()
         assert set(td["index"].tolist()) <= set(kept.tolist())
         assert_same(td, theirs, to_theirs)
+
+
+def test_zero_padded_stacks_are_detected_and_exact(tmp_path: Path) -> None:
+    ours, theirs, to_theirs, _ = both(tmp_path, zeros=True)
+    assert ours.storage.store.spec.stack_padding == "zero"
+    for _ in range(10):
+        assert_same(ours.sample(), theirs, to_theirs)
 
 
 def test_single_frames_are_stacked_on_sample(tmp_path: Path) -> None:
