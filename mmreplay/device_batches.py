@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mmreplay.errors import InvalidInputError
+from mmreplay.device_frames import parse_device
 from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, frames_tensor
 
 
@@ -51,22 +51,6 @@ class Staged:
     event: torch.cuda.Event | None  # None on the CPU
 
 
-def parse_device(device: Any) -> torch.device:
-    """`device` (a ``torch.device`` or a string such as ``"cuda"``, ``"cuda:1"``, ``"cpu"``)
-    as a ``torch.device``; `InvalidInputError` for anything else, or CUDA without CUDA."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device must be a torch.device or a string such as 'cuda' "
-                                f"or 'cpu', got {device!r}") from exc
-    if parsed.type not in ("cpu", "cuda"):
-        raise InvalidInputError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(f"device={device!r} needs CUDA, and torch.cuda.is_available() "
-                                f"is False")
-    return parsed
-
-
 class DeviceMover:
     """Copies batches to one device on a side stream (`upload`, in the prefetch thread) and
     hands them to the consumer's stream (`receive`, in the consumer's thread)."""
@@ -74,8 +58,6 @@ class DeviceMover:
     def __init__(self, device: torch.device | str) -> None:
         self.device = parse_device(device)
         self.cuda = self.device.type == "cuda"
-        if self.cuda and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
 
     @property

@@ -38,21 +38,23 @@ ALIGN = 16  # every array packed by `to_device` starts at a multiple of this man
 
 
 def parse_device(device: Any) -> torch.device:
-    """`device` as a torch device (a string such as ``"cuda:0"`` or a ``torch.device``);
-    `InvalidInputError` if torch does not know it or CUDA is asked for and absent."""
+    """`device` (a ``torch.device`` or a string such as ``"cuda"``, ``"cuda:1"``, ``"cpu"``)
+    as a ``torch.device``, ``"cuda"`` named as the current one; `InvalidInputError` for
+    anything else, or for CUDA where torch has none."""
     import torch
 
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise InvalidInputError(f"device must name a torch device ('cuda', 'cuda:0', 'cpu'), "
-                                f"got {device!r:.60}") from exc
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(f"device={device!r}: torch.cuda.is_available() is False")
+        raise InvalidInputError(f"device must be a torch.device or a string such as 'cuda', "
+                                f"'cuda:0' or 'cpu', got {device!r:.60}") from exc
     if parsed.type not in ("cuda", "cpu"):
-        raise InvalidInputError(f"device type {parsed.type!r} is not supported: 'cuda' or "
-                                f"'cpu'")
-    if parsed.type == "cuda" and parsed.index is None:  # "cuda": the current one, named
+        raise InvalidInputError(f"device must be 'cuda' or 'cpu', got device type "
+                                f"{parsed.type!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device={device!r} needs CUDA, and "
+                                f"torch.cuda.is_available() is False")
+    if parsed.index is None and parsed.type == "cuda":  # "cuda": the current one, named
         parsed = torch.device("cuda", torch.cuda.current_device())
     return parsed
 

@@ -323,7 +323,7 @@ def test_check_fits_says_both_figures():
 def test_bad_devices_and_bucket_stores_are_refused(tmp_path):
     with pytest.raises(InvalidInputError, match="device type 'meta'"):
         ReplayStore.create(tmp_path / "a", capacity=10, obs_shape=OBS, device="meta")
-    with pytest.raises(InvalidInputError, match="must name a torch device"):
+    with pytest.raises(InvalidInputError, match="must be a torch.device or a string"):
         ReplayStore.create(tmp_path / "b", capacity=10, obs_shape=OBS, device="gpu0")
     with pytest.raises(InvalidInputError, match="needs a local store"):
         ReplayStore.open("s3://bucket/store", mode="r", device="cpu")
