@@ -21,10 +21,10 @@ import numpy.typing as npt
 
 from mmreplay import validate
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
-from mmreplay.index.ring import IdMap
 from mmreplay.index.sum_tree import SumTree
 from mmreplay.kernels import priorities as priority_kernels
 from mmreplay.kernels import samples as sample_kernels
+from mmreplay.kernels.structs import IdMap, Priorities, TreeDraw, Written
 from mmreplay.spec import StoreSpec
 
 FloatArray = npt.NDArray[np.float64]
@@ -38,18 +38,6 @@ class Draw(NamedTuple):
 
     slots: np.ndarray
     weights: np.ndarray
-
-
-class TreeDraw(NamedTuple):
-    """A draw for a compiled call to finish (`sample_kernels.draw_slots`): the same slots and
-    weights `Sampler.sample` gives for the same RNG state. ``values`` are the targets to find
-    (uniform: ``k + 0.5`` for the k-th sampleable slot) or, `stratified`, one uniform in
-    [0, 1) per slice of the mass; ``walk`` is the tree's `SumTree.walk_arrays`."""
-
-    values: np.ndarray
-    stratified: bool
-    beta: float
-    walk: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]
 
 
 class Applied(NamedTuple):
@@ -126,7 +114,7 @@ class UniformSampler:
 
     def tree_draw(self, rng: np.random.Generator, batch_size: int,
                   beta: float = 0.0) -> TreeDraw:
-        return TreeDraw(self._targets(rng, batch_size), False, 0.0, self._tree.walk_arrays())
+        return TreeDraw(self._targets(rng, batch_size), False, 0.0, self._tree.arrays())
 
     def _targets(self, rng: np.random.Generator, batch_size: int) -> FloatArray:
         """``rng.integers(0, count, batch_size) + 0.5``: the same values and the same
@@ -297,7 +285,7 @@ def _stratified_plan(tree: SumTree, rng: np.random.Generator, batch_size: int,
                      beta: float) -> TreeDraw:
     """`_stratified_draw` left for a compiled call (`TreeDraw`): the same uniforms."""
     _refuse_massless(tree)
-    return TreeDraw(rng.random(batch_size), True, float(beta), tree.walk_arrays())
+    return TreeDraw(rng.random(batch_size), True, float(beta), tree.arrays())
 
 
 def _refuse_massless(tree: SumTree) -> None:
@@ -355,12 +343,10 @@ class PrioritizedSampler:
         change nothing."""
         idx = _as_slots(slots)
         p = _as_priorities(priorities, idx.size, check=False)  # the kernel checks the values
-        kernels, tree = priority_kernels(), self._arrays
-        out, values = np.empty(idx.size, np.int64), np.empty(idx.size, np.float64)
-        count = kernels.apply_slot_priorities(
-            idx, p, self._update_masses(p), self.eps, self.alpha, self._table.valid,
-            self._table.p, tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts,
-            tree.firsts, tree.shifts, tree.leaf0, out, values, self._top)
+        kernels = priority_kernels()
+        out = self._written(idx.size)
+        count = kernels.apply_slot_priorities(idx, p, self._update_masses(p), self._table.valid,
+                                              self._dest(_NO_MARKS), out)
         self._check_status(count, idx, p)
         self._raise_max(self._top[0])
 
@@ -372,22 +358,26 @@ class PrioritizedSampler:
         slots written in `marks`. Returns None, changing nothing, when `where` spills and an
         id needs `pre`: its flat slots (-1 unknown) from `StepRing.spilled`. Bad values
         (NaN, inf, negative) raise and change nothing."""
-        kernels, tree = priority_kernels(), self._arrays
-        slots, values = np.empty(ids.size, np.int64), np.empty(ids.size, np.float64)
-        mark = _NO_MARKS if marks is None else marks
+        kernels = priority_kernels()
+        out = self._written(ids.size)
         count = kernels.apply_priorities(
-            ids, priorities, self._update_masses(priorities), self.eps, self.alpha,
-            _NO_SLOTS if pre is None else pre,
-            where.spills, where.next_id, where.loc, where.slot_ids, where.valid, self._table.p,
-            tree.sums, tree.mins, tree.prefix, tree.offsets, tree.fanouts, tree.firsts,
-            tree.shifts, tree.leaf0, mark.mask, mark.period, mark.group, slots, values,
-            self._top)
+            ids, priorities, self._update_masses(priorities), _NO_SLOTS if pre is None else pre,
+            where, self._dest(_NO_MARKS if marks is None else marks), out)
         if count < 0:
             if count == kernels.MISSED:
                 return None
             self._check_status(count, ids, priorities)
         self._raise_max(self._top[0])
-        return Applied(slots[:count], values[:count])
+        return Applied(out.slots[:count], out.values[:count])
+
+    def _dest(self, marks: SlotMarks) -> Priorities:
+        """What a compiled update writes: the priorities, the tree and `marks`."""
+        return Priorities(self.eps, self.alpha, self._table.p, self._arrays, marks.mask,
+                          marks.period, marks.group)
+
+    def _written(self, size: int) -> Written:
+        """Room for what a compiled update of `size` entries reports."""
+        return Written(np.empty(size, np.int64), np.empty(size, np.float64), self._top)
 
     def _raise_max(self, top: float) -> None:
         """`max_priority` becomes `top` (the largest value a compiled update wrote) if larger."""

@@ -22,17 +22,18 @@ import numpy as np
 
 from mmreplay.kernels import OK
 from mmreplay.kernels.numba_kernels import LZ4, decode_one, memcpy
+from mmreplay.kernels.structs import ChunkBytes, FrameLayout, TableArrays, TableRead
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in ``state`` (`chunk_table.ChunkTable`)
 WIDE = -1000  # a read touching more chunks than the table has rows
 
 
 @numba.njit(nogil=True, cache=True)
-def claim_row(key: int, row_of: np.ndarray, key_of: np.ndarray, ref: np.ndarray,
-              pin: np.ndarray, state: np.ndarray, new_read: bool) -> int:
+def claim_row(key: int, table: TableArrays, new_read: bool) -> int:
     """The row chunk `key` is to be loaded in (it may hold it already), taken from its
     chunk if another held it, referenced and pinned by the current read (a new one if
     `new_read`); -1 if every row is pinned by the current read."""
+    row_of, key_of, ref, pin, state = table.row_of, table.key_of, table.ref, table.pin, table.state
     if new_read:
         state[EPOCH] += 1
     epoch = state[EPOCH]
@@ -67,59 +68,56 @@ def claim_row(key: int, row_of: np.ndarray, key_of: np.ndarray, ref: np.ndarray,
 
 
 @numba.njit(nogil=True, cache=True)
-def drop_rows(keys: np.ndarray, row_of: np.ndarray, key_of: np.ndarray,
-              state: np.ndarray) -> None:
+def drop_rows(keys: np.ndarray, table: TableArrays) -> None:
     """Forget chunks `keys` (their rows are free)."""
     for key in keys:
-        row = row_of[key]
+        row = table.row_of[key]
         if row >= 0:
-            row_of[key], key_of[row] = -1, -1
-            state[HELD] -= 1
+            table.row_of[key], table.key_of[row] = -1, -1
+            table.state[HELD] -= 1
 
 
 @numba.njit(nogil=True, cache=True)
-def _source(f: int, slots: int, chunk: int, num_chunks: int, next_slot: np.ndarray,
-            tail_fill: np.ndarray) -> tuple[int, int]:
+def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     """A flat slot's chunk key and offset in it; or -1 and its source (above) for a RAM
     tail or the zero frame."""
-    envs = next_slot.size
+    envs, chunk = layout.next_slot.size, layout.chunk
     if f < 0:
         return -1, -1 - envs * chunk
-    env, slot = f // slots, f % slots
+    env, slot = f // layout.slots, f % layout.slots
     c, offset = slot // chunk, slot % chunk
-    if c == next_slot[env] // chunk and offset < tail_fill[env]:
+    if c == layout.next_slot[env] // chunk and offset < layout.tail_fill[env]:
         return -1, -1 - (env * chunk + offset)
-    return env * num_chunks + c, offset
+    return env * layout.num_chunks + c, offset
 
 
 @numba.njit(nogil=True, cache=True)
-def table_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
-               next_slot: np.ndarray, tail_fill: np.ndarray, row_of: np.ndarray,
-               key_of: np.ndarray, ref: np.ndarray, pin: np.ndarray, state: np.ndarray,
-               src: np.ndarray, missing: np.ndarray, missing_rows: np.ndarray) -> int:
+def table_plan(flat: np.ndarray, layout: FrameLayout, table: TableArrays, src: np.ndarray,
+               missing: np.ndarray, missing_rows: np.ndarray) -> int:
     """Each frame's source (``src``), a row claimed for every distinct chunk the table
     lacks (keys ``missing[:count]`` to be loaded into rows ``missing_rows[:count]``, in
     order of first use); returns count, or `WIDE` (and nothing claimed). A slot of an env's
     chunk being filled reads the RAM tail below ``tail_fill``, the chunk (its previous lap)
     above."""
     count = 0
+    state = table.state
     state[EPOCH] += 1
     for i in range(flat.size):
-        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
+        key, offset = source_of(flat[i], layout)
         if key < 0:
             src[i] = offset
             continue
-        row = row_of[key]
+        row = table.row_of[key]
         if row < 0:
-            row = claim_row(key, row_of, key_of, ref, pin, state, False)
+            row = claim_row(key, table, False)
             if row < 0:
-                drop_rows(missing[:count], row_of, key_of, state)
+                drop_rows(missing[:count], table)
                 return WIDE
             missing[count], missing_rows[count] = key, row
             count += 1
         else:
-            ref[row], pin[row] = 1, state[EPOCH]
-        src[i] = row * chunk + offset
+            table.ref[row], table.pin[row] = 1, state[EPOCH]
+        src[i] = row * layout.chunk + offset
     return count
 
 
@@ -144,69 +142,63 @@ def table_gather(table: np.ndarray, tails: np.ndarray, src: np.ndarray,
 
 
 @numba.njit(nogil=True, cache=True)
-def _row_source(ram_src: np.ndarray, ram_size: np.ndarray, src: np.ndarray, size: np.ndarray,
-                key: int) -> tuple[int, int, bool]:
+def _row_source(chunks: ChunkBytes, key: int) -> tuple[int, int, bool]:
     """Where the bytes of chunk `key` are: the writer's RAM first, else its mapped file
     (address 0: not mapped yet); and whether they come from the file."""
-    if key < ram_src.size and ram_src[key] != 0:
-        return ram_src[key], ram_size[key], False
-    return src[key], size[key], True
+    if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
+        return chunks.ram_src[key], chunks.ram_size[key], False
+    return chunks.src[key], chunks.size[key], True
 
 
 @numba.njit(nogil=True, cache=True)
-def table_read(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
-               tail_fill: np.ndarray, tail_rows: np.ndarray, rows: np.ndarray,
-               table: tuple, src: np.ndarray, size: np.ndarray, ram_src: np.ndarray,
-               ram_size: np.ndarray, used: np.ndarray, tick: int, shard_chunks: int,
-               sources: np.ndarray, out: np.ndarray, missing: np.ndarray,
-               stack: int = 0) -> int:
+def table_read(flat: np.ndarray, read: TableRead, stack: int = 0) -> int:
     """A whole read through the table of an lz4 shard store in one call: each frame's
     source (`table_plan`); each chunk the table lacks decoded whole from its bytes (in the
-    writer's RAM, ``ram_src``/``ram_size``, else in its mapped file, ``src``/``size``; the
-    file marked used at ``tick``) straight into the row it claims (`claim_row`); then the
-    gather (`table_gather`; ``stack`` > 0: `flat` is a batch's obs and next stacks, see
-    `gather_frames`). ``table`` is ``(row_of, key_of, ref, pin, state)``; ``chunk`` =
-    ``tail_rows.shape[0] // envs`` frames a chunk.
+    writer's RAM, else in its mapped file, marked used: `ChunkBytes`) straight into the
+    row it claims (`claim_row`); then the gather (`gather_frames`; ``stack`` > 0: `flat` is
+    a batch's obs and next stacks).
 
     Returns 0; or, gathering nothing, the count of chunks whose files are not mapped (keys
-    in ``missing[:count]``, maybe repeated: map them and call again; the chunks decoded
+    in ``read.missing[:count]``, maybe repeated: map them and call again; the chunks decoded
     meanwhile stay in the table); or ``-status`` of a chunk that fails to decode, its key in
-    ``missing[0]`` (not kept); or `WIDE`."""
-    row_of, key_of, ref, pin, state = table
-    envs = next_slot.size
-    chunk = tail_rows.shape[0] // envs
+    ``read.missing[0]`` (not kept); or `WIDE`."""
+    layout, chunks, table, sources, missing = (read.layout, read.chunks, read.table,
+                                               read.sources, read.missing)
+    chunk, num_chunks = layout.chunk, layout.num_chunks
+    rows, state = table.rows, table.state
     n = rows.shape[1]
-    shards = -(-num_chunks // shard_chunks)
+    shards = -(-num_chunks // chunks.shard_chunks)
     count = 0
     state[EPOCH] += 1
     for i in range(flat.size):
-        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
+        key, offset = source_of(flat[i], layout)
         if key < 0:
             sources[i] = offset
             continue
-        row = row_of[key]
+        row = table.row_of[key]
         if row < 0:
-            where, length, in_file = _row_source(ram_src, ram_size, src, size, key)
+            where, length, in_file = _row_source(chunks, key)
             if in_file:
-                used[(key // num_chunks) * shards + (key % num_chunks) // shard_chunks] = tick
+                shard = (key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks
+                chunks.used[shard] = chunks.tick
                 if where == 0:
                     missing[count] = key
                     count += 1
                     continue
-            row = claim_row(key, row_of, key_of, ref, pin, state, False)
+            row = claim_row(key, table, False)
             if row < 0:
                 return WIDE
             status = decode_one(where, length, rows.ctypes.data + row * n, n, LZ4, 0, 0, n)
             if status != OK:
-                drop_rows(np.array([key]), row_of, key_of, state)
+                drop_rows(np.array([key]), table)
                 missing[0] = key
                 return -status
         else:
-            ref[row], pin[row] = 1, state[EPOCH]
+            table.ref[row], table.pin[row] = 1, state[EPOCH]
         sources[i] = row * chunk + offset
     if count:
         return count
-    gather_frames(rows.ctypes.data, n // chunk, tail_rows, sources, out, stack)
+    gather_frames(rows.ctypes.data, n // chunk, layout.tail_rows, sources, read.out, stack)
     return 0
 
 

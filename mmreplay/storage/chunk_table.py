@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from mmreplay.kernels import tables
+from mmreplay.kernels.structs import TableArrays
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in `state`
 
@@ -67,6 +68,10 @@ class ChunkTable:
         """The rows as ``(R * chunk_frames, frame_bytes)``: one frame a row."""
         return self.rows.reshape(self.num_rows * self.chunk_frames, -1)
 
+    def arrays(self) -> TableArrays:
+        """The table's arrays, as the compiled reads take them."""
+        return TableArrays(self.rows, self.row_of, self.key_of, self.ref, self.pin, self.state)
+
     @property
     def held(self) -> int:
         """Rows holding a chunk now."""
@@ -75,13 +80,12 @@ class ChunkTable:
     def put(self, key: int, frames: np.ndarray) -> None:
         """Chunk `key` = these decoded frames (a whole chunk, any dtype), in its row or in a
         row taken from another chunk."""
-        row = tables().claim_row(key, self.row_of, self.key_of, self.ref, self.pin,
-                                 self.state, True)
+        row = tables().claim_row(key, self.arrays(), True)
         self.rows[row] = np.ascontiguousarray(frames).reshape(-1).view(np.uint8)
 
     def drop(self, keys: np.ndarray) -> None:
         """Forget chunks `keys` (claimed by a read whose load failed): their rows are free."""
-        tables().drop_rows(keys, self.row_of, self.key_of, self.state)
+        tables().drop_rows(keys, self.arrays())
 
     def clear(self) -> None:
         """Forget every chunk."""

@@ -34,12 +34,20 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.kernels import compiled, samples, tables
+from mmreplay.kernels.structs import (
+    ChunkBytes,
+    FrameLayout,
+    OnePassRead,
+    RingColumns,
+    SampleOut,
+    TableRead,
+    TreeDraw,
+)
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.chunk_table import ChunkTable
 from mmreplay.storage.codec import ChunkCodec, compressor, max_chunk_bytes
@@ -160,6 +168,9 @@ class FrameStore:
         self.tail_fill = np.zeros(spec.num_envs, np.int64)
         self._tail_rows = self.tail.reshape(spec.num_envs * spec.chunk_frames, -1).view(np.uint8)
         self.next_slot = np.zeros(spec.num_envs, np.int64)
+        self._layout = FrameLayout(  # written in place, never moved
+            slots=spec.slots_per_env, chunk=spec.chunk_frames, num_chunks=spec.num_chunks,
+            next_slot=self.next_slot, tail_fill=self.tail_fill, tail_rows=self._tail_rows)
         sharded = spec.shard_chunks > 1  # format 2; else a file per chunk
         self._writer = ChunkWriter(self._codec, self._tmp_dir) if writable and not sharded \
             else None
@@ -345,9 +356,7 @@ class FrameStore:
                 return got.view(self.spec.obs_dtype).reshape(shape)
         keys = np.empty(flat.size, np.int64)
         rows_of = np.empty(flat.size, np.int64)  # each frame's row in the table's frames
-        count = compiled().chunk_plan(flat, self.spec.slots_per_env, self._chunk_len,
-                                     self.num_chunks, self.next_slot, self.tail_fill, keys,
-                                     rows_of)
+        count = compiled().chunk_plan(flat, self._layout, keys, rows_of)
         unique = keys[:count]
         table = np.empty((count, self._chunk_len, *self.spec.obs_shape), self.spec.obs_dtype)
         rows = table.reshape(count, -1).view(np.uint8)
@@ -365,17 +374,17 @@ class FrameStore:
         shard stores whose chunks are local; else it would read as `read` does)."""
         return self._one_pass or self._table_one_call
 
-    def read_drawn(self, draw: tuple[Any, ...], look: tuple[Any, ...],
-                   outs: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
-        """The frames of the stacks ``outs[2]`` of a batch that one compiled call draws
-        (`draw`, a sampler's `TreeDraw`), looks up (`look`, the ring's `lookup_arrays`,
-        into `outs`: see `sample_kernels`) and reads, for a store with `one_call_reads`;
+    def read_drawn(self, draw: TreeDraw, ring: RingColumns, outs: SampleOut,
+                   out: np.ndarray | None = None) -> np.ndarray:
+        """The frames of the stacks ``outs.stacks`` of a batch that one compiled call draws
+        (`draw`, a sampler's `TreeDraw`), looks up (`ring`, the ring's `RingColumns`, into
+        `outs`: see `sample_kernels`) and reads, for a store with `one_call_reads`;
         what that call cannot finish (files to map, a damaged chunk, more chunks than the
         table has rows) `read` finishes from the stacks looked up. `out` as in `read`."""
-        stacks = outs[2]
+        stacks = outs.stacks
         flat = stacks.reshape(-1)
         dest = _destination(self, flat, out)
-        status = _sample_call(self, draw, look, outs, flat.size, dest)
+        status = _sample_call(self, draw, ring, outs, flat.size, dest)
         if status != 0:
             return self.read(stacks, out)
         return dest.view(self.spec.obs_dtype).reshape(*stacks.shape, *self.spec.obs_shape)
@@ -557,8 +566,7 @@ def _read_one_pass(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None) -> 
     dest = _destination(fs, flat, out)
     missing, scratch = np.empty(flat.size, np.int64), np.empty(fs._codec.nbytes, np.uint8)
     while True:
-        status = compiled().read_frames(flat, fs.spec.slots_per_env,
-                                        *_one_pass_args(fs, scratch, dest, missing))
+        status = compiled().read_frames(flat, _one_pass_read(fs, scratch, dest, missing))
         if status <= 0:
             break
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
@@ -580,8 +588,7 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
     sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
     kernels = tables()
     while True:
-        status = kernels.table_read(flat, fs.spec.slots_per_env,
-                                    *_table_args(fs, table, sources, dest, missing))
+        status = kernels.table_read(flat, _table_read(fs, table, sources, dest, missing))
         if status <= 0:
             break
         shards.addresses(missing[:status])  # maps their files, or raises if one is absent
@@ -593,42 +600,40 @@ def _read_table_one_call(fs: FrameStore, flat: np.ndarray, out: np.ndarray | Non
     return dest
 
 
-def _sample_call(fs: FrameStore, draw: tuple[Any, ...], look: tuple[Any, ...],
-                 outs: tuple[np.ndarray, ...], frames: int, dest: np.ndarray) -> int:
+def _sample_call(fs: FrameStore, draw: TreeDraw, ring: RingColumns, outs: SampleOut,
+                 frames: int, dest: np.ndarray) -> int:
     """`FrameStore.read_drawn`'s compiled call (`sample_one_pass`, or `sample_table` with a
     table); its read's status."""
     table, kernels, missing = fs._table, samples(), np.empty(frames, np.int64)
     if table is None:
         scratch = np.empty(fs._codec.nbytes, np.uint8)
-        return kernels.sample_one_pass(draw, look, outs,
-                                       _one_pass_args(fs, scratch, dest, missing))
-    return kernels.sample_table(draw, look, outs,
-                                _table_args(fs, table, np.empty(frames, np.int64), dest,
+        return kernels.sample_one_pass(draw, ring, outs,
+                                       _one_pass_read(fs, scratch, dest, missing))
+    return kernels.sample_table(draw, ring, outs,
+                                _table_read(fs, table, np.empty(frames, np.int64), dest,
                                             missing))
 
 
-def _one_pass_args(fs: FrameStore, scratch: np.ndarray, dest: np.ndarray,
-                   missing: np.ndarray) -> tuple[Any, ...]:
-    """What `read_frames` takes after the frames and the slots per env, for one read (the
-    shard files' tables as they are now: `ShardFiles.read_state`)."""
+def _chunk_bytes(fs: FrameStore) -> ChunkBytes:
+    """Where each chunk's bytes are now: the writer's RAM and the shard files' tables
+    (`ShardFiles.read_state`)."""
     assert fs._shards is not None
     mapped = fs._shards.read_state()
     ram_src, ram_size = _writer_ram(fs)
-    return (fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, mapped.src, mapped.size,
-            ram_src, ram_size, mapped.used, mapped.tick, mapped.shard_chunks, scratch, dest,
-            missing)
+    return ChunkBytes(src=mapped.src, size=mapped.size, ram_src=ram_src, ram_size=ram_size,
+                      used=mapped.used, tick=mapped.tick, shard_chunks=mapped.shard_chunks)
 
 
-def _table_args(fs: FrameStore, table: ChunkTable, sources: np.ndarray, dest: np.ndarray,
-                missing: np.ndarray) -> tuple[Any, ...]:
-    """What `table_read` takes after the frames and the slots per env, for one read."""
-    assert fs._shards is not None
-    mapped = fs._shards.read_state()
-    ram_src, ram_size = _writer_ram(fs)
-    state = (table.row_of, table.key_of, table.ref, table.pin, table.state)
-    return (fs.num_chunks, fs.next_slot, fs.tail_fill, fs._tail_rows, table.rows, state,
-            mapped.src, mapped.size, ram_src, ram_size, mapped.used, mapped.tick,
-            mapped.shard_chunks, sources, dest, missing)
+def _one_pass_read(fs: FrameStore, scratch: np.ndarray, dest: np.ndarray,
+                   missing: np.ndarray) -> OnePassRead:
+    """What `read_frames` takes besides the frames, for one read."""
+    return OnePassRead(fs._layout, _chunk_bytes(fs), scratch, dest, missing)
+
+
+def _table_read(fs: FrameStore, table: ChunkTable, sources: np.ndarray, dest: np.ndarray,
+                missing: np.ndarray) -> TableRead:
+    """What `table_read` takes besides the frames, for one read."""
+    return TableRead(fs._layout, _chunk_bytes(fs), table.arrays(), sources, dest, missing)
 
 
 def _raise_damaged(fs: FrameStore, flat_slot: int, status: int) -> None:
@@ -663,9 +668,7 @@ def _read_table(fs: FrameStore, flat: np.ndarray, out: np.ndarray | None
     assert table is not None
     src = np.empty(flat.size, np.int64)
     missing, rows = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
-    count = kernels.table_plan(flat, fs.spec.slots_per_env, fs._chunk_len, fs.num_chunks,
-                               fs.next_slot, fs.tail_fill, table.row_of, table.key_of,
-                               table.ref, table.pin, table.state, src, missing, rows)
+    count = kernels.table_plan(flat, fs._layout, table.arrays(), src, missing, rows)
     if count == kernels.WIDE:
         return None
     if count:
@@ -702,8 +705,6 @@ def disk_chunks(frames: FrameStore, flat_slots: np.ndarray) -> np.ndarray:
     keys = np.empty(flat.size, np.int64)
     rows_of = np.empty(flat.size, np.int64)
     spec = frames.spec
-    count = compiled().chunk_plan(flat, spec.slots_per_env, spec.chunk_frames,
-                                 frames.num_chunks, frames.next_slot, frames.tail_fill, keys,
-                                 rows_of)
+    count = compiled().chunk_plan(flat, frames._layout, keys, rows_of)
     unique = keys[:count]
     return unique[unique < spec.num_envs * frames.num_chunks]
