@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import struct
+from pathlib import Path
 
 import google_crc32c
 import numcodecs
@@ -199,3 +201,35 @@ def test_group_order_puts_equal_keys_together_in_first_appearance_order(n: int) 
         for key in firsts:  # a run keeps its positions increasing
             run = order[grouped == key]
             assert np.array_equal(run, np.flatnonzero(keys == key))
+
+
+MAX_KERNEL_PARAMS = 8
+
+
+def _wide_kernels(source: str) -> list[str]:
+    """The compiled functions (``@numba.njit``/``@njit``) in `source` taking more than
+    `MAX_KERNEL_PARAMS` parameters, each as ``name(count)``."""
+    wide = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        compiled = any("njit" in ast.unparse(d) for d in node.decorator_list)
+        count = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
+        if compiled and count > MAX_KERNEL_PARAMS:
+            wide.append(f"{node.name}({count})")
+    return wide
+
+
+def test_no_kernel_takes_more_than_eight_parameters() -> None:
+    """Kernel arguments come as named structures (`kernels.structs`), not long positional
+    lists whose order every caller restates."""
+    folder = Path(kernels.__file__).parent
+    wide = {p.name: _wide_kernels(p.read_text()) for p in sorted(folder.glob("*.py"))}
+    assert not {name: found for name, found in wide.items() if found}
+
+
+def test_kernel_width_check_finds_a_wide_kernel() -> None:
+    source = ("import numba\n@numba.njit(cache=True)\ndef wide(a, b, c, d, e, f, g, h, i):\n"
+              "    pass\n@numba.njit\ndef narrow(a, b):\n    pass\n"
+              "def plain(a, b, c, d, e, f, g, h, i):\n    pass\n")
+    assert _wide_kernels(source) == ["wide(9)"]
