@@ -27,7 +27,7 @@ from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreErro
 from mmreplay.index.ring import StepRing, actions_at, lookup_out
 from mmreplay.index.samplers import Draw, Sampler
 from mmreplay.kernels.structs import SampleOut, TreeDraw
-from mmreplay.storage.frame_store import FrameStore, disk_chunks
+from mmreplay.storage.frame_store import FrameStore
 from mmreplay.storage.manifest import MANIFEST, read_manifest
 from mmreplay.torch_batch import ArrayBatch, OutputBuffers, native
 
@@ -166,7 +166,7 @@ class Reader:
         with the frame chunks the read will need (fetched meanwhile, without the lock)."""
         draw = self.draw(rng, size, beta)
         look = self.ring.lookup(draw.slots)
-        chunks = disk_chunks(self.frames, look.slots)
+        chunks = self.frames.disk_chunks(look.slots)
         return Planned(draw.slots, draw.weights, chunks)
 
     def assemble(self, planned: Planned, rng: np.random.Generator, size: int,

@@ -17,7 +17,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, block_fits, record_block
 from mmreplay.spec import StoreSpec
-from mmreplay.storage.frame_store import FrameStore, append_run
+from mmreplay.storage.frame_store import FrameStore
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Recorder:
             {k: v.reshape(flat, *v.shape[2:]) for k, v in extras.items()})
         first = slots[:count]
         for i, env in enumerate(envs.tolist()):
-            append_run(self.frames, env, int(first[i]), frames[:, i])
+            self.frames.append_run(env, int(first[i]), frames[:, i])
 
     def _checked_rows(self, rows: StepRows) -> tuple[Any, ...]:
         spec = self.spec

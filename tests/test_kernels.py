@@ -100,13 +100,21 @@ def test_decode_prefixes_checks_the_whole_chunk_and_the_stream_it_reads() -> Non
     assert status.tolist() == [kernels.OK, kernels.BAD_CRC, kernels.NO_DECODE]
 
 
-def test_gather_rows_equals_numpy_fancy_index() -> None:
+def test_gather_frames_equals_numpy_fancy_index() -> None:
+    """Every read's one gather (`table_kernels.gather_frames`): sources in the table, in the
+    RAM tails (``-1 - t``) and the zero frame (past the tails) against numpy's fancy index
+    of the table, tails and a zero row stacked."""
+    from mmreplay.kernels import tables
+
     rng = np.random.default_rng(1)
     table = rng.integers(0, 256, (40, 84 * 84), dtype=np.uint8)
-    idx = rng.integers(0, 40, 300)
+    tails = rng.integers(0, 256, (6, 84 * 84), dtype=np.uint8)
+    src = rng.integers(-7, 40, 300)  # -7: past the 6 tails, the zero frame
     out = np.empty((300, 84 * 84), np.uint8)
-    kernels.gather_rows(table, idx, out)
-    np.testing.assert_array_equal(out, table[idx])
+    tables().gather_frames(table.ctypes.data, table.shape[1], tails, src, out, 0)
+    whole = np.concatenate([table, tails, np.zeros((1, 84 * 84), np.uint8)])
+    at = np.where(src >= 0, src, table.shape[0] + np.minimum(-1 - src, 6))
+    np.testing.assert_array_equal(out, whole[at])
 
 
 def test_a_read_after_the_writer_replaced_a_shard_sees_the_new_file(tmp_path) -> None:

@@ -218,10 +218,10 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
                     frame_rows: np.ndarray, chunk: int) -> np.ndarray:
     """`decode_chunks` of lz4 chunks for one read, each decoded only up to the last frame
     the read takes from it: ``frame_rows`` are the read's frames as rows of `rows` seen as
-    ``chunk`` frames a row (``row * chunk + offset``, `chunk_plan`). The crc32c and header
-    of every chunk are checked whole; the frames past a chunk's last wanted one are left
-    as they were (an lz4 stream is decoded from its start, so a read that takes frames
-    0..k of a chunk skips the rest). Same statuses as `decode_chunks`."""
+    ``chunk`` frames a row (``row * chunk + offset``, `table_kernels.scratch_plan`). The
+    crc32c and header of every chunk are checked whole; the frames past a chunk's last
+    wanted one are left as they were (an lz4 stream is decoded from its start, so a read
+    that takes frames 0..k of a chunk skips the rest). Same statuses as `decode_chunks`."""
     n = rows.shape[1]
     frame = n // chunk
     need = np.zeros(rows.shape[0], np.int64)
@@ -235,20 +235,6 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
         status[i] = decode_one(src[i], size[i], base + dest[i] * n, n, LZ4, 0, 0,
                                 need[dest[i]])
     return status
-
-
-@numba.njit(nogil=True, cache=True)
-def gather_rows(table: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = table[rows[i]]`` for 2-d uint8 arrays (one frame's bytes a row).
-
-    An explicit byte loop (which LLVM vectorizes): numba's slice assignment
-    ``out[i, :] = table[r, :]`` checks for overlap and copies through a temporary,
-    13x slower here (559 vs 42 µs for 256 frames of 84x84)."""
-    n = out.shape[1]
-    for i in range(rows.size):
-        r = rows[i]
-        for j in range(n):
-            out[i, j] = table[r, j]
 
 
 # -- sum tree (see `sum_tree.SumTree` for the layout) ------------------------------------------
@@ -352,28 +338,6 @@ def lookup(flat: np.ndarray, ring: RingColumns, out: LookupOut) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def chunk_plan(flat: np.ndarray, layout: FrameLayout, keys: np.ndarray,
-               rows: np.ndarray) -> int:
-    """Where each frame of a read comes from: the distinct chunk keys (sorted, into
-    ``keys[:count]``; returns count) and, per frame, its row in a table of those chunks'
-    frames (``rows``). A key is ``env * num_chunks + chunk`` for a chunk on disk, then
-    ``envs * num_chunks + env`` for an env's unfinished tail, then one more for the zero
-    frame of stack padding (slot -1)."""
-    raw = np.empty(flat.size, np.int64)
-    offset = np.empty(flat.size, np.int64)
-    read_keys(flat, layout, raw, offset)
-    order = np.argsort(raw)
-    count = 0
-    for j in range(order.size):
-        i = order[j]
-        if count == 0 or raw[i] != keys[count - 1]:
-            keys[count] = raw[i]
-            count += 1
-        rows[i] = (count - 1) * layout.chunk + offset[i]
-    return count
-
-
-@numba.njit(nogil=True, cache=True)
 def tree_stratified(tree: TreeArrays, u: np.ndarray, beta: float, slots: np.ndarray,
                     weights: np.ndarray) -> None:
     """Stratified draw of a tree with mass: target ``(b + u[b]) * total / B`` for slice ``b``
@@ -406,8 +370,9 @@ def tree_draw(tree: TreeArrays, u: np.ndarray, beta: float) -> tuple[np.ndarray,
 @numba.njit(nogil=True, cache=True)
 def read_keys(flat: np.ndarray, layout: FrameLayout, raw: np.ndarray,
               offset: np.ndarray) -> None:
-    """Each frame's chunk key (`chunk_plan`'s keys: on disk, an env's RAM tail, the zero
-    frame) into ``raw`` and its frame in that chunk into ``offset``."""
+    """Each frame's chunk key (on disk: ``env * num_chunks + chunk``; then an env's RAM tail,
+    ``envs * num_chunks + env``; then the zero frame) into ``raw`` and its frame in that chunk
+    into ``offset``."""
     envs, chunk, slots = layout.next_slot.size, layout.chunk, layout.slots
     tails = envs * layout.num_chunks
     for i in range(flat.size):

@@ -9,8 +9,8 @@ with no Python per chunk or per frame. Each frame of a read comes from one *sour
 
 A chunk the table lacks gets a row (`claim_row`): its own when the table holds the whole
 store, else by CLOCK: the hand skips (and clears) referenced rows and never takes a row the
-current read uses (``pin == epoch``); a read needing more rows than there are gets `WIDE`
-and nothing claimed (the caller reads it without keeping).
+current read uses (``pin == epoch``); a read needing more rows than there are is *wide*
+(`WIDE`): the caller reads it without keeping.
 
 Loaded on first use through `mmreplay.kernels.tables()`, never by ``import mmreplay``.
 """
@@ -93,12 +93,13 @@ def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
 
 @numba.njit(nogil=True, cache=True)
 def table_plan(flat: np.ndarray, layout: FrameLayout, table: TableArrays, src: np.ndarray,
-               missing: np.ndarray, missing_rows: np.ndarray) -> int:
+               missing: np.ndarray, missing_rows: np.ndarray) -> tuple[int, bool]:
     """Each frame's source (``src``), a row claimed for every distinct chunk the table
     lacks (keys ``missing[:count]`` to be loaded into rows ``missing_rows[:count]``, in
-    order of first use); returns count, or `WIDE` (and nothing claimed). A slot of an env's
-    chunk being filled reads the RAM tail below ``tail_fill``, the chunk (its previous lap)
-    above."""
+    order of first use); returns count, and whether the read is wider than the table (it
+    stopped at the first chunk it found no row for: the rows claimed so far stay claimed).
+    A slot of an env's chunk being filled reads the RAM tail below ``tail_fill``, the chunk
+    (its previous lap) above."""
     count = 0
     state = table.state
     state[EPOCH] += 1
@@ -111,34 +112,38 @@ def table_plan(flat: np.ndarray, layout: FrameLayout, table: TableArrays, src: n
         if row < 0:
             row = claim_row(key, table, False)
             if row < 0:
-                drop_rows(missing[:count], table)
-                return WIDE
+                return count, True
             missing[count], missing_rows[count] = key, row
             count += 1
         else:
             table.ref[row], table.pin[row] = 1, state[EPOCH]
         src[i] = row * layout.chunk + offset
-    return count
+    return count, False
 
 
 @numba.njit(nogil=True, cache=True)
-def table_gather(table: np.ndarray, tails: np.ndarray, src: np.ndarray,
-                 out: np.ndarray) -> None:
-    """``out[i]`` = the frame at source ``src[i]``; 2-d uint8 arrays, one frame's bytes a row
-    (an explicit byte loop, as `numba_kernels.gather_rows`)."""
-    n = out.shape[1]
-    for i in range(src.size):
-        s = src[i]
-        if s >= 0:
-            for j in range(n):
-                out[i, j] = table[s, j]
-        elif -1 - s < tails.shape[0]:
-            t = -1 - s
-            for j in range(n):
-                out[i, j] = tails[t, j]
-        else:
-            for j in range(n):
-                out[i, j] = 0
+def scratch_plan(flat: np.ndarray, layout: FrameLayout, keys: np.ndarray,
+                 src: np.ndarray) -> int:
+    """`table_plan` for a read with no table to keep: the distinct chunks on disk the read
+    takes (keys sorted into ``keys[:count]``; returns count), to be loaded into rows 0..count-1
+    of a scratch table in that order, and each frame's source (``src``: in those rows, or a
+    RAM tail, or the zero frame)."""
+    n = flat.size
+    raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(n):
+        raw[i], offset[i] = source_of(flat[i], layout)
+    order = np.argsort(raw)
+    count = 0
+    for j in range(n):
+        i = order[j]
+        if raw[i] < 0:
+            src[i] = offset[i]
+            continue
+        if count == 0 or raw[i] != keys[count - 1]:
+            keys[count] = raw[i]
+            count += 1
+        src[i] = (count - 1) * layout.chunk + offset[i]
+    return count
 
 
 @numba.njit(nogil=True, cache=True)
@@ -151,61 +156,65 @@ def _row_source(chunks: ChunkBytes, key: int) -> tuple[int, int, bool]:
 
 
 @numba.njit(nogil=True, cache=True)
+def _load_claimed(keys: np.ndarray, rows: np.ndarray, read: TableRead) -> int:
+    """Decode chunks `keys` (rows claimed by `table_plan`) whole from their bytes (in the
+    writer's RAM, else in their mapped file, marked used: `ChunkBytes`) straight into their
+    rows. Returns 0; or the count of chunks whose files are not mapped (keys in
+    ``read.missing[:count]``; their claims dropped, the others' chunks loaded); or
+    ``-status`` of a chunk that fails to decode, its key in ``read.missing[0]`` (its claim
+    and those not loaded yet dropped)."""
+    chunks, table, missing = read.chunks, read.table, read.missing
+    num_chunks, table_rows = read.layout.num_chunks, table.rows
+    n = table_rows.shape[1]
+    shards = -(-num_chunks // chunks.shard_chunks)
+    count = 0
+    for j in range(keys.size):
+        key = keys[j]
+        where, length, in_file = _row_source(chunks, key)
+        if in_file:
+            chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
+                = chunks.tick
+            if where == 0:
+                missing[count] = key
+                count += 1
+                continue
+        status = decode_one(where, length, table_rows.ctypes.data + rows[j] * n, n, LZ4, 0, 0, n)
+        if status != OK:
+            drop_rows(keys[j:], table)
+            missing[0] = key
+            return -status
+    drop_rows(missing[:count], table)
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
 def table_read(flat: np.ndarray, read: TableRead, stack: int = 0) -> int:
-    """A whole read through the table of an lz4 shard store in one call: each frame's
-    source (`table_plan`); each chunk the table lacks decoded whole from its bytes (in the
-    writer's RAM, else in its mapped file, marked used: `ChunkBytes`) straight into the
-    row it claims (`claim_row`); then the gather (`gather_frames`; ``stack`` > 0: `flat` is
-    a batch's obs and next stacks).
+    """A whole read through the table of an lz4 shard store in one call: `table_plan`, the
+    chunks the table lacks decoded (`_load_claimed`), then `gather_frames` (``stack`` > 0:
+    `flat` is a batch's obs and next stacks).
 
     Returns 0; or, gathering nothing, the count of chunks whose files are not mapped (keys
     in ``read.missing[:count]``, maybe repeated: map them and call again; the chunks decoded
     meanwhile stay in the table); or ``-status`` of a chunk that fails to decode, its key in
     ``read.missing[0]`` (not kept); or `WIDE`."""
-    layout, chunks, table, sources, missing = (read.layout, read.chunks, read.table,
-                                               read.sources, read.missing)
-    chunk, num_chunks = layout.chunk, layout.num_chunks
-    rows, state = table.rows, table.state
-    n = rows.shape[1]
-    shards = -(-num_chunks // chunks.shard_chunks)
-    count = 0
-    state[EPOCH] += 1
-    for i in range(flat.size):
-        key, offset = source_of(flat[i], layout)
-        if key < 0:
-            sources[i] = offset
-            continue
-        row = table.row_of[key]
-        if row < 0:
-            where, length, in_file = _row_source(chunks, key)
-            if in_file:
-                shard = (key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks
-                chunks.used[shard] = chunks.tick
-                if where == 0:
-                    missing[count] = key
-                    count += 1
-                    continue
-            row = claim_row(key, table, False)
-            if row < 0:
-                return WIDE
-            status = decode_one(where, length, rows.ctypes.data + row * n, n, LZ4, 0, 0, n)
-            if status != OK:
-                drop_rows(np.array([key]), table)
-                missing[0] = key
-                return -status
-        else:
-            table.ref[row], table.pin[row] = 1, state[EPOCH]
-        sources[i] = row * chunk + offset
-    if count:
-        return count
-    gather_frames(rows.ctypes.data, n // chunk, layout.tail_rows, sources, read.out, stack)
+    keys, rows = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    count, wide = table_plan(flat, read.layout, read.table, read.sources, keys, rows)
+    status = _load_claimed(keys[:count], rows[:count], read)  # a wide read's too: kept
+    if status:
+        return status
+    if wide:
+        return WIDE
+    table_rows, chunk = read.table.rows, read.layout.chunk
+    gather_frames(table_rows.ctypes.data, table_rows.shape[1] // chunk, read.layout.tail_rows,
+                  read.sources, read.out, stack)
     return 0
 
 
 @numba.njit(nogil=True, cache=True)
 def gather_frames(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
                   out: np.ndarray, stack: int) -> None:
-    """`table_gather` with the table's frames at address `table` (`fb` bytes a frame).
+    """``out[i]`` = the frame at source ``sources[i]`` (see the module docstring), the
+    table's frames at address `table`, `fb` bytes a frame: every read's one gather.
 
     ``stack`` > 0: the sources are a batch's obs and next stacks, ``(2, B, stack)`` in
     order. Each transition's next stack is gathered right after its obs stack, and a frame
