@@ -10,7 +10,7 @@ compiles once.
 Which kernel takes which::
 
     FrameLayout, ChunkBytes, TableArrays   table_kernels (claim_row, table_plan, table_read),
-                                           numba_kernels (chunk_plan, read_keys, read_frames)
+                                           scratch_plan, numba_kernels (read_keys, read_frames)
     OnePassRead, TableRead                 read_frames, table_read, sample_kernels
     RingColumns, LookupOut                 numba_kernels.lookup, sample_kernels
     TreeArrays                             numba_kernels (tree_set, tree_stratified, tree_draw),
