@@ -241,3 +241,20 @@ def test_kernel_width_check_finds_a_wide_kernel() -> None:
               "    pass\n@numba.njit\ndef narrow(a, b):\n    pass\n"
               "def plain(a, b, c, d, e, f, g, h, i):\n    pass\n")
     assert _wide_kernels(source) == ["wide(9)"]
+
+
+def test_an_entry_asks_the_dispatcher_again_for_arrays_of_another_look() -> None:
+    """`kernels.Entry` skips numba's typing only for arguments that look like its first
+    call's: a strided array (whose strides the first call's compiled code would ignore)
+    gets the dispatcher's own result, and so does an array of another dtype."""
+    from mmreplay.kernels import Entry
+
+    call = Entry(kernels.tree_find)
+    prefix = np.array([0.0, 1.0, 3.0, 6.0])  # one row of three children: masses 1, 2, 3
+    off, fan = np.zeros(1, np.int64), np.array([3], np.int64)
+    for targets in (np.array([0.5, 2.0, 5.9]),  # binds the entry
+                    np.array([0.5, -1.0, 2.0, -1.0, 5.9, -1.0])[::2],  # strided
+                    np.array([0.5, 2.0, 5.9], np.float32)):  # another dtype
+        out = np.zeros(3, np.int64)
+        call(prefix, off, fan, targets, out)
+        assert out.tolist() == [0, 1, 2]

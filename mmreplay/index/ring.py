@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.kernels import compiled, records
+from mmreplay.kernels import compiled, entry, records
 from mmreplay.kernels.structs import (
     IdMap,
     LookupOut,
@@ -401,7 +401,7 @@ class StepRing:
         size = flat.size
         both = np.empty((2, size, self.spec.frame_stack), np.int64)  # obs and next_obs stacks
         out = lookup_out(both)
-        compiled().lookup(flat, self.lookup_columns, out)
+        entry(compiled().lookup)(flat, self.lookup_columns, out)
         return Lookup(obs_slots=both[0], next_obs_slots=both[1],
                       action=actions_at(self, flat), reward=out.ret, terminated=out.term,
                       truncated=out.trunc, discount=out.discount, steps=out.steps, ids=out.ids,
@@ -478,7 +478,7 @@ def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: n
         rewards=flat["reward"], written=ring.written, running=ring.running,
         step_count=ring.step_count, ord_of_frame=ring.ord_of_frame.reshape(-1),
         frame_of_ord=ring.frame_of_ord.reshape(-1), id_loc=ring._id_loc, counters=counters)
-    spills = records().record_events(events, cols, out)
+    spills = entry(records().record_events)(events, cols, out)
     ring.next_id, ring.next_episode = int(counters[0]), int(counters[1])
     _write_block_records(flat, out.new_flat, out.step_flat, action, extras or {})
     _touch_block(ring, out.touched)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import Any
+
+import numpy as np
 
 # Status of one chunk's decode (`numba_kernels.decode_chunks`, `codec.ChunkCodec.check`).
 OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
@@ -49,3 +52,68 @@ def records() -> ModuleType:
 def samples() -> ModuleType:
     """`mmreplay.kernels.sample_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.sample_kernels")
+
+
+class Entry:
+    """A compiled kernel called with arguments of one type each call, past numba's typing.
+
+    numba types every argument of every call to pick the compiled code: a plain array in C,
+    a named tuple in Python (several µs for the nested named tuples of `kernels.structs`,
+    more than some kernels take to run). An `Entry`'s first call goes through the dispatcher
+    (which compiles the kernel or loads it from numba's cache); later calls go straight to the
+    compiled code of that call's argument types, as long as each array argument still has
+    the first call's dtype, dimensions, layout and writability (checked here, else the
+    dispatcher is asked again). Tuple arguments are not checked: their owners build them the
+    same way every call (`kernels.structs`: arrays of fixed dtypes, Python ints, bools).
+    A kernel of plain arrays and scalars needs no `Entry`: numba types those in C.
+    """
+
+    __slots__ = ("_kernel", "_compiled", "_arrays")
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self._compiled: Any = None
+        self._arrays: tuple[tuple[int, tuple[Any, ...]], ...] = ()
+
+    def __call__(self, *args: Any) -> Any:
+        run = self._compiled
+        if run is not None:
+            for i, look in self._arrays:
+                if _look(args[i]) != look:
+                    return self._kernel(*args)
+            return run(*args)
+        result = self._kernel(*args)
+        self._bind(args)
+        return result
+
+    def _bind(self, args: tuple[Any, ...]) -> None:
+        """Keep the compiled code of these argument types, and how their arrays look."""
+        key = tuple(self._kernel.typeof_pyval(a) for a in args)
+        found = self._kernel.overloads.get(key)
+        if found is None:
+            return  # typed otherwise than here (literals, ...): always ask the dispatcher
+        self._arrays = tuple((i, _look(a)) for i, a in enumerate(args)
+                             if type(a) is np.ndarray)
+        self._compiled = found.entry_point
+
+
+_LAYOUT = 0x1 | 0x2 | 0x100 | 0x400  # numpy's C_CONTIGUOUS, F_CONTIGUOUS, ALIGNED, WRITEABLE
+
+
+def _look(a: Any) -> tuple[Any, ...]:
+    """What numba's type of an array argument depends on: dtype, dimensions, layout and
+    writability."""
+    if type(a) is not np.ndarray:
+        return ()
+    return a.dtype, a.ndim, a.flags.num & _LAYOUT
+
+
+_ENTRIES: dict[int, Entry] = {}
+
+
+def entry(kernel: Any) -> Entry:
+    """The `Entry` of a compiled kernel (one per kernel, made on first use)."""
+    found = _ENTRIES.get(id(kernel))
+    if found is None:
+        found = _ENTRIES[id(kernel)] = Entry(kernel)
+    return found

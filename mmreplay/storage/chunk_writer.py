@@ -190,8 +190,10 @@ class FinishedChunks:
     def maybe_in_ram(self, keys: np.ndarray) -> list[int]:
         """The positions in `keys` (chunk keys, any order) of the chunks that may be held in
         RAM: one binary search of a few key ranges per read, not a lookup per pending chunk."""
+        if not keys.size:
+            return []
         ranges = self._ram_ranges()
-        if not (ranges.size and keys.size):
+        if not ranges.size:
             return []
         order = np.argsort(keys, kind="stable")
         spans = np.searchsorted(keys[order], ranges.reshape(-1)).reshape(-1, 2).tolist()

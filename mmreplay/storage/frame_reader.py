@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.kernels import compiled, samples, tables
+from mmreplay.kernels import compiled, entry, samples, tables
 from mmreplay.kernels.structs import (
     ChunkBytes,
     FrameLayout,
@@ -144,12 +144,12 @@ class FrameReader:
                                np.empty(size, np.int64))
         table = self._table
         if table is not None:
-            count, wide = kernels.table_plan(flat, self._layout, table.arrays(), sources, keys,
-                                             rows)
+            plan = entry(kernels.table_plan)
+            count, wide = plan(flat, self._layout, table.arrays(), sources, keys, rows)
             if not wide:
                 return _Plan(table.rows, sources, keys[:count], rows[:count], table)
             table.drop(keys[:count])
-        count = kernels.scratch_plan(flat, self._layout, keys, sources)
+        count = entry(kernels.scratch_plan)(flat, self._layout, keys, sources)
         scratch = np.empty((count, self._codec.nbytes), np.uint8)
         return _Plan(scratch, sources, keys[:count], np.arange(count), None)
 
@@ -157,6 +157,8 @@ class FrameReader:
         """Fill the plan's rows with its chunks: from RAM (finished, not yet in their file)
         or decoded from disk (into a scratch table only up to the last frame the read takes
         from each)."""
+        if not plan.keys.size:  # every frame held already (or a tail, or zeros)
+            return
         found = []
         for i in self._source.maybe_in_ram(plan.keys):
             frames = self._source.in_ram(*divmod(int(plan.keys[i]), self._layout.num_chunks))
@@ -200,7 +202,8 @@ class FrameReader:
         what a store read from a bucket fetches ahead."""
         flat = np.asarray(flat_slots, dtype=np.int64).reshape(-1)
         keys = np.empty(flat.size, np.int64)
-        count = tables().scratch_plan(flat, self._layout, keys, np.empty(flat.size, np.int64))
+        count = entry(tables().scratch_plan)(flat, self._layout, keys,
+                                              np.empty(flat.size, np.int64))
         return keys[:count]
 
     # -- the fast paths of lz4 shard stores ---------------------------------------
@@ -219,7 +222,8 @@ class FrameReader:
         assert self._shards is not None
         missing, scratch = np.empty(flat.size, np.int64), np.empty(self._codec.nbytes, np.uint8)
         while True:
-            status = compiled().read_frames(flat, self._one_pass_read(scratch, dest, missing))
+            status = entry(compiled().read_frames)(flat,
+                                                   self._one_pass_read(scratch, dest, missing))
             if status <= 0:
                 break
             self._shards.addresses(missing[:status])  # maps their files, or raises if absent
@@ -235,7 +239,7 @@ class FrameReader:
         sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
         kernels = tables()
         while True:
-            status = kernels.table_read(flat, self._table_read(sources, dest, missing))
+            status = entry(kernels.table_read)(flat, self._table_read(sources, dest, missing), 0)
             if status <= 0:
                 break
             self._shards.addresses(missing[:status])  # maps their files, or raises if absent
@@ -260,11 +264,11 @@ class FrameReader:
         missing, kernels = np.empty(flat.size, np.int64), samples()
         if self._table is None:
             scratch = np.empty(self._codec.nbytes, np.uint8)
-            status = kernels.sample_one_pass(draw, ring, outs,
+            status = entry(kernels.sample_one_pass)(draw, ring, outs,
                                              self._one_pass_read(scratch, dest, missing))
         else:
             sources = np.empty(flat.size, np.int64)
-            status = kernels.sample_table(draw, ring, outs,
+            status = entry(kernels.sample_table)(draw, ring, outs,
                                           self._table_read(sources, dest, missing))
         if status != 0:
             return self.read(stacks, out)

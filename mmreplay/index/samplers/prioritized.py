@@ -10,6 +10,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.samplers.priority import TreePrioritySampler, as_priorities, as_slots
 from mmreplay.index.samplers.protocol import Applied, BoolArray, FloatArray, IntArray, SlotMarks
+from mmreplay.kernels import entry
 from mmreplay.kernels import priorities as priority_kernels
 from mmreplay.kernels.structs import IdMap, Priorities, Written
 
@@ -52,8 +53,9 @@ class PrioritizedSampler(TreePrioritySampler):
         p = as_priorities(priorities, idx.size, check=False)  # the kernel checks the values
         kernels = priority_kernels()
         out = self._written(idx.size)
-        count = kernels.apply_slot_priorities(idx, p, self._update_masses(p), self._table.valid,
-                                              self._dest(_NO_MARKS), out)
+        apply = entry(kernels.apply_slot_priorities)
+        count = apply(idx, p, self._update_masses(p), self._table.valid, self._dest(_NO_MARKS),
+                      out)
         self._check_status(count, idx, p)
         self._raise_max(self._top[0])
 
@@ -67,7 +69,7 @@ class PrioritizedSampler(TreePrioritySampler):
         (NaN, inf, negative) raise and change nothing."""
         kernels = priority_kernels()
         out = self._written(ids.size)
-        count = kernels.apply_priorities(
+        count = entry(kernels.apply_priorities)(
             ids, priorities, self._update_masses(priorities), _NO_SLOTS if pre is None else pre,
             where, self._dest(_NO_MARKS if marks is None else marks), out)
         if count < 0:
