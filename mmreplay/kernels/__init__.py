@@ -73,13 +73,15 @@ class Entry:
     def __init__(self, kernel: Any) -> None:
         self._kernel = kernel
         self._compiled: Any = None
-        self._arrays: tuple[tuple[int, tuple[Any, ...]], ...] = ()
+        self._arrays: tuple[tuple[int, Any, int, int], ...] = ()
 
     def __call__(self, *args: Any) -> Any:
         run = self._compiled
         if run is not None:
-            for i, look in self._arrays:
-                if _look(args[i]) != look:
+            for i, dtype, ndim, flags in self._arrays:  # `_look`, inline: this is per call
+                a = args[i]
+                if type(a) is not np.ndarray or a.dtype is not dtype or a.ndim != ndim \
+                        or a.flags.num & _LAYOUT != flags:  # (a builtin dtype is a singleton)
                     return self._kernel(*args)
             return run(*args)
         result = self._kernel(*args)
@@ -92,7 +94,7 @@ class Entry:
         found = self._kernel.overloads.get(key)
         if found is None:
             return  # typed otherwise than here (literals, ...): always ask the dispatcher
-        self._arrays = tuple((i, _look(a)) for i, a in enumerate(args)
+        self._arrays = tuple((i, *_look(a)) for i, a in enumerate(args)
                              if type(a) is np.ndarray)
         self._compiled = found.entry_point
 

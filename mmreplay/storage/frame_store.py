@@ -178,6 +178,8 @@ class FrameStore:
             self.append_one(env, slot, frame)
 
     def append_one(self, env: int, slot: int, frame: np.ndarray) -> None:
+        """`append_run` of one frame, without its loop (the per-step path of `add`;
+        ``test_record_block`` holds the two equal)."""
         chunk, offset = divmod(slot, self._chunk_len)
         assert offset == self.tail_fill[env], "frames must arrive in slot order"
         self.tail[env, offset] = frame

@@ -40,6 +40,7 @@ class PrioritizedSampler(TreePrioritySampler):
         self._safe_p = 10.0 ** (300.0 / self.alpha) if 300.0 / 307.0 < self.alpha else math.inf
         self._top = np.zeros(1)  # the largest value a compiled update wrote
         self._kernel_masses: bool | None = None  # do the updates compute masses? (first use)
+        self._dests: dict[int, Priorities] = {}  # `_dest` by id of its marks
 
     def update(self, slots: np.ndarray, valid: np.ndarray, ids: np.ndarray) -> None:
         self._table.admit(slots, valid, ids)
@@ -80,9 +81,17 @@ class PrioritizedSampler(TreePrioritySampler):
         return Applied(out.slots[:count], out.values[:count])
 
     def _dest(self, marks: SlotMarks) -> Priorities:
-        """What a compiled update writes: the priorities, the tree and `marks`."""
-        return Priorities(self.eps, self.alpha, self._table.p, self._arrays, marks.mask,
-                          marks.period, marks.group)
+        """What a compiled update writes: the priorities, the tree and `marks` (kept for the
+        next update with the same marks while the priority array stays the same)."""
+        dest = self._dests.get(id(marks))
+        if dest is None or dest.p is not self._table.p or dest.marks is not marks.mask \
+                or (dest.period, dest.group) != (marks.period, marks.group):
+            if len(self._dests) > 8:
+                self._dests.clear()
+            dest = self._dests[id(marks)] = Priorities(
+                self.eps, self.alpha, self._table.p, self._arrays, marks.mask, marks.period,
+                marks.group)
+        return dest
 
     def _written(self, size: int) -> Written:
         """Room for what a compiled update of `size` entries reports."""
