@@ -111,7 +111,7 @@ def test_gather_frames_equals_numpy_fancy_index() -> None:
     tails = rng.integers(0, 256, (6, 84 * 84), dtype=np.uint8)
     src = rng.integers(-7, 40, 300)  # -7: past the 6 tails, the zero frame
     out = np.empty((300, 84 * 84), np.uint8)
-    tables().gather_frames(table.ctypes.data, table.shape[1], tails, src, out, 0)
+    tables().gather_frames(table, tails, src, out, 0)
     whole = np.concatenate([table, tails, np.zeros((1, 84 * 84), np.uint8)])
     at = np.where(src >= 0, src, table.shape[0] + np.minimum(-1 - src, 6))
     np.testing.assert_array_equal(out, whole[at])

@@ -303,8 +303,8 @@ def test_a_batch_gather_copies_shared_frames_from_its_obs_as_the_table_holds_the
         sources = np.concatenate([obs.ravel(), nxt.ravel()]).astype(np.int64)
         want = np.full((sources.size, fb), 7, np.uint8)
         got = np.full((sources.size, fb), 7, np.uint8)
-        gather(table.ctypes.data, fb, tails, sources, want, 0)
-        gather(table.ctypes.data, fb, tails, sources, got, stack)
+        gather(table, tails, sources, want, 0)
+        gather(table, tails, sources, got, stack)
         expected = np.stack([table[s] if s >= 0 else tails[-1 - s] if s > zero
                              else np.zeros(fb, np.uint8) for s in sources])
         np.testing.assert_array_equal(want, expected)

@@ -63,15 +63,18 @@ class Entry:
     (which compiles the kernel or loads it from numba's cache); later calls go straight to the
     compiled code of that call's argument types, as long as each array argument still has
     the first call's dtype, dimensions, layout and writability (checked here, else the
-    dispatcher is asked again). Tuple arguments are not checked: their owners build them the
-    same way every call (`kernels.structs`: arrays of fixed dtypes, Python ints, bools).
-    A kernel of plain arrays and scalars needs no `Entry`: numba types those in C.
+    dispatcher is asked again). Only the array arguments at positions `check` are checked
+    (all of them if None): a caller leaves out the arrays it allocates itself with fixed
+    dtypes, and tuple arguments are never checked: their owners build them the same way every
+    call (`kernels.structs`: arrays of fixed dtypes, Python ints, bools). A kernel of plain
+    arrays and scalars needs no `Entry`: numba types those in C.
     """
 
-    __slots__ = ("_kernel", "_compiled", "_arrays")
+    __slots__ = ("_kernel", "_compiled", "_arrays", "_check")
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, check: tuple[int, ...] | None = None) -> None:
         self._kernel = kernel
+        self._check = check
         self._compiled: Any = None
         self._arrays: tuple[tuple[int, Any, int, int], ...] = ()
 
@@ -95,7 +98,8 @@ class Entry:
         if found is None:
             return  # typed otherwise than here (literals, ...): always ask the dispatcher
         self._arrays = tuple((i, *_look(a)) for i, a in enumerate(args)
-                             if type(a) is np.ndarray)
+                             if type(a) is np.ndarray and (self._check is None
+                                                            or i in self._check))
         self._compiled = found.entry_point
 
 
@@ -110,12 +114,13 @@ def _look(a: Any) -> tuple[Any, ...]:
     return a.dtype, a.ndim, a.flags.num & _LAYOUT
 
 
-_ENTRIES: dict[int, Entry] = {}
+_ENTRIES: dict[tuple[int, tuple[int, ...] | None], Entry] = {}
 
 
-def entry(kernel: Any) -> Entry:
-    """The `Entry` of a compiled kernel (one per kernel, made on first use)."""
-    found = _ENTRIES.get(id(kernel))
+def entry(kernel: Any, check: tuple[int, ...] | None = None) -> Entry:
+    """The `Entry` of a compiled kernel checking the arrays at `check` (made on first use)."""
+    key = (id(kernel), check)
+    found = _ENTRIES.get(key)
     if found is None:
-        found = _ENTRIES[id(kernel)] = Entry(kernel)
+        found = _ENTRIES[key] = Entry(kernel, check)
     return found

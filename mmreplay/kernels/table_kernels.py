@@ -204,23 +204,23 @@ def table_read(flat: np.ndarray, read: TableRead, stack: int = 0) -> int:
         return status
     if wide:
         return WIDE
-    table_rows, chunk = read.table.rows, read.layout.chunk
-    gather_frames(table_rows.ctypes.data, table_rows.shape[1] // chunk, read.layout.tail_rows,
-                  read.sources, read.out, stack)
+    gather_frames(read.table.rows, read.layout.tail_rows, read.sources, read.out, stack)
     return 0
 
 
 @numba.njit(nogil=True, cache=True)
-def gather_frames(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
-                  out: np.ndarray, stack: int) -> None:
-    """``out[i]`` = the frame at source ``sources[i]`` (see the module docstring), the
-    table's frames at address `table`, `fb` bytes a frame: every read's one gather.
+def gather_frames(rows: np.ndarray, tails: np.ndarray, sources: np.ndarray, out: np.ndarray,
+                  stack: int) -> None:
+    """``out[i]`` = the frame at source ``sources[i]`` (see the module docstring) of a table
+    whose C-contiguous `rows` hold its frames back to back, ``out.shape[1]`` bytes a frame:
+    every read's one gather.
 
     ``stack`` > 0: the sources are a batch's obs and next stacks, ``(2, B, stack)`` in
     order. Each transition's next stack is gathered right after its obs stack, and a frame
     the two share is copied from the obs just written (still in the CPU's cache) instead of
     from the table: a batch of 4-stacks and one-step next stacks reads 5 frames a transition
     from RAM, not 8 (n-step next stacks share 4 - n)."""
+    table, fb = rows.ctypes.data, out.shape[1]
     if stack <= 0 or sources.size % (2 * stack):
         for i in range(sources.size):
             _copy_frame(table, fb, tails, sources[i], out, i)

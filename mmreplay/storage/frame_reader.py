@@ -133,8 +133,7 @@ class FrameReader:
             if plan.table is not None:
                 plan.table.drop(plan.keys)
             raise
-        tables().gather_frames(plan.rows.ctypes.data, dest.shape[1], self._layout.tail_rows,
-                               plan.sources, dest, 0)
+        tables().gather_frames(plan.rows, self._layout.tail_rows, plan.sources, dest, 0)
 
     def _plan(self, flat: np.ndarray) -> _Plan:
         """Sources in the cache's rows, with a row claimed for each chunk it lacks; or, with
@@ -144,12 +143,12 @@ class FrameReader:
                                np.empty(size, np.int64))
         table = self._table
         if table is not None:
-            plan = entry(kernels.table_plan)
+            plan = entry(kernels.table_plan, check=(0,))  # the rest: allocated here
             count, wide = plan(flat, self._layout, table.arrays(), sources, keys, rows)
             if not wide:
                 return _Plan(table.rows, sources, keys[:count], rows[:count], table)
             table.drop(keys[:count])
-        count = entry(kernels.scratch_plan)(flat, self._layout, keys, sources)
+        count = entry(kernels.scratch_plan, check=(0,))(flat, self._layout, keys, sources)
         scratch = np.empty((count, self._codec.nbytes), np.uint8)
         return _Plan(scratch, sources, keys[:count], np.arange(count), None)
 
@@ -202,8 +201,8 @@ class FrameReader:
         what a store read from a bucket fetches ahead."""
         flat = np.asarray(flat_slots, dtype=np.int64).reshape(-1)
         keys = np.empty(flat.size, np.int64)
-        count = entry(tables().scratch_plan)(flat, self._layout, keys,
-                                              np.empty(flat.size, np.int64))
+        count = entry(tables().scratch_plan, check=(0,))(flat, self._layout, keys,
+                                                        np.empty(flat.size, np.int64))
         return keys[:count]
 
     # -- the fast paths of lz4 shard stores ---------------------------------------

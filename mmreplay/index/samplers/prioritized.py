@@ -54,7 +54,7 @@ class PrioritizedSampler(TreePrioritySampler):
         p = as_priorities(priorities, idx.size, check=False)  # the kernel checks the values
         kernels = priority_kernels()
         out = self._written(idx.size)
-        apply = entry(kernels.apply_slot_priorities)
+        apply = entry(kernels.apply_slot_priorities, check=(0, 1))  # the rest: made here
         count = apply(idx, p, self._update_masses(p), self._table.valid, self._dest(_NO_MARKS),
                       out)
         self._check_status(count, idx, p)
@@ -70,7 +70,7 @@ class PrioritizedSampler(TreePrioritySampler):
         (NaN, inf, negative) raise and change nothing."""
         kernels = priority_kernels()
         out = self._written(ids.size)
-        count = entry(kernels.apply_priorities)(
+        count = entry(kernels.apply_priorities, check=(0, 1))(  # the rest: made here
             ids, priorities, self._update_masses(priorities), _NO_SLOTS if pre is None else pre,
             where, self._dest(_NO_MARKS if marks is None else marks), out)
         if count < 0:
