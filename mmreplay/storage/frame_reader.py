@@ -110,8 +110,11 @@ class FrameReader:
         if flat.size == 0:
             return np.zeros(shape, self.spec.obs_dtype)
         dest = self._destination(flat, out)
-        if self.fast_path is None or not self._read_fast(flat, dest):
+        path = self.fast_path
+        if path is None:
             self._read_general(flat, dest)
+        elif path == LZ4_SHARDS_ONE_PASS or not self._read_lz4_shards_table(flat, dest):
+            self._read_lz4_shards_one_pass(flat, dest)  # also a read wider than the table
         return dest.view(self.spec.obs_dtype).reshape(shape)
 
     def read_general(self, flat_slots: np.ndarray) -> np.ndarray:
@@ -206,13 +209,6 @@ class FrameReader:
         return keys[:count]
 
     # -- the fast paths of lz4 shard stores ---------------------------------------
-    def _read_fast(self, flat: np.ndarray, dest: np.ndarray) -> bool:
-        """The store's fast path; False if it cannot take the read."""
-        if self.fast_path == LZ4_SHARDS_TABLE and self._read_lz4_shards_table(flat, dest):
-            return True
-        self._read_lz4_shards_one_pass(flat, dest)
-        return True
-
     def _read_lz4_shards_one_pass(self, flat: np.ndarray, dest: np.ndarray) -> None:
         """`read_frames`: each frame's chunk; each chunk's bytes (pending in the writer's
         RAM, else in its mapped file; files not mapped yet are mapped and the call made
