@@ -24,9 +24,10 @@ from typing import TypeVar
 import numpy as np
 
 from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
-from mmreplay.index.ring import StepRing, actions_at, lookup_arrays
-from mmreplay.index.samplers import Draw, Sampler, TreeDraw
-from mmreplay.storage.frame_store import FrameStore, disk_chunks
+from mmreplay.index.ring import StepRing, actions_at, lookup_out
+from mmreplay.index.samplers import Draw, Sampler
+from mmreplay.kernels.structs import SampleOut, TreeDraw
+from mmreplay.storage.frame_store import FrameStore
 from mmreplay.storage.manifest import MANIFEST, read_manifest
 from mmreplay.torch_batch import (
     ArrayBatch,
@@ -182,20 +183,18 @@ class Reader:
         """The flat slots and the batch of `draw`, drawn, looked up and read in one compiled
         call (`FrameStore.read_drawn`): what `batch` of the sampler's `sample` gives."""
         size, stack = draw.values.size, self.ring.spec.frame_stack
-        flat, weights = np.empty(size, np.int64), np.empty(size, np.float32)
         stacks = np.empty((2, size, stack), np.int64)
-        ret, discount = np.empty(size, np.float32), np.empty(size, np.float32)
-        term, trunc = np.empty(size, bool), np.empty(size, bool)
-        steps, ids = np.empty(size, np.int64), np.empty(size, np.int64)
-        frames = self.frames.read_drawn(
-            draw, lookup_arrays(self.ring),
-            (flat, weights, stacks, ret, term, trunc, discount, steps, ids),
-            self.pool(pin_memory).take(stacks.size * self.frame_nbytes))
+        outs = SampleOut(flat=np.empty(size, np.int64), weights=np.empty(size, np.float32),
+                         stacks=stacks, look=lookup_out(stacks))
+        frames = self.frames.read_drawn(draw, self.ring.lookup_columns, outs,
+                                        self.pool(pin_memory).take(stacks.size * self.frame_nbytes))
+        flat, look = outs.flat, outs.look
         action = actions_at(self.ring, flat)
         extras = self.ring.extras_at(flat) if self.ring.spec.extras else {}
         return flat, ArrayBatch(
-            frames=frames, action=native(action, action.dtype), reward=ret, terminated=term,
-            truncated=trunc, discount=discount, weights=weights, ids=ids, steps=steps,
+            frames=frames, action=native(action, action.dtype), reward=look.ret,
+            terminated=look.term, truncated=look.trunc, discount=look.discount,
+            weights=outs.weights, ids=look.ids, steps=look.steps,
             extras={k: native(a, a.dtype) for k, a in extras.items()},
             pinned=pinned_frames(frames) if pin_memory else None)
 
@@ -204,7 +203,7 @@ class Reader:
         with the frame chunks the read will need (fetched meanwhile, without the lock)."""
         draw = self.draw(rng, size, beta)
         look = self.ring.lookup(draw.slots)
-        chunks = disk_chunks(self.frames, look.slots)
+        chunks = self.frames.disk_chunks(look.slots)
         return Planned(draw.slots, draw.weights, chunks)
 
     def assemble(self, planned: Planned, rng: np.random.Generator, size: int,

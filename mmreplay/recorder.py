@@ -3,7 +3,10 @@
 `Recorder.add` and `Recorder.reset` check one call's arguments (`validate`); `Recorder.add_rows`
 checks a whole block of rows at once and then records them in order, so a caller that
 batches many steps (the Ray block taker) pays for the checks once. Either way a rejected
-call changes nothing. The store holds the lock and refuses read-only or closed stores.
+call changes nothing. One fast path: a single-env store's step of plain values
+(`Recorder.add_plain_step`, held equal to the general `add` by
+``test_store.test_plain_scalar_steps_store_what_arrays_store``). The store holds the lock
+and refuses read-only or closed stores.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, block_fits, record_block
 from mmreplay.spec import StoreSpec
-from mmreplay.storage.frame_store import FrameStore, append_run
+from mmreplay.storage.frame_store import FrameStore
 
 if TYPE_CHECKING:
     from mmreplay.device_frames import DeviceFrames
@@ -60,14 +63,9 @@ class Recorder:
             autoreset: Any, env_ids: Any, extras: Any) -> None:
         """One step of every env or of the listed ones (see `ReplayStore.add`)."""
         if self.scalar_step is not None and autoreset is None and env_ids is None \
-                and extras is None and not self.spec.extras and self.ring.running[0]:
-            step = self.scalar_step(action, reward, next_obs, terminated, truncated)
-            if step is not None:  # else: not plain scalars; the general path checks them
-                slot = self.ring.record_step(0, *step)
-                if self.device is not None:
-                    self.device.write_one(slot, next_obs)
-                self.frames.append_one(0, slot, next_obs)
-                return
+                and extras is None and not self.spec.extras and self.ring.running[0] \
+                and self.add_plain_step(action, reward, next_obs, terminated, truncated):
+            return
         spec = self.spec
         envs = self.all_envs if env_ids is None else validate.env_ids(spec, env_ids)
         count = envs.size
@@ -79,6 +77,22 @@ class Recorder:
         extra = validate.extras(spec, extras, count)
         self._check_running(envs, auto, self.ring.running[envs])
         self.record(envs, act, rew, frames, term, trunc, auto, extra)
+
+    def add_plain_step(self, action: Any, reward: Any, next_obs: Any, terminated: Any,
+                       truncated: Any) -> bool:
+        """`add`'s fast path: the running step of a single-env store (no autoreset, env ids
+        or extras) whose values `validate.scalar_step_checker` finds exactly what the
+        general checks would take unchanged; recorded with `FrameStore.append_one`. False,
+        recording nothing, when they are not: the general path checks them."""
+        assert self.scalar_step is not None
+        step = self.scalar_step(action, reward, next_obs, terminated, truncated)
+        if step is None:
+            return False
+        slot = self.ring.record_step(0, *step)
+        if self.device is not None:
+            self.device.write_one(slot, next_obs)
+        self.frames.append_one(0, slot, next_obs)
+        return True
 
     def add_rows(self, rows: StepRows) -> None:
         """Every row of `rows`, checked at once before the first is recorded."""
@@ -115,7 +129,7 @@ class Recorder:
         for i, env in enumerate(envs.tolist()):
             if self.device is not None:
                 self.device.write(env * spe + (first[i] + np.arange(rows)) % spe, frames[:, i])
-            append_run(self.frames, env, int(first[i]), frames[:, i])
+            self.frames.append_run(env, int(first[i]), frames[:, i])
 
     def _checked_rows(self, rows: StepRows) -> tuple[Any, ...]:
         spec = self.spec

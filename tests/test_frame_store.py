@@ -14,6 +14,7 @@ from conftest import new_frame_store
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import make_spec
 from mmreplay.storage.chunk_table import ChunkTable
+from mmreplay.storage.frame_reader import LZ4_SHARDS_ONE_PASS
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 
 make = partial(new_frame_store, slots=7, chunk=4, envs=2, shard=1, obs_shape=(3, 2))
@@ -118,7 +119,7 @@ def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
     """A chunk whose write fails stays readable from RAM; drain retries it, and a chunk
     whose write failed twice is retried again, never lost."""
     spec, store = make(tmp_path, slots=40, chunk=4, envs=1)
-    import mmreplay.storage.frame_store as fs
+    import mmreplay.storage.chunk_writer as fs
     real, fail = fs.write_atomic, [True]
 
     def flaky(*args, **kwargs):
@@ -143,7 +144,7 @@ def test_failed_chunk_write_is_reported_and_retried(tmp_path, monkeypatch):
     fail[0] = False
     store.drain()  # retried
     assert store.chunk_path(0, 0).exists() and store.chunk_path(0, 1).exists()
-    assert not store._writer.failed
+    assert not store.finished.writer.failed
     fresh = FrameStore(tmp_path, spec, writable=False)
     assert fresh.read(np.arange(8))[:, 0, 0].tolist() == list(range(8))
 
@@ -246,7 +247,7 @@ def test_one_pass_read_matches_the_frames_written(tmp_path, slots):
     whichever order and duplicates the slots come in."""
     spec, fs = new_frame_store(tmp_path, slots=slots, chunk=2, shard=3, envs=2,
                                obs_shape=(3, 2))
-    assert fs._one_pass
+    assert fs.reader.fast_path == LZ4_SHARDS_ONE_PASS
     rng = np.random.default_rng(slots)
     shadow = np.zeros((2, slots, 3, 2), np.uint8)
     written = np.zeros(2, bool)
@@ -264,7 +265,7 @@ def test_one_pass_read_matches_the_frames_written(tmp_path, slots):
         assert np.array_equal(fs.read(flat), want)
     fs.drain()
     reader = FrameStore(tmp_path, spec, writable=False)
-    assert reader._one_pass
+    assert reader.reader.fast_path == LZ4_SHARDS_ONE_PASS
     flat = _readable(rng, fs, written, slots)
     want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, 3, 2)[flat])
     reader.load_tail(fs.tail_frames(), fs.next_slot)

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from conftest import numbered_frame
 
-import mmreplay.storage.frame_store
+import mmreplay.storage.chunk_writer
 import mmreplay.storage.safe_io
 from mmreplay import ReplayStore
 from mmreplay.storage.manifest import read_manifest
@@ -200,7 +200,7 @@ class FaultLayer:
             self.tick("unlink", Path(path).name)
             real_unlink(path, **kwargs)
 
-        for module in (mmreplay.storage.safe_io, mmreplay.storage.frame_store):
+        for module in (mmreplay.storage.safe_io, mmreplay.storage.chunk_writer):
             monkeypatch.setattr(module, "open", fault_open, raising=False)
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)

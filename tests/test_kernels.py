@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import struct
+from pathlib import Path
 
 import google_crc32c
 import numcodecs
@@ -98,13 +100,21 @@ def test_decode_prefixes_checks_the_whole_chunk_and_the_stream_it_reads() -> Non
     assert status.tolist() == [kernels.OK, kernels.BAD_CRC, kernels.NO_DECODE]
 
 
-def test_gather_rows_equals_numpy_fancy_index() -> None:
+def test_gather_frames_equals_numpy_fancy_index() -> None:
+    """Every read's one gather (`table_kernels.gather_frames`): sources in the table, in the
+    RAM tails (``-1 - t``) and the zero frame (past the tails) against numpy's fancy index
+    of the table, tails and a zero row stacked."""
+    from mmreplay.kernels import tables
+
     rng = np.random.default_rng(1)
     table = rng.integers(0, 256, (40, 84 * 84), dtype=np.uint8)
-    idx = rng.integers(0, 40, 300)
+    tails = rng.integers(0, 256, (6, 84 * 84), dtype=np.uint8)
+    src = rng.integers(-7, 40, 300)  # -7: past the 6 tails, the zero frame
     out = np.empty((300, 84 * 84), np.uint8)
-    kernels.gather_rows(table, idx, out)
-    np.testing.assert_array_equal(out, table[idx])
+    tables().gather_frames(table, tails, src, out, 0)
+    whole = np.concatenate([table, tails, np.zeros((1, 84 * 84), np.uint8)])
+    at = np.where(src >= 0, src, table.shape[0] + np.minimum(-1 - src, 6))
+    np.testing.assert_array_equal(out, whole[at])
 
 
 def test_a_read_after_the_writer_replaced_a_shard_sees_the_new_file(tmp_path) -> None:
@@ -199,3 +209,52 @@ def test_group_order_puts_equal_keys_together_in_first_appearance_order(n: int) 
         for key in firsts:  # a run keeps its positions increasing
             run = order[grouped == key]
             assert np.array_equal(run, np.flatnonzero(keys == key))
+
+
+MAX_KERNEL_PARAMS = 8
+
+
+def _wide_kernels(source: str) -> list[str]:
+    """The compiled functions (``@numba.njit``/``@njit``) in `source` taking more than
+    `MAX_KERNEL_PARAMS` parameters, each as ``name(count)``."""
+    wide = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        compiled = any("njit" in ast.unparse(d) for d in node.decorator_list)
+        count = len(node.args.posonlyargs) + len(node.args.args) + len(node.args.kwonlyargs)
+        if compiled and count > MAX_KERNEL_PARAMS:
+            wide.append(f"{node.name}({count})")
+    return wide
+
+
+def test_no_kernel_takes_more_than_eight_parameters() -> None:
+    """Kernel arguments come as named structures (`kernels.structs`), not long positional
+    lists whose order every caller restates."""
+    folder = Path(kernels.__file__).parent
+    wide = {p.name: _wide_kernels(p.read_text()) for p in sorted(folder.glob("*.py"))}
+    assert not {name: found for name, found in wide.items() if found}
+
+
+def test_kernel_width_check_finds_a_wide_kernel() -> None:
+    source = ("import numba\n@numba.njit(cache=True)\ndef wide(a, b, c, d, e, f, g, h, i):\n"
+              "    pass\n@numba.njit\ndef narrow(a, b):\n    pass\n"
+              "def plain(a, b, c, d, e, f, g, h, i):\n    pass\n")
+    assert _wide_kernels(source) == ["wide(9)"]
+
+
+def test_an_entry_asks_the_dispatcher_again_for_arrays_of_another_look() -> None:
+    """`kernels.Entry` skips numba's typing only for arguments that look like its first
+    call's: a strided array (whose strides the first call's compiled code would ignore)
+    gets the dispatcher's own result, and so does an array of another dtype."""
+    from mmreplay.kernels import Entry
+
+    call = Entry(kernels.tree_find)
+    prefix = np.array([0.0, 1.0, 3.0, 6.0])  # one row of three children: masses 1, 2, 3
+    off, fan = np.zeros(1, np.int64), np.array([3], np.int64)
+    for targets in (np.array([0.5, 2.0, 5.9]),  # binds the entry
+                    np.array([0.5, -1.0, 2.0, -1.0, 5.9, -1.0])[::2],  # strided
+                    np.array([0.5, 2.0, 5.9], np.float32)):  # another dtype
+        out = np.zeros(3, np.int64)
+        call(prefix, off, fan, targets, out)
+        assert out.tolist() == [0, 1, 2]

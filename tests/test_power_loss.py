@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from mmreplay import ReplayStore
-from mmreplay.storage import commit, frame_store, manifest, safe_io, shards
+from mmreplay.storage import chunk_writer, commit, manifest, safe_io, shards
 from mmreplay.storage.manifest import MANIFEST
 
 pytestmark = pytest.mark.integration  # power-loss loops: every cut of a disk journal reopened
@@ -179,7 +179,7 @@ REAL = {"write_atomic": safe_io.write_atomic, "unlink": os.unlink}
 
 
 def install(monkeypatch: pytest.MonkeyPatch, model: DiskModel) -> None:
-    for module in (safe_io, frame_store, shards, manifest, commit):
+    for module in (safe_io, chunk_writer, shards, manifest, commit):
         for name, wrapper in (("write_atomic", model.write_atomic),
                               ("fsync_dir", model.fsync_dir)):
             if hasattr(module, name):

@@ -654,7 +654,7 @@ def test_reader_never_returns_frames_a_writer_overwrote(tmp_path, shard_chunks):
 def test_close_after_a_failed_chunk_write_raises_and_still_releases_the_lock(tmp_path,
                                                                            monkeypatch,
                                                                            shard_chunks):
-    import mmreplay.storage.frame_store as fs
+    import mmreplay.storage.chunk_writer as fs
     import mmreplay.storage.shards as shards
     store = make(tmp_path, chunk_frames=2, shard_chunks=shard_chunks)
     run_episode(store, 0, 3)

@@ -12,6 +12,7 @@ from conftest import numbered_frame
 from mmreplay import ReplayStore, UnknownIdError
 from mmreplay.errors import InvalidInputError, InvalidStoreError
 from mmreplay.spec import make_spec
+from mmreplay.storage.frame_reader import LZ4_SHARDS_ONE_PASS, LZ4_SHARDS_TABLE
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 
 SHAPE = (3, 2)
@@ -29,7 +30,7 @@ def _stores(tmp_path, slots: int, envs: int = 2, cache: int = WHOLE, codec: str 
     (tmp_path / "tmp").mkdir()
     writer = FrameStore(tmp_path, spec, writable=True, cache_bytes=cache)
     assert writer._table is not None
-    assert writer._table_one_call == (codec == "lz4" and shard > 1)
+    assert (writer.reader.fast_path == LZ4_SHARDS_TABLE) == (codec == "lz4" and shard > 1)
     assert writer._table.whole == (cache == WHOLE)
     return spec, writer
 
@@ -74,8 +75,8 @@ def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, sh
             fs.drain()
         if rng.random() < 0.4:  # every chunk read again from RAM or its file
             fs._table.clear()
-            if fs._shard_writer is not None:
-                from_ram += int(np.count_nonzero(fs._shard_writer.ram_src))
+            if fs.finished.shard_writer is not None:
+                from_ram += int(np.count_nonzero(fs.finished.shard_writer.ram_src))
         flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
         want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
         assert np.array_equal(fs.read(flat), want)
@@ -95,6 +96,39 @@ def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, sh
         assert np.array_equal(plain.read(flat), want)
         kept = max(kept, _check_stats(table, cache, rows))
     assert kept > 0  # the reader's reads filled its table
+
+
+@pytest.mark.parametrize("cache", [WHOLE, TINY, 0])
+def test_fast_paths_read_what_the_general_path_reads(tmp_path, cache):
+    """Each fast path of an lz4 shard store (`table_read` through the cache, falling back to
+    `read_frames` for a read wider than the table; `read_frames` with no cache) returns what
+    `read_general` returns for the same slots: beside the writer (RAM tails, chunks pending
+    in a shard, files not mapped yet, wraparound) and in a read-only reader after it."""
+    slots = 13
+    spec = make_spec(capacity=slots * 2, num_envs=2, obs_shape=SHAPE, chunk_frames=2,
+                     shard_chunks=3)
+    create_frames_array(tmp_path, spec)
+    (tmp_path / "tmp").mkdir()
+    fs = FrameStore(tmp_path, spec, writable=True, cache_bytes=cache)
+    assert fs.reader.fast_path == (LZ4_SHARDS_TABLE if cache else LZ4_SHARDS_ONE_PASS)
+    rng = np.random.default_rng(cache)
+    written = np.zeros(2, bool)
+    for step in range(6 * slots):
+        env = int(rng.integers(2))
+        slot = int(fs.next_slot[env])
+        fs.append(np.array([env]), np.array([slot]),
+                  rng.integers(1, 255, (1, *SHAPE), dtype=np.uint8))
+        written[env] |= slot == slots - 1
+        if step % 11 == 0:
+            fs.drain()
+        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
+        assert np.array_equal(fs.read(flat), fs.reader.read_general(flat))
+    fs.drain()
+    reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
+    reader.load_tail(fs.tail_frames(), fs.next_slot)
+    for _ in range(20):
+        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
+        assert np.array_equal(reader.read(flat), reader.reader.read_general(flat))
 
 
 def _check_stats(fs, cache, rows):
@@ -168,7 +202,7 @@ def test_a_table_reader_beside_a_writer_that_wraps_reads_each_id_s_frames(tmp_pa
         writer.flush()
         if reader is None:
             reader = ReplayStore.open(tmp_path / "s", "r", cache_bytes=1 << 30)
-            assert reader._frames._table_one_call
+            assert reader._frames.reader.fast_path == LZ4_SHARDS_TABLE
         for _ in range(3):
             try:
                 batch = reader.get(reader.valid_ids())
@@ -267,8 +301,8 @@ def test_a_batch_gather_copies_shared_frames_from_its_obs_as_the_table_holds_the
         sources = np.concatenate([obs.ravel(), nxt.ravel()]).astype(np.int64)
         want = np.full((sources.size, fb), 7, np.uint8)
         got = np.full((sources.size, fb), 7, np.uint8)
-        gather(table.ctypes.data, fb, tails, sources, want, 0)
-        gather(table.ctypes.data, fb, tails, sources, got, stack)
+        gather(table, tails, sources, want, 0)
+        gather(table, tails, sources, got, stack)
         expected = np.stack([table[s] if s >= 0 else tails[-1 - s] if s > zero
                              else np.zeros(fb, np.uint8) for s in sources])
         np.testing.assert_array_equal(want, expected)

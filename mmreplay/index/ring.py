@@ -26,11 +26,19 @@ refresh, so ``append`` stays O(1). This module knows no pixels, codecs, RNG or t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from mmreplay.kernels import compiled, records
+from mmreplay.kernels import compiled, entry, records
+from mmreplay.kernels.structs import (
+    IdMap,
+    LookupOut,
+    RecordColumns,
+    RecordOut,
+    RingColumns,
+    StepEvents,
+)
 from mmreplay.spec import StoreSpec
 
 
@@ -71,19 +79,6 @@ class Lookup:
     ids: np.ndarray             # int64
     extras: dict[str, np.ndarray]  # the extras of step t (as its action), by name
     slots: np.ndarray           # (2, B, k): obs_slots and next_obs_slots are its halves
-
-
-class IdMap(NamedTuple):
-    """Where transition ids live, for compiled callers: id ``i`` in ``[0, next_id)`` is at flat
-    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `spilled`.
-    Views of the ring's arrays: valid until the ring next changes. A named tuple: one is
-    made per priority update, and it costs a third of a frozen dataclass."""
-
-    loc: np.ndarray
-    slot_ids: np.ndarray
-    valid: np.ndarray
-    next_id: int
-    spills: bool  # some live ids are only in the spill table
 
 
 @dataclass(frozen=True)
@@ -166,7 +161,7 @@ class StepRing:
         blank["id"] = -1  # type: ignore[call-overload]  # structured field
         self._blank = blank[0]  # the record of a fresh slot: no step, no id
         self._gamma_pow = np.array([spec.gamma ** j for j in range(spec.n_step + 1)])
-        self._lookup_args = _lookup_args(spec, self._flat_cols, self._gamma_pow)
+        self.lookup_columns = _ring_columns(spec, self.written, self._flat_cols, self._gamma_pow)
         # Step ordinals, for windows of consecutive steps across episodes: frame f of env e
         # has ``ord_of_frame[e, f % S]`` steps before it (its step's ordinal if it has one),
         # and the step of ordinal o is at frame ``frame_of_ord[e, o % S]`` (steps <= frames,
@@ -405,14 +400,11 @@ class StepRing:
         field in the dtype a batch hands out: no conversion after it)."""
         size = flat.size
         both = np.empty((2, size, self.spec.frame_stack), np.int64)  # obs and next_obs stacks
-        ret, discount = np.empty(size, np.float32), np.empty(size, np.float32)
-        term, trunc = np.empty(size, bool), np.empty(size, bool)
-        steps, ids = np.empty(size, np.int64), np.empty(size, np.int64)
-        compiled().lookup(flat, self.written, *self._lookup_args, both[0], both[1], ret, term,
-                          trunc, discount, steps, ids)
+        out = lookup_out(both)
+        entry(compiled().lookup)(flat, self.lookup_columns, out)
         return Lookup(obs_slots=both[0], next_obs_slots=both[1],
-                      action=actions_at(self, flat), reward=ret, terminated=term,
-                      truncated=trunc, discount=discount, steps=steps, ids=ids,
+                      action=actions_at(self, flat), reward=out.ret, terminated=out.term,
+                      truncated=out.trunc, discount=out.discount, steps=out.steps, ids=out.ids,
                       extras=self.extras_at(flat) if self.spec.extras else {}, slots=both)
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -436,10 +428,14 @@ class StepRing:
                 f"cursors inconsistent: oldest {self.oldest}, written {self.written}")
 
 
-def lookup_arrays(ring: StepRing) -> tuple[Any, ...]:
-    """What the compiled `lookup` takes besides the slots and its outputs, in its order
-    (``written`` first): for kernels that look up slots they draw themselves."""
-    return (ring.written, *ring._lookup_args)
+def lookup_out(stacks: np.ndarray) -> LookupOut:
+    """Fresh outputs of a compiled `lookup` of ``stacks.shape[1]`` slots, each in the dtype a
+    batch hands out, its obs and next_obs stacks written into ``stacks`` ``(2, B, stack)``."""
+    size = stacks.shape[1]
+    return LookupOut(obs=stacks[0], next_obs=stacks[1], ret=np.empty(size, np.float32),
+                     term=np.empty(size, bool), trunc=np.empty(size, bool),
+                     discount=np.empty(size, np.float32), steps=np.empty(size, np.int64),
+                     ids=np.empty(size, np.int64))
 
 
 def actions_at(ring: StepRing, flat: np.ndarray) -> np.ndarray:
@@ -447,12 +443,14 @@ def actions_at(ring: StepRing, flat: np.ndarray) -> np.ndarray:
     return ring._flat_cols["action"][flat]
 
 
-def _lookup_args(spec: StoreSpec, cols: dict[str, np.ndarray],
-                 gamma_pow: np.ndarray) -> tuple[object, ...]:
-    """What `StepRing.lookup` passes its kernel besides the slots, the cursors and the outputs."""
-    return (spec.slots_per_env, spec.frame_stack, spec.n_step, spec.stack_padding == "first",
-            gamma_pow, cols["pos"], cols["reward"], cols["terminated"], cols["truncated"],
-            cols["id"])
+def _ring_columns(spec: StoreSpec, written: np.ndarray, cols: dict[str, np.ndarray],
+                  gamma_pow: np.ndarray) -> RingColumns:
+    """What `StepRing.lookup` passes its kernel (the ring's arrays, written in place)."""
+    return RingColumns(written=written, slots=spec.slots_per_env, stack=spec.frame_stack,
+                       n_step=spec.n_step, pad_first=spec.stack_padding == "first",
+                       gamma_pow=gamma_pow, pos=cols["pos"], reward=cols["reward"],
+                       terminated=cols["terminated"], truncated=cols["truncated"],
+                       step_id=cols["id"])
 
 
 # -- blocks of events: what many begin_episodes / record_step calls do, in one call ------------
@@ -467,26 +465,29 @@ def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: n
     `reward`, ... of auto events are ignored.
     """
     S, size = ring.slots_per_env, env_of.size
-    new_flat, step_flat = np.empty(size, np.int64), np.empty(size, np.int64)
-    touched = ring.written.copy()
-    spill_ids, spill_flat = np.empty(size, np.int64), np.empty(size, np.int64)
+    out = RecordOut(new_flat=np.empty(size, np.int64), step_flat=np.empty(size, np.int64),
+                    touched=ring.written.copy(), spill_ids=np.empty(size, np.int64),
+                    spill_flat=np.empty(size, np.int64))
     counters = np.array([ring.next_id, ring.next_episode], np.int64)
     flat = ring.steps.reshape(-1)
-    spills = records().record_events(
-        env_of, auto, terminated, truncated, reward.astype(np.float32, copy=False), S,
-        flat["pos"], flat["episode"], flat["id"], flat["has_step"], flat["terminated"],
-        flat["truncated"], flat["reward"], ring.written, ring.running, ring.step_count,
-        ring.ord_of_frame.reshape(-1), ring.frame_of_ord.reshape(-1), ring._id_loc,
-        counters, new_flat, step_flat, touched, spill_ids, spill_flat)
+    events = StepEvents(env_of=env_of, auto=auto, term=terminated, trunc=truncated,
+                        reward=reward.astype(np.float32, copy=False))
+    cols = RecordColumns(
+        slots=S, pos=flat["pos"], episode=flat["episode"], ids=flat["id"],
+        has_step=flat["has_step"], terminated=flat["terminated"], truncated=flat["truncated"],
+        rewards=flat["reward"], written=ring.written, running=ring.running,
+        step_count=ring.step_count, ord_of_frame=ring.ord_of_frame.reshape(-1),
+        frame_of_ord=ring.frame_of_ord.reshape(-1), id_loc=ring._id_loc, counters=counters)
+    spills = entry(records().record_events)(events, cols, out)
     ring.next_id, ring.next_episode = int(counters[0]), int(counters[1])
-    _write_block_records(flat, new_flat, step_flat, action, extras or {})
-    _touch_block(ring, touched)
+    _write_block_records(flat, out.new_flat, out.step_flat, action, extras or {})
+    _touch_block(ring, out.touched)
     if spills:
-        ring._id_spill.update(zip(spill_ids[:spills].tolist(),
-                                  spill_flat[:spills].tolist(), strict=True))
+        ring._id_spill.update(zip(out.spill_ids[:spills].tolist(),
+                                  out.spill_flat[:spills].tolist(), strict=True))
         if len(ring._id_spill) >= ring._spill_prune_at:
             ring._prune_spill()
-    return new_flat - env_of * S
+    return out.new_flat - env_of * S
 
 def block_fits(ring: StepRing, env_of: np.ndarray) -> bool:
     """Whether `record_block` takes these events: fewer than `slots_per_env` per env."""

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from mmreplay.kernels import compiled
+from mmreplay.kernels import compiled, entry
+from mmreplay.kernels.structs import TreeArrays
 
 __all__ = ["SumTree", "TreeArrays"]
 
@@ -63,20 +64,6 @@ def _prefix_rows(kids: FloatArray, out: FloatArray | None = None) -> FloatArray:
 def _row_min(kids: FloatArray) -> FloatArray:
     """Smallest entry per row (argmin + gather beats np.minimum.reduce on short rows)."""
     return kids[np.arange(kids.shape[0]), kids.argmin(axis=1)]
-
-
-@dataclass(frozen=True, slots=True)
-class TreeArrays:
-    """A tree's node arrays and level table, as the compiled ``tree_set`` takes them."""
-
-    sums: FloatArray
-    mins: FloatArray
-    prefix: FloatArray
-    offsets: IntArray
-    fanouts: IntArray
-    firsts: IntArray
-    shifts: IntArray
-    leaf0: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +139,13 @@ class SumTree:
         self._leaf_sums = self._sum[self._leaf0 :]
         self._leaf_mins = self._min[self._leaf0 :]
         self._levels = self._make_levels(depth)
-        self._walk = (np.cumsum([0, *sizes], dtype=np.int64)[:-1],  # prefix offsets
-                      np.array([lv.fanout for lv in self._levels], dtype=np.int64),
-                      np.array([lv.first for lv in self._levels], dtype=np.int64),
-                      np.array([lv.shift for lv in self._levels], dtype=np.int64))
+        self._arrays = TreeArrays(  # node arrays are written in place, never moved
+            sums=self._sum, mins=self._min, prefix=self._prefix,
+            offsets=np.cumsum([0, *sizes], dtype=np.int64)[:-1],  # of each level's prefix rows
+            fanouts=np.array([lv.fanout for lv in self._levels], dtype=np.int64),
+            firsts=np.array([lv.first for lv in self._levels], dtype=np.int64),
+            shifts=np.array([lv.shift for lv in self._levels], dtype=np.int64),
+            leaf0=self._leaf0)
 
     def _make_levels(self, depth: int) -> list[_Level]:
         levels, top, at = [], 0, 0
@@ -201,16 +191,10 @@ class SumTree:
         """`find` of float64 targets the caller knows lie in ``[0, total()]`` (no checks)."""
         out = np.zeros(targets.shape, dtype=np.int64)
         if self._levels:
-            offsets, fanouts, _, _ = self._walk
-            compiled().tree_find(self._prefix, offsets, fanouts, targets.reshape(-1),
-                                 out.reshape(-1))
+            tree = self._arrays
+            find = compiled().tree_find  # plain arrays: numba types them in C
+            find(tree.prefix, tree.offsets, tree.fanouts, targets.reshape(-1), out.reshape(-1))
         return out
-
-    def walk_arrays(self) -> tuple[FloatArray, IntArray, IntArray, FloatArray, FloatArray, int]:
-        """``(prefix, offsets, fanouts, sums, mins, leaf0)``: what a compiled draw walks
-        (`find_checked` and `stratified_checked` in a caller's own kernel), as they are."""
-        offsets, fanouts, _, _ = self._walk
-        return self._prefix, offsets, fanouts, self._sum, self._min, self._leaf0
 
     def stratified(self, u: FloatArray, beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
         """One leaf per equal slice of the mass (``t_b = (b + u_b) * total / B``, ``u`` in
@@ -223,9 +207,7 @@ class SumTree:
                            beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
         """`stratified` of float64 `u` and a float `beta` on a tree the caller knows has
         mass (no checks): one compiled call."""
-        offsets, fanouts, _, _ = self._walk
-        return compiled().tree_draw(self._prefix, offsets, fanouts, self._sum, self._min,
-                                    self._leaf0, u, beta)  # type: ignore[no-any-return]
+        return entry(compiled().tree_draw)(self._arrays, u, beta)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------------------- updates
 
@@ -246,8 +228,7 @@ class SumTree:
             for level in reversed(self._levels):
                 self._rebuild(level)
             return
-        compiled().tree_set(self._sum, self._min, self._prefix, *self._walk, self._leaf0,
-                           idx, np.ascontiguousarray(vals, dtype=np.float64))
+        entry(compiled().tree_set)(self._arrays, idx, np.ascontiguousarray(vals, dtype=np.float64))
 
     def set_all(self, values: npt.ArrayLike) -> None:
         """Replace every leaf (``len(values) == capacity``) and rebuild bottom-up in O(N)."""
@@ -258,9 +239,10 @@ class SumTree:
             self._rebuild(level)
 
     def arrays(self) -> TreeArrays:
-        """The node arrays, for a compiled caller that writes leaves with ``tree_set`` (sorted,
+        """The node arrays, for a compiled caller that walks the tree (`find_checked` and
+        `stratified_checked` in its own kernel) or writes leaves with ``tree_set`` (sorted,
         unique leaves; finite masses >= 0), which keeps every invariant of `check_valid`."""
-        return TreeArrays(self._sum, self._min, self._prefix, *self._walk, self._leaf0)
+        return self._arrays
 
     # ----------------------------------------------------------------------------- invariants
 

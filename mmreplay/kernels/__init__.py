@@ -16,6 +16,9 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import Any
+
+import numpy as np
 
 # Status of one chunk's decode (`numba_kernels.decode_chunks`, `codec.ChunkCodec.check`).
 OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
@@ -49,3 +52,75 @@ def records() -> ModuleType:
 def samples() -> ModuleType:
     """`mmreplay.kernels.sample_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.sample_kernels")
+
+
+class Entry:
+    """A compiled kernel called with arguments of one type each call, past numba's typing.
+
+    numba types every argument of every call to pick the compiled code: a plain array in C,
+    a named tuple in Python (several µs for the nested named tuples of `kernels.structs`,
+    more than some kernels take to run). An `Entry`'s first call goes through the dispatcher
+    (which compiles the kernel or loads it from numba's cache); later calls go straight to the
+    compiled code of that call's argument types, as long as each array argument still has
+    the first call's dtype, dimensions, layout and writability (checked here, else the
+    dispatcher is asked again). Only the array arguments at positions `check` are checked
+    (all of them if None): a caller leaves out the arrays it allocates itself with fixed
+    dtypes, and tuple arguments are never checked: their owners build them the same way every
+    call (`kernels.structs`: arrays of fixed dtypes, Python ints, bools). A kernel of plain
+    arrays and scalars needs no `Entry`: numba types those in C.
+    """
+
+    __slots__ = ("_kernel", "_compiled", "_arrays", "_check")
+
+    def __init__(self, kernel: Any, check: tuple[int, ...] | None = None) -> None:
+        self._kernel = kernel
+        self._check = check
+        self._compiled: Any = None
+        self._arrays: tuple[tuple[int, Any, int, int], ...] = ()
+
+    def __call__(self, *args: Any) -> Any:
+        run = self._compiled
+        if run is not None:
+            for i, dtype, ndim, flags in self._arrays:  # `_look`, inline: this is per call
+                a = args[i]
+                if type(a) is not np.ndarray or a.dtype is not dtype or a.ndim != ndim \
+                        or a.flags.num & _LAYOUT != flags:  # (a builtin dtype is a singleton)
+                    return self._kernel(*args)
+            return run(*args)
+        result = self._kernel(*args)
+        self._bind(args)
+        return result
+
+    def _bind(self, args: tuple[Any, ...]) -> None:
+        """Keep the compiled code of these argument types, and how their arrays look."""
+        key = tuple(self._kernel.typeof_pyval(a) for a in args)
+        found = self._kernel.overloads.get(key)
+        if found is None:
+            return  # typed otherwise than here (literals, ...): always ask the dispatcher
+        self._arrays = tuple((i, *_look(a)) for i, a in enumerate(args)
+                             if type(a) is np.ndarray and (self._check is None
+                                                            or i in self._check))
+        self._compiled = found.entry_point
+
+
+_LAYOUT = 0x1 | 0x2 | 0x100 | 0x400  # numpy's C_CONTIGUOUS, F_CONTIGUOUS, ALIGNED, WRITEABLE
+
+
+def _look(a: Any) -> tuple[Any, ...]:
+    """What numba's type of an array argument depends on: dtype, dimensions, layout and
+    writability."""
+    if type(a) is not np.ndarray:
+        return ()
+    return a.dtype, a.ndim, a.flags.num & _LAYOUT
+
+
+_ENTRIES: dict[tuple[int, tuple[int, ...] | None], Entry] = {}
+
+
+def entry(kernel: Any, check: tuple[int, ...] | None = None) -> Entry:
+    """The `Entry` of a compiled kernel checking the arrays at `check` (made on first use)."""
+    key = (id(kernel), check)
+    found = _ENTRIES.get(key)
+    if found is None:
+        found = _ENTRIES[key] = Entry(kernel, check)
+    return found

@@ -50,6 +50,14 @@ from numba.extending import intrinsic
 from numcodecs import blosc
 
 from mmreplay.kernels import BAD_CRC, BAD_HEADER, NO_DECODE, OK, TOO_SHORT
+from mmreplay.kernels.structs import (
+    ChunkBytes,
+    FrameLayout,
+    LookupOut,
+    OnePassRead,
+    RingColumns,
+    TreeArrays,
+)
 
 BLOSC_HEADER = 16
 LZ4, ZSTD, ZSTD_DICT = 0, 1, 2  # the codec argument of `decode_chunks`
@@ -210,10 +218,10 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
                     frame_rows: np.ndarray, chunk: int) -> np.ndarray:
     """`decode_chunks` of lz4 chunks for one read, each decoded only up to the last frame
     the read takes from it: ``frame_rows`` are the read's frames as rows of `rows` seen as
-    ``chunk`` frames a row (``row * chunk + offset``, `chunk_plan`). The crc32c and header
-    of every chunk are checked whole; the frames past a chunk's last wanted one are left
-    as they were (an lz4 stream is decoded from its start, so a read that takes frames
-    0..k of a chunk skips the rest). Same statuses as `decode_chunks`."""
+    ``chunk`` frames a row (``row * chunk + offset``, `table_kernels.scratch_plan`). The
+    crc32c and header of every chunk are checked whole; the frames past a chunk's last
+    wanted one are left as they were (an lz4 stream is decoded from its start, so a read
+    that takes frames 0..k of a chunk skips the rest). Same statuses as `decode_chunks`."""
     n = rows.shape[1]
     frame = n // chunk
     need = np.zeros(rows.shape[0], np.int64)
@@ -227,20 +235,6 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
         status[i] = decode_one(src[i], size[i], base + dest[i] * n, n, LZ4, 0, 0,
                                 need[dest[i]])
     return status
-
-
-@numba.njit(nogil=True, cache=True)
-def gather_rows(table: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[i] = table[rows[i]]`` for 2-d uint8 arrays (one frame's bytes a row).
-
-    An explicit byte loop (which LLVM vectorizes): numba's slice assignment
-    ``out[i, :] = table[r, :]`` checks for overlap and copies through a temporary,
-    13x slower here (559 vs 42 µs for 256 frames of 84x84)."""
-    n = out.shape[1]
-    for i in range(rows.size):
-        r = rows[i]
-        for j in range(n):
-            out[i, j] = table[r, j]
 
 
 # -- sum tree (see `sum_tree.SumTree` for the layout) ------------------------------------------
@@ -280,23 +274,22 @@ def tree_find(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray, targets: np.
 
 
 @numba.njit(nogil=True, cache=True)
-def tree_set(sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray, off: np.ndarray,
-             fan: np.ndarray, first: np.ndarray, shift: np.ndarray, leaf0: int,
-             idx: np.ndarray, vals: np.ndarray) -> None:
+def tree_set(tree: TreeArrays, idx: np.ndarray, vals: np.ndarray) -> None:
     """Write leaves (the last of duplicates wins), then rebuild each of their ancestors'
     rows from its children, bottom-up: sums, prefix rows and mins."""
+    sums, mins, prefix, leaf0 = tree.sums, tree.mins, tree.prefix, tree.leaf0
     for i in range(idx.size):
         sums[leaf0 + idx[i]] = vals[i]
         mins[leaf0 + idx[i]] = vals[i] if vals[i] > 0.0 else np.inf
-    for level in range(off.size - 1, -1, -1):
-        f, rows = fan[level], first[level]
+    for level in range(tree.offsets.size - 1, -1, -1):
+        f, rows = tree.fanouts[level], tree.firsts[level]
         last = -1
         for i in range(idx.size):
-            r = idx[i] >> shift[level]
+            r = idx[i] >> tree.shifts[level]
             if r == last:
                 continue
             last = r
-            base, kid = off[level] + r * (f + 1), rows * f + r * f
+            base, kid = tree.offsets[level] + r * (f + 1), rows * f + r * f
             acc, low = 0.0, np.inf
             prefix[base] = 0.0
             for c in range(f):
@@ -311,11 +304,7 @@ def tree_set(sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray, off: np.nda
 
 
 @numba.njit(nogil=True, cache=True)
-def lookup(flat: np.ndarray, written: np.ndarray, slots: int, stack: int, n_step: int,
-           pad_first: bool, gamma_pow: np.ndarray, pos: np.ndarray, reward: np.ndarray,
-           terminated: np.ndarray, truncated: np.ndarray, step_id: np.ndarray, obs: np.ndarray,
-           next_obs: np.ndarray, ret: np.ndarray, term: np.ndarray, trunc: np.ndarray,
-           discount: np.ndarray, steps: np.ndarray, ids: np.ndarray) -> None:
+def lookup(flat: np.ndarray, ring: RingColumns, out: LookupOut) -> None:
     """For valid transitions at flat slots `flat`: the flat slots of their stacks (``obs``,
     ``next_obs``: (B, stack), -1 = zero padding), n-step return, flags, discount, the
     window's length m (``steps``) and the transition ids, each written in its output's
@@ -323,80 +312,55 @@ def lookup(flat: np.ndarray, written: np.ndarray, slots: int, stack: int, n_step
 
     Step columns are flat (``env * slots + slot``); ``gamma_pow[j] = gamma ** j``.
     """
+    slots, stack, gamma_pow = ring.slots, ring.stack, ring.gamma_pow
     for b in range(flat.size):
         env, slot = flat[b] // slots, flat[b] % slots
-        last = written[env] - 1
+        last = ring.written[env] - 1
         t = last - (last - slot) % slots
-        start = t - pos[flat[b]]
+        start = t - ring.pos[flat[b]]
         acc, m, ended_t, ended_tr = 0.0, 0, False, False
-        for j in range(n_step):
+        for j in range(ring.n_step):
             u = env * slots + (t + j) % slots
-            acc += gamma_pow[j] * np.float64(reward[u])
+            acc += gamma_pow[j] * np.float64(ring.reward[u])
             m += 1
-            ended_t, ended_tr = terminated[u], truncated[u]
+            ended_t, ended_tr = ring.terminated[u], ring.truncated[u]
             if ended_t or ended_tr:
                 break
-        ret[b], term[b], trunc[b] = acc, ended_t, ended_tr
-        discount[b] = 0.0 if ended_t else gamma_pow[m]
-        steps[b], ids[b] = m, step_id[flat[b]]
+        out.ret[b], out.term[b], out.trunc[b] = acc, ended_t, ended_tr
+        out.discount[b] = 0.0 if ended_t else gamma_pow[m]
+        out.steps[b], out.ids[b] = m, ring.step_id[flat[b]]
         for i in range(stack):
-            for out, top in ((obs, t), (next_obs, t + m)):
+            for rows, top in ((out.obs, t), (out.next_obs, t + m)):
                 f = top - (stack - 1 - i)
                 if f < start:
-                    f = start if pad_first else -1
-                out[b, i] = -1 if f < 0 else env * slots + f % slots
+                    f = start if ring.pad_first else -1
+                rows[b, i] = -1 if f < 0 else env * slots + f % slots
 
 
 @numba.njit(nogil=True, cache=True)
-def chunk_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
-               next_slot: np.ndarray, tail_fill: np.ndarray, keys: np.ndarray,
-               rows: np.ndarray) -> int:
-    """Where each frame of a read comes from: the distinct chunk keys (sorted, into
-    ``keys[:count]``; returns count) and, per frame, its row in a table of those chunks'
-    frames (``rows``). A key is ``env * num_chunks + chunk`` for a chunk on disk, then
-    ``envs * num_chunks + env`` for an env's unfinished tail, then one more for the zero
-    frame of stack padding (slot -1)."""
-    raw = np.empty(flat.size, np.int64)
-    offset = np.empty(flat.size, np.int64)
-    read_keys(flat, slots, chunk, num_chunks, next_slot, tail_fill, raw, offset)
-    order = np.argsort(raw)
-    count = 0
-    for j in range(order.size):
-        i = order[j]
-        if count == 0 or raw[i] != keys[count - 1]:
-            keys[count] = raw[i]
-            count += 1
-        rows[i] = (count - 1) * chunk + offset[i]
-    return count
-
-
-@numba.njit(nogil=True, cache=True)
-def tree_stratified(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
-                    leaf_sums: np.ndarray, total: float, min_mass: float, u: np.ndarray,
-                    beta: float, slots: np.ndarray, weights: np.ndarray) -> None:
-    """Stratified draw: target ``(b + u[b]) * total / B`` for slice ``b`` (`tree_find`), and
-    importance weights ``(mass / min_mass) ** -beta`` (float32)."""
+def tree_stratified(tree: TreeArrays, u: np.ndarray, beta: float, slots: np.ndarray,
+                    weights: np.ndarray) -> None:
+    """Stratified draw of a tree with mass: target ``(b + u[b]) * total / B`` for slice ``b``
+    (`tree_find`), and importance weights ``(mass / min_mass) ** -beta`` (float32); the
+    total and the smallest positive mass are the roots' (``sums[1]``, ``mins[1]``)."""
     size = u.size
+    total, min_mass = tree.sums[1], tree.mins[1]
     targets = np.empty(size)
     for b in range(size):
         targets[b] = (b + u[b]) * total / size
-    tree_find(prefix, off, fan, targets, slots)
+    tree_find(tree.prefix, tree.offsets, tree.fanouts, targets, slots)
     for b in range(size):
-        weights[b] = np.float32((leaf_sums[slots[b]] / min_mass) ** -beta)
+        weights[b] = np.float32((tree.sums[tree.leaf0 + slots[b]] / min_mass) ** -beta)
 
 
 @numba.njit(nogil=True, cache=True)
-def tree_draw(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray, sums: np.ndarray,
-              mins: np.ndarray, leaf0: int, u: np.ndarray,
-              beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """`tree_stratified` of a tree with mass, into new arrays: the total and the smallest
-    positive mass are read from the roots (``sums[1]``, ``mins[1]``), leaf ``j`` is
-    ``sums[leaf0 + j]``. A tree without levels (one leaf) draws leaf 0, weight 1."""
+def tree_draw(tree: TreeArrays, u: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
+    """`tree_stratified` into new arrays. A tree without levels (one leaf) draws leaf 0,
+    weight 1."""
     slots = np.zeros(u.size, np.int64)
     weights = np.ones(u.size, np.float32)
-    if off.size:
-        tree_stratified(prefix, off, fan, sums[leaf0:], sums[1], mins[1], u, beta, slots,
-                        weights)
+    if tree.offsets.size:
+        tree_stratified(tree, u, beta, slots, weights)
     return slots, weights
 
 
@@ -404,23 +368,23 @@ def tree_draw(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray, sums: np.nda
 
 
 @numba.njit(nogil=True, cache=True)
-def read_keys(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
-              next_slot: np.ndarray, tail_fill: np.ndarray, raw: np.ndarray,
+def read_keys(flat: np.ndarray, layout: FrameLayout, raw: np.ndarray,
               offset: np.ndarray) -> None:
-    """Each frame's chunk key (`chunk_plan`'s keys: on disk, an env's RAM tail, the zero
-    frame) into ``raw`` and its frame in that chunk into ``offset``."""
-    envs = next_slot.size
-    tails = envs * num_chunks
+    """Each frame's chunk key (on disk: ``env * num_chunks + chunk``; then an env's RAM tail,
+    ``envs * num_chunks + env``; then the zero frame) into ``raw`` and its frame in that chunk
+    into ``offset``."""
+    envs, chunk, slots = layout.next_slot.size, layout.chunk, layout.slots
+    tails = envs * layout.num_chunks
     for i in range(flat.size):
         if flat[i] < 0:
             raw[i], offset[i] = tails + envs, 0
             continue
         env, slot = flat[i] // slots, flat[i] % slots
         c, offset[i] = slot // chunk, slot % chunk
-        if c == next_slot[env] // chunk and offset[i] < tail_fill[env]:
+        if c == layout.next_slot[env] // chunk and offset[i] < layout.tail_fill[env]:
             raw[i] = tails + env
         else:
-            raw[i] = env * num_chunks + c
+            raw[i] = env * layout.num_chunks + c
 
 
 @numba.njit(nogil=True, cache=True)
@@ -455,28 +419,26 @@ def group_order(keys: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(nogil=True, cache=True)
-def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, src: np.ndarray,
-                 size: np.ndarray, ram_src: np.ndarray, ram_size: np.ndarray,
-                 used: np.ndarray, tick: int, shard_chunks: int, where: np.ndarray,
-                 length: np.ndarray, missing: np.ndarray) -> int:
-    """Bytes of each distinct chunk on disk a read takes: from ``ram_src``/``ram_size``
-    (encoded chunks held in RAM; 0 = none) or else the mapped files' ``src``/``size``,
-    into ``where``/``length`` at the frame that opens its run of ``order``; the file of
-    each is marked used at ``tick`` (``used[env * shards + shard]``). Returns how many
-    chunks have neither (their keys in ``missing[:count]``, to be mapped first)."""
+def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: ChunkBytes,
+                 where: np.ndarray, length: np.ndarray, missing: np.ndarray) -> int:
+    """Bytes of each distinct chunk on disk a read takes (`ChunkBytes`: the writer's RAM,
+    else the mapped file, marked used), into ``where``/``length`` at the frame that opens
+    its run of ``order``. Returns how many chunks have neither (their keys in
+    ``missing[:count]``, to be mapped first)."""
     count = 0
-    disk_keys = src.size  # envs * num_chunks
-    shards = -(-num_chunks // shard_chunks)
+    disk_keys = chunks.src.size  # envs * num_chunks
+    shards = -(-num_chunks // chunks.shard_chunks)
     for j in range(order.size):
         i = order[j]
         key = raw[i]
         if key >= disk_keys or (j > 0 and raw[order[j - 1]] == key):
             continue
-        if key < ram_src.size and ram_src[key] != 0:
-            where[i], length[i] = ram_src[key], ram_size[key]
+        if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
+            where[i], length[i] = chunks.ram_src[key], chunks.ram_size[key]
             continue
-        where[i], length[i] = src[key], size[key]
-        used[(key // num_chunks) * shards + (key % num_chunks) // shard_chunks] = tick
+        where[i], length[i] = chunks.src[key], chunks.size[key]
+        chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
+            = chunks.tick
         if where[i] == 0:
             missing[count] = key
             count += 1
@@ -484,18 +446,19 @@ def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, src: np.nd
 
 
 @numba.njit(nogil=True, cache=True)
-def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_keys: int,
-                where: np.ndarray, length: np.ndarray, tail_rows: np.ndarray,
-                scratch: np.ndarray, out: np.ndarray, failed: np.ndarray) -> int:
-    """``out[i]`` = frame ``i`` of a read planned by `read_keys`, `group_order` and
+def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, where: np.ndarray,
+                length: np.ndarray, read: OnePassRead) -> int:
+    """``read.out[i]`` = frame ``i`` of a read planned by `read_keys`, `group_order` and
     `read_sources`: a chunk on disk is decoded (lz4, only up to the last frame the read
-    takes from it, as `decode_prefixes`) into ``scratch`` and its frames copied out at once,
-    while they are still in the CPU's cache; a tail's frames come from ``tail_rows`` (``env
-    * chunk + offset``), the zero frame is zeros. Returns 0, or a chunk's decode status with
-    the position of a frame of that chunk in ``failed[0]``."""
+    takes from it, as `decode_prefixes`) into ``read.scratch`` and its frames copied out at
+    once, while they are still in the CPU's cache; a tail's frames come from the layout's
+    ``tail_rows``, the zero frame is zeros. Returns 0, or a chunk's decode status with the
+    position of a frame of that chunk in ``read.missing[0]``."""
+    scratch, out, tail_rows = read.scratch, read.out, read.layout.tail_rows
+    disk_keys = read.chunks.src.size
     fb = out.shape[1]
-    chunk = scratch.size // fb
-    envs = tail_rows.shape[0] // chunk
+    chunk = read.layout.chunk
+    envs = read.layout.next_slot.size
     start = 0
     while start < order.size:
         key, last, stop = raw[order[start]], 0, start
@@ -507,7 +470,7 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_key
             status = decode_one(where[first], length[first], scratch.ctypes.data,
                                  scratch.size, LZ4, 0, 0, (last + 1) * fb)
             if status != OK:
-                failed[0] = first
+                read.missing[0] = first
                 return status
             base = scratch.ctypes.data
         elif key - disk_keys < envs:
@@ -525,25 +488,18 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, disk_key
 
 
 @numba.njit(nogil=True, cache=True)
-def read_frames(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
-                tail_fill: np.ndarray, tail_rows: np.ndarray, src: np.ndarray,
-                size: np.ndarray, ram_src: np.ndarray, ram_size: np.ndarray, used: np.ndarray,
-                tick: int, shard_chunks: int, scratch: np.ndarray, out: np.ndarray,
-                missing: np.ndarray) -> int:
+def read_frames(flat: np.ndarray, read: OnePassRead) -> int:
     """A whole read in one call: `read_keys`, `group_order`, `read_sources`, then
-    `read_gather` (``chunk`` = ``scratch.size // out.shape[1]`` frames a chunk). Returns 0;
-    or, gathering nothing, the count of chunks whose files are not mapped (keys in
-    ``missing[:count]``: map them and call again); or ``-status`` of a chunk that fails to
-    decode, with a frame of it in ``missing[0]``."""
+    `read_gather`. Returns 0; or, gathering nothing, the count of chunks whose files are
+    not mapped (keys in ``read.missing[:count]``: map them and call again); or ``-status``
+    of a chunk that fails to decode, with a frame of it in ``read.missing[0]``."""
     n = flat.size
     raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
-    read_keys(flat, slots, scratch.size // out.shape[1], num_chunks, next_slot, tail_fill, raw,
-              offset)
+    read_keys(flat, read.layout, raw, offset)
     order = group_order(raw)
     where, length = np.empty(n, np.int64), np.empty(n, np.int64)
-    count = read_sources(raw, order, num_chunks, src, size, ram_src, ram_size, used, tick,
-                         shard_chunks, where, length, missing)
+    count = read_sources(raw, order, read.layout.num_chunks, read.chunks, where, length,
+                         read.missing)
     if count:
         return count
-    return -read_gather(raw, offset, order, src.size, where, length, tail_rows, scratch, out,
-                        missing)
+    return -read_gather(raw, offset, order, where, length, read)

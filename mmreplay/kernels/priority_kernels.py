@@ -16,8 +16,8 @@ without a floating-point warning. One learner update::
 sampleable keeps its priority for later and gets no mass). Nothing is written unless every
 check passes; a rejected call returns a negative status:
 
-    >= 0   slots written (the first `count` of ``flat_out``/``val_out``, slots increasing;
-           ``top[0]`` the largest value written, 0.0 if none)
+    >= 0   slots written (the first `count` of `Written`'s ``slots``/``values``, slots
+           increasing; ``top[0]`` the largest value written, 0.0 if none)
     BAD_VALUE   a priority is NaN, inf or negative
     OVERFLOW    a mass ``(p + eps) ** alpha`` of a sampleable slot overflows to inf
     MISSED      an id in ``[0, next_id)`` is not where the id map points while some ids
@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from mmreplay.kernels.numba_kernels import tree_set
+from mmreplay.kernels.structs import IdMap, Priorities, Written
 
 BAD_VALUE, OVERFLOW, MISSED, BAD_SLOT = -1, -2, -3, -4
 
@@ -92,31 +93,31 @@ def plain_values(values: np.ndarray, limit: float) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
-def _resolve(ids: np.ndarray, pre: np.ndarray, spills: bool, next_id: int, loc: np.ndarray,
-             slot_ids: np.ndarray, valid: np.ndarray, flat: np.ndarray) -> int:
+def _resolve(ids: np.ndarray, pre: np.ndarray, where: IdMap, flat: np.ndarray) -> int:
     """Each id's flat slot (-1: unknown or not sampleable); `MISSED` if the map fails one."""
+    loc = where.loc
     for i in range(ids.size):
         flat[i] = -1
         k = ids[i]
-        if k < 0 or k >= next_id:
+        if k < 0 or k >= where.next_id:
             continue
         f = pre[i] if pre.size else loc[k % loc.size]
-        if f >= 0 and slot_ids[f] == k:
-            if valid[f]:
+        if f >= 0 and where.slot_ids[f] == k:
+            if where.valid[f]:
                 flat[i] = f
-        elif spills and not pre.size:
+        elif where.spills and not pre.size:
             return MISSED
     return 0
 
 
 @numba.njit(nogil=True, cache=True)
-def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float,
-                   alpha: float, valid: np.ndarray, flat_out: np.ndarray, val_out: np.ndarray,
-                   leaves: np.ndarray) -> int:
-    """The slots of `flat` (-1 skipped) increasing and unique into `flat_out`, each with the
-    last value given for it and its leaf mass (0.0 where not `valid`; ``mass[i]``, or `_mass`
-    when `mass` is empty); returns how many."""
+def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
+                   dest: Priorities, out: Written, leaves: np.ndarray) -> int:
+    """The slots of `flat` (-1 skipped) increasing and unique into ``out.slots``, each with
+    the last value given for it and its leaf mass (0.0 where not `valid`; ``mass[i]``, or
+    `_mass` when `mass` is empty); returns how many."""
     order = np.argsort(flat, kind="mergesort")  # stable: a slot's entries keep their order
+    flat_out, val_out = out.slots, out.values
     count = 0
     for j in range(order.size):
         i = order[j]
@@ -132,75 +133,59 @@ def _last_per_slot(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: 
         elif mass.size:
             leaves[count - 1] = mass[i]
         else:
-            leaves[count - 1] = _mass(values[i], eps, alpha)
+            leaves[count - 1] = _mass(values[i], dest.eps, dest.alpha)
     return count
 
 
 @numba.njit(nogil=True, cache=True)
-def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float, alpha: float,
-           valid: np.ndarray,
-           p: np.ndarray, sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray,
-           off: np.ndarray, fan: np.ndarray, first: np.ndarray, shift: np.ndarray, leaf0: int,
-           marks: np.ndarray, period: int, group: int, flat_out: np.ndarray,
-           val_out: np.ndarray, top: np.ndarray) -> int:
+def _write(flat: np.ndarray, values: np.ndarray, mass: np.ndarray, valid: np.ndarray,
+           dest: Priorities, out: Written) -> int:
     """The shared tail of both updates: last value per slot, overflow check, then writes."""
     leaves = np.empty(flat.size)
-    count = _last_per_slot(flat, values, mass, eps, alpha, valid, flat_out, val_out, leaves)
+    count = _last_per_slot(flat, values, mass, valid, dest, out, leaves)
     for j in range(count):
         if leaves[j] == np.inf:
             return OVERFLOW
     high = 0.0
+    marks = dest.marks
     for j in range(count):
-        p[flat_out[j]] = val_out[j]
-        high = max(high, val_out[j])
+        slot = out.slots[j]
+        dest.p[slot] = out.values[j]
+        high = max(high, out.values[j])
         if marks.size:
-            marks[flat_out[j] % period // group] = True
-    top[0] = high
-    tree_set(sums, mins, prefix, off, fan, first, shift, leaf0, flat_out[:count],
-             leaves[:count])
+            marks[slot % dest.period // dest.group] = True
+    out.top[0] = high
+    tree_set(dest.tree, out.slots[:count], leaves[:count])
     return count
 
 
 @numba.njit(nogil=True, cache=True)
-def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, eps: float,
-                     alpha: float, pre: np.ndarray,
-                     spills: bool, next_id: int, loc: np.ndarray, slot_ids: np.ndarray,
-                     valid: np.ndarray, p: np.ndarray, sums: np.ndarray,
-                     mins: np.ndarray, prefix: np.ndarray, off: np.ndarray, fan: np.ndarray,
-                     first: np.ndarray, shift: np.ndarray, leaf0: int, marks: np.ndarray,
-                     period: int, group: int, flat_out: np.ndarray, val_out: np.ndarray,
-                     top: np.ndarray) -> int:
+def apply_priorities(ids: np.ndarray, values: np.ndarray, mass: np.ndarray, pre: np.ndarray,
+                     where: IdMap, dest: Priorities, out: Written) -> int:
     """Set the priorities of transition ids (see the module docstring for the statuses).
 
-    An id's slot is ``loc[id % loc.size]`` (or ``pre[i]`` when `pre` is not empty), taken
-    only if that slot still holds the id (``slot_ids``) and is ``valid``; other ids are
-    ignored (with `spills`, an id the map misses returns `MISSED` unless `pre` is given).
-    Of ids landing on one slot the last value wins. ``marks`` (if not empty) gets True at
-    ``slot % period // group`` of every slot written.
+    An id's slot is ``where.loc[id % loc.size]`` (or ``pre[i]`` when `pre` is not empty),
+    taken only if that slot still holds the id (``slot_ids``) and is ``valid``; other ids
+    are ignored (with ``where.spills``, an id the map misses returns `MISSED` unless `pre`
+    is given). Of ids landing on one slot the last value wins.
     """
     if _bad_values(values):
         return BAD_VALUE
     flat = np.empty(ids.size, np.int64)
-    if _resolve(ids, pre, spills, next_id, loc, slot_ids, valid, flat) == MISSED:
+    if _resolve(ids, pre, where, flat) == MISSED:
         return MISSED
-    return _write(flat, values, mass, eps, alpha, valid, p, sums, mins, prefix, off, fan, first,
-                  shift, leaf0, marks, period, group, flat_out, val_out, top)
+    return _write(flat, values, mass, where.valid, dest, out)
 
 
 @numba.njit(nogil=True, cache=True)
 def apply_slot_priorities(slots: np.ndarray, values: np.ndarray, mass: np.ndarray,
-                          eps: float, alpha: float, valid: np.ndarray, p: np.ndarray,
-                          sums: np.ndarray, mins: np.ndarray, prefix: np.ndarray,
-                          off: np.ndarray, fan: np.ndarray,
-                          first: np.ndarray, shift: np.ndarray, leaf0: int,
-                          flat_out: np.ndarray, val_out: np.ndarray, top: np.ndarray) -> int:
+                          valid: np.ndarray, dest: Priorities, out: Written) -> int:
     """Set the priorities of flat `slots` (see the module docstring for the statuses): every
     slot's priority is written, its leaf gets its mass if ``valid``, else 0.0. Of entries
     naming one slot the last value wins."""
     for i in range(slots.size):
-        if slots[i] < 0 or slots[i] >= p.size:
+        if slots[i] < 0 or slots[i] >= dest.p.size:
             return BAD_SLOT
     if _bad_values(values):
         return BAD_VALUE
-    return _write(slots, values, mass, eps, alpha, valid, p, sums, mins, prefix, off, fan, first,
-                  shift, leaf0, np.empty(0, np.bool_), 1, 1, flat_out, val_out, top)
+    return _write(slots, values, mass, valid, dest, out)

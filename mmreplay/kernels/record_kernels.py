@@ -19,101 +19,99 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from mmreplay.kernels.structs import RecordColumns, RecordOut, StepEvents
+
 
 @numba.njit(nogil=True, cache=True)
-def _new_frame(e: int, S: int, pos: np.ndarray, episode: np.ndarray, ids: np.ndarray,
-               has_step: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-               rewards: np.ndarray, written: np.ndarray, step_count: np.ndarray,
-               ord_of_frame: np.ndarray, touched: np.ndarray) -> int:
+def _new_frame(e: int, cols: RecordColumns, touched: np.ndarray) -> int:
     """Claim env `e`'s next slot for a new frame (blank record); returns its flat slot."""
-    frame = written[e]
-    flat = e * S + frame % S
-    pos[flat] = 0
-    episode[flat] = 0
-    ids[flat] = -1
-    has_step[flat] = False
-    terminated[flat] = False
-    truncated[flat] = False
-    rewards[flat] = 0.0
-    ord_of_frame[flat] = step_count[e]
+    frame = cols.written[e]
+    flat = e * cols.slots + frame % cols.slots
+    cols.pos[flat] = 0
+    cols.episode[flat] = 0
+    cols.ids[flat] = -1
+    cols.has_step[flat] = False
+    cols.terminated[flat] = False
+    cols.truncated[flat] = False
+    cols.rewards[flat] = 0.0
+    cols.ord_of_frame[flat] = cols.step_count[e]
     touched[e] = min(touched[e], frame)
-    written[e] = frame + 1
+    cols.written[e] = frame + 1
     return flat
 
 
 @numba.njit(nogil=True, cache=True)
-def _step(pf: int, new_id: int, term: bool, trunc: bool, reward: float, ids: np.ndarray,
-          has_step: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-          rewards: np.ndarray, id_loc: np.ndarray, spill_ids: np.ndarray,
-          spill_flat: np.ndarray, spills: int) -> bool:
-    """Fill the step record at flat slot `pf` and point id `new_id` at it; True if the id it
-    displaced from the id map was spilled (at index `spills`)."""
-    has_step[pf] = True
+def _step(pf: int, j: int, events: StepEvents, cols: RecordColumns, out: RecordOut,
+          spills: int) -> bool:
+    """Fill the step record of event `j` at flat slot `pf` and point the next id at it;
+    True if the id it displaced from the id map was spilled (at index `spills`)."""
+    new_id, id_loc, ids = cols.counters[0], cols.id_loc, cols.ids
+    cols.has_step[pf] = True
     ids[pf] = new_id
-    terminated[pf] = term
-    truncated[pf] = trunc
-    rewards[pf] = reward
+    cols.terminated[pf] = events.term[j]
+    cols.truncated[pf] = events.trunc[j]
+    cols.rewards[pf] = events.reward[j]
     key = new_id % id_loc.size
     old = id_loc[key]
     spilled = False
     if old >= 0:
         held = ids[old]
         if held >= 0 and held % id_loc.size == key and held != new_id:
-            spill_ids[spills] = held
-            spill_flat[spills] = old
+            out.spill_ids[spills] = held
+            out.spill_flat[spills] = old
             spilled = True
     id_loc[key] = pf
     return spilled
 
 
 @numba.njit(nogil=True, cache=True)
-def record_events(env_of: np.ndarray, auto: np.ndarray, term: np.ndarray, trunc: np.ndarray,
-                  reward: np.ndarray, S: int, pos: np.ndarray, episode: np.ndarray,
-                  ids: np.ndarray, has_step: np.ndarray, terminated: np.ndarray,
-                  truncated: np.ndarray, rewards: np.ndarray, written: np.ndarray,
-                  running: np.ndarray, step_count: np.ndarray, ord_of_frame: np.ndarray,
-                  frame_of_ord: np.ndarray, id_loc: np.ndarray, counters: np.ndarray,
-                  new_flat: np.ndarray, step_flat: np.ndarray, touched: np.ndarray,
-                  spill_ids: np.ndarray, spill_flat: np.ndarray) -> int:
+def _begin(e: int, cols: RecordColumns, touched: np.ndarray) -> int:
+    """An auto event of env `e`: its running episode truncated, a new episode's first frame
+    (returns its flat slot)."""
+    S, written = cols.slots, cols.written
+    if cols.running[e]:
+        cols.running[e] = False
+        last = written[e] - 2
+        if last >= 0 and cols.pos[e * S + (last + 1) % S] != 0:
+            cols.truncated[e * S + last % S] = True
+            touched[e] = min(touched[e], last)
+    f = _new_frame(e, cols, touched)
+    cols.episode[f] = cols.counters[1]
+    cols.counters[1] += 1
+    cols.running[e] = True
+    return f
+
+
+@numba.njit(nogil=True, cache=True)
+def record_events(events: StepEvents, cols: RecordColumns, out: RecordOut) -> int:
     """Record every event in order (see the module docstring); returns the spill count.
 
-    ``counters`` is ``[next_id, next_episode]``, updated. Per event: ``new_flat`` the flat
-    slot of its new frame, ``step_flat`` the flat slot of its step record (-1 for auto).
-    ``touched[e]`` is lowered to the first frame number touched. An id still held whose
-    id-map entry a new id takes goes to ``spill_ids``/``spill_flat`` (the caller's table).
+    ``cols.counters`` is ``[next_id, next_episode]``, updated. Per event: ``out.new_flat``
+    the flat slot of its new frame, ``out.step_flat`` the flat slot of its step record (-1
+    for auto). ``out.touched[e]`` is lowered to the first frame number touched. An id still
+    held whose id-map entry a new id takes goes to ``out.spill_ids``/``out.spill_flat`` (the
+    caller's table).
     """
+    S, touched = cols.slots, out.touched
     spills = 0
-    for j in range(env_of.size):
-        e = env_of[j]
-        if auto[j]:
-            if running[e]:
-                running[e] = False
-                last = written[e] - 2
-                if last >= 0 and pos[e * S + (last + 1) % S] != 0:
-                    truncated[e * S + last % S] = True
-                    touched[e] = min(touched[e], last)
-            f = _new_frame(e, S, pos, episode, ids, has_step, terminated, truncated, rewards,
-                           written, step_count, ord_of_frame, touched)
-            episode[f] = counters[1]
-            counters[1] += 1
-            running[e] = True
-            new_flat[j] = f
-            step_flat[j] = -1
+    for j in range(events.env_of.size):
+        e = events.env_of[j]
+        if events.auto[j]:
+            out.new_flat[j] = _begin(e, cols, touched)
+            out.step_flat[j] = -1
             continue
-        t = written[e] - 1
+        t = cols.written[e] - 1
         pf = e * S + t % S
-        if _step(pf, counters[0], term[j], trunc[j], reward[j], ids, has_step, terminated,
-                 truncated, rewards, id_loc, spill_ids, spill_flat, spills):
+        if _step(pf, j, events, cols, out, spills):
             spills += 1
-        frame_of_ord[e * S + step_count[e] % S] = t
-        step_count[e] += 1
-        counters[0] += 1
+        cols.frame_of_ord[e * S + cols.step_count[e] % S] = t
+        cols.step_count[e] += 1
+        cols.counters[0] += 1
         touched[e] = min(touched[e], t)
-        f = _new_frame(e, S, pos, episode, ids, has_step, terminated, truncated, rewards,
-                       written, step_count, ord_of_frame, touched)
-        pos[f] = pos[pf] + 1
-        episode[f] = episode[pf]
-        running[e] = not (term[j] or trunc[j])
-        new_flat[j] = f
-        step_flat[j] = pf
+        f = _new_frame(e, cols, touched)
+        cols.pos[f] = cols.pos[pf] + 1
+        cols.episode[f] = cols.episode[pf]
+        cols.running[e] = not (events.term[j] or events.trunc[j])
+        out.new_flat[j] = f
+        out.step_flat[j] = pf
     return spills

@@ -8,12 +8,12 @@ back to back in one call::
     TreeDraw --(draw_slots)--> flat slots, weights --(lookup)--> stacks, returns, flags, ids
         --(read_frames | table_read)--> frames
 
-Arguments come in tuples, as their owners hand them out: ``draw`` is a `TreeDraw` of the
-sampler, ``look`` the ring's `ring.lookup_arrays`, ``outs`` the outputs ``(flat, weights,
-stacks, ret, term, trunc, discount, steps, ids)`` and ``read`` what the frame store's read
-takes. The statuses are the reads' own (`numba_kernels.read_frames`,
-`table_kernels.table_read`): whatever the call cannot finish, the frame store finishes with
-its plain read of the stacks the call looked up.
+Arguments come in named tuples (`kernels.structs`), as their owners hand them out: ``draw``
+is a `TreeDraw` of the sampler, ``ring`` the ring's `RingColumns`, ``outs`` a `SampleOut`
+and ``read`` what the frame store's read takes (`OnePassRead` or `TableRead`). The statuses
+are the reads' own (`numba_kernels.read_frames`, `table_kernels.table_read`): whatever the
+call cannot finish, the frame store finishes with its plain read of the stacks the call
+looked up.
 
 The uniform sampler's targets come from here too (`uniform_targets`): numpy's bounded
 integers of ``rng.integers(0, count, size)``, drawn from the generator's own bit source,
@@ -33,6 +33,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from mmreplay.kernels.numba_kernels import lookup, read_frames, tree_find, tree_stratified
+from mmreplay.kernels.structs import OnePassRead, RingColumns, SampleOut, TableRead, TreeDraw
 from mmreplay.kernels.table_kernels import table_read
 
 
@@ -71,47 +72,41 @@ def uniform_targets(fn: int, state: int, count: int, out: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def draw_slots(draw: tuple, flat: np.ndarray, weights: np.ndarray) -> None:
+def draw_slots(draw: TreeDraw, flat: np.ndarray, weights: np.ndarray) -> None:
     """The slots and importance weights of a `TreeDraw`: what the sampler's `sample` draws
     (`SumTree.find_checked` of the targets, or `SumTree.stratified_checked` of the
     uniforms); a tree without levels (one leaf) draws leaf 0, weight 1."""
-    values, stratified, beta, walk = draw
-    prefix, off, fan, sums, mins, leaf0 = walk
+    tree = draw.tree
     flat[:] = 0
     weights[:] = 1.0
-    if off.size == 0:
+    if tree.offsets.size == 0:
         return
-    if stratified:
-        tree_stratified(prefix, off, fan, sums[leaf0:], sums[1], mins[1], values, beta, flat,
-                        weights)
+    if draw.stratified:
+        tree_stratified(tree, draw.values, draw.beta, flat, weights)
     else:
-        tree_find(prefix, off, fan, values, flat)
+        tree_find(tree.prefix, tree.offsets, tree.fanouts, draw.values, flat)
 
 
 @numba.njit(nogil=True, cache=True)
-def _draw_and_look(draw: tuple, look: tuple, outs: tuple) -> None:
+def _draw_and_look(draw: TreeDraw, ring: RingColumns, outs: SampleOut) -> None:
     """`draw_slots`, then the ring's `lookup` of the slots drawn, into ``outs``."""
-    flat, weights, stacks, ret, term, trunc, discount, steps, ids = outs
-    draw_slots(draw, flat, weights)
-    lookup(flat, *look, stacks[0], stacks[1], ret, term, trunc, discount, steps, ids)
+    draw_slots(draw, outs.flat, outs.weights)
+    lookup(outs.flat, ring, outs.look)
 
 
 @numba.njit(nogil=True, cache=True)
-def sample_one_pass(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
-    """Draw, look up and `read_frames` the stacks (``outs[2]``, every frame once a row of
-    ``out``) of a store without a decoded-chunk table. ``read`` is ``(num_chunks,
-    next_slot, tail_fill, tail_rows, src, size, ram_src, ram_size, used, tick,
-    shard_chunks, scratch, out, missing)``; returns `read_frames`' status."""
-    _draw_and_look(draw, look, outs)
-    return read_frames(outs[2].reshape(-1), look[1], *read)
+def sample_one_pass(draw: TreeDraw, ring: RingColumns, outs: SampleOut,
+                    read: OnePassRead) -> int:
+    """Draw, look up and `read_frames` the stacks (``outs.stacks``, every frame once a row of
+    ``read.out``) of a store without a decoded-chunk table; returns `read_frames`' status."""
+    _draw_and_look(draw, ring, outs)
+    return read_frames(outs.stacks.reshape(-1), read)
 
 
 @numba.njit(nogil=True, cache=True)
-def sample_table(draw: tuple, look: tuple, outs: tuple, read: tuple) -> int:
-    """Draw, look up and `table_read` the stacks through a decoded-chunk table. ``read`` is
-    ``(num_chunks, next_slot, tail_fill, tail_rows, rows, table, src, size, ram_src,
-    ram_size, used, tick, shard_chunks, sources, out, missing)``; returns `table_read`'s
-    status."""
-    _draw_and_look(draw, look, outs)
-    stacks = outs[2]
-    return table_read(stacks.reshape(-1), look[1], *read, stacks.shape[2])
+def sample_table(draw: TreeDraw, ring: RingColumns, outs: SampleOut, read: TableRead) -> int:
+    """Draw, look up and `table_read` the stacks through a decoded-chunk table; returns
+    `table_read`'s status."""
+    _draw_and_look(draw, ring, outs)
+    stacks = outs.stacks
+    return table_read(stacks.reshape(-1), read, stacks.shape[2])

@@ -9,8 +9,8 @@ with no Python per chunk or per frame. Each frame of a read comes from one *sour
 
 A chunk the table lacks gets a row (`claim_row`): its own when the table holds the whole
 store, else by CLOCK: the hand skips (and clears) referenced rows and never takes a row the
-current read uses (``pin == epoch``); a read needing more rows than there are gets `WIDE`
-and nothing claimed (the caller reads it without keeping).
+current read uses (``pin == epoch``); a read needing more rows than there are is *wide*
+(`WIDE`): the caller reads it without keeping.
 
 Loaded on first use through `mmreplay.kernels.tables()`, never by ``import mmreplay``.
 """
@@ -22,17 +22,18 @@ import numpy as np
 
 from mmreplay.kernels import OK
 from mmreplay.kernels.numba_kernels import LZ4, decode_one, memcpy
+from mmreplay.kernels.structs import ChunkBytes, FrameLayout, TableArrays, TableRead
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in ``state`` (`chunk_table.ChunkTable`)
 WIDE = -1000  # a read touching more chunks than the table has rows
 
 
 @numba.njit(nogil=True, cache=True)
-def claim_row(key: int, row_of: np.ndarray, key_of: np.ndarray, ref: np.ndarray,
-              pin: np.ndarray, state: np.ndarray, new_read: bool) -> int:
+def claim_row(key: int, table: TableArrays, new_read: bool) -> int:
     """The row chunk `key` is to be loaded in (it may hold it already), taken from its
     chunk if another held it, referenced and pinned by the current read (a new one if
     `new_read`); -1 if every row is pinned by the current read."""
+    row_of, key_of, ref, pin, state = table.row_of, table.key_of, table.ref, table.pin, table.state
     if new_read:
         state[EPOCH] += 1
     epoch = state[EPOCH]
@@ -67,159 +68,159 @@ def claim_row(key: int, row_of: np.ndarray, key_of: np.ndarray, ref: np.ndarray,
 
 
 @numba.njit(nogil=True, cache=True)
-def drop_rows(keys: np.ndarray, row_of: np.ndarray, key_of: np.ndarray,
-              state: np.ndarray) -> None:
+def drop_rows(keys: np.ndarray, table: TableArrays) -> None:
     """Forget chunks `keys` (their rows are free)."""
     for key in keys:
-        row = row_of[key]
+        row = table.row_of[key]
         if row >= 0:
-            row_of[key], key_of[row] = -1, -1
-            state[HELD] -= 1
+            table.row_of[key], table.key_of[row] = -1, -1
+            table.state[HELD] -= 1
 
 
 @numba.njit(nogil=True, cache=True)
-def _source(f: int, slots: int, chunk: int, num_chunks: int, next_slot: np.ndarray,
-            tail_fill: np.ndarray) -> tuple[int, int]:
+def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     """A flat slot's chunk key and offset in it; or -1 and its source (above) for a RAM
     tail or the zero frame."""
-    envs = next_slot.size
+    envs, chunk = layout.next_slot.size, layout.chunk
     if f < 0:
         return -1, -1 - envs * chunk
-    env, slot = f // slots, f % slots
+    env, slot = f // layout.slots, f % layout.slots
     c, offset = slot // chunk, slot % chunk
-    if c == next_slot[env] // chunk and offset < tail_fill[env]:
+    if c == layout.next_slot[env] // chunk and offset < layout.tail_fill[env]:
         return -1, -1 - (env * chunk + offset)
-    return env * num_chunks + c, offset
+    return env * layout.num_chunks + c, offset
 
 
 @numba.njit(nogil=True, cache=True)
-def table_plan(flat: np.ndarray, slots: int, chunk: int, num_chunks: int,
-               next_slot: np.ndarray, tail_fill: np.ndarray, row_of: np.ndarray,
-               key_of: np.ndarray, ref: np.ndarray, pin: np.ndarray, state: np.ndarray,
-               src: np.ndarray, missing: np.ndarray, missing_rows: np.ndarray) -> int:
+def table_plan(flat: np.ndarray, layout: FrameLayout, table: TableArrays, src: np.ndarray,
+               missing: np.ndarray, missing_rows: np.ndarray) -> tuple[int, bool]:
     """Each frame's source (``src``), a row claimed for every distinct chunk the table
     lacks (keys ``missing[:count]`` to be loaded into rows ``missing_rows[:count]``, in
-    order of first use); returns count, or `WIDE` (and nothing claimed). A slot of an env's
-    chunk being filled reads the RAM tail below ``tail_fill``, the chunk (its previous lap)
-    above."""
+    order of first use); returns count, and whether the read is wider than the table (it
+    stopped at the first chunk it found no row for: the rows claimed so far stay claimed).
+    A slot of an env's chunk being filled reads the RAM tail below ``tail_fill``, the chunk
+    (its previous lap) above."""
     count = 0
+    state = table.state
     state[EPOCH] += 1
     for i in range(flat.size):
-        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
+        key, offset = source_of(flat[i], layout)
         if key < 0:
             src[i] = offset
             continue
-        row = row_of[key]
+        row = table.row_of[key]
         if row < 0:
-            row = claim_row(key, row_of, key_of, ref, pin, state, False)
+            row = claim_row(key, table, False)
             if row < 0:
-                drop_rows(missing[:count], row_of, key_of, state)
-                return WIDE
+                return count, True
             missing[count], missing_rows[count] = key, row
             count += 1
         else:
-            ref[row], pin[row] = 1, state[EPOCH]
-        src[i] = row * chunk + offset
+            table.ref[row], table.pin[row] = 1, state[EPOCH]
+        src[i] = row * layout.chunk + offset
+    return count, False
+
+
+@numba.njit(nogil=True, cache=True)
+def scratch_plan(flat: np.ndarray, layout: FrameLayout, keys: np.ndarray,
+                 src: np.ndarray) -> int:
+    """`table_plan` for a read with no table to keep: the distinct chunks on disk the read
+    takes (keys sorted into ``keys[:count]``; returns count), to be loaded into rows 0..count-1
+    of a scratch table in that order, and each frame's source (``src``: in those rows, or a
+    RAM tail, or the zero frame)."""
+    n = flat.size
+    raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i in range(n):
+        raw[i], offset[i] = source_of(flat[i], layout)
+    order = np.argsort(raw)
+    count = 0
+    for j in range(n):
+        i = order[j]
+        if raw[i] < 0:
+            src[i] = offset[i]
+            continue
+        if count == 0 or raw[i] != keys[count - 1]:
+            keys[count] = raw[i]
+            count += 1
+        src[i] = (count - 1) * layout.chunk + offset[i]
     return count
 
 
 @numba.njit(nogil=True, cache=True)
-def table_gather(table: np.ndarray, tails: np.ndarray, src: np.ndarray,
-                 out: np.ndarray) -> None:
-    """``out[i]`` = the frame at source ``src[i]``; 2-d uint8 arrays, one frame's bytes a row
-    (an explicit byte loop, as `numba_kernels.gather_rows`)."""
-    n = out.shape[1]
-    for i in range(src.size):
-        s = src[i]
-        if s >= 0:
-            for j in range(n):
-                out[i, j] = table[s, j]
-        elif -1 - s < tails.shape[0]:
-            t = -1 - s
-            for j in range(n):
-                out[i, j] = tails[t, j]
-        else:
-            for j in range(n):
-                out[i, j] = 0
-
-
-@numba.njit(nogil=True, cache=True)
-def _row_source(ram_src: np.ndarray, ram_size: np.ndarray, src: np.ndarray, size: np.ndarray,
-                key: int) -> tuple[int, int, bool]:
+def _row_source(chunks: ChunkBytes, key: int) -> tuple[int, int, bool]:
     """Where the bytes of chunk `key` are: the writer's RAM first, else its mapped file
     (address 0: not mapped yet); and whether they come from the file."""
-    if key < ram_src.size and ram_src[key] != 0:
-        return ram_src[key], ram_size[key], False
-    return src[key], size[key], True
+    if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
+        return chunks.ram_src[key], chunks.ram_size[key], False
+    return chunks.src[key], chunks.size[key], True
 
 
 @numba.njit(nogil=True, cache=True)
-def table_read(flat: np.ndarray, slots: int, num_chunks: int, next_slot: np.ndarray,
-               tail_fill: np.ndarray, tail_rows: np.ndarray, rows: np.ndarray,
-               table: tuple, src: np.ndarray, size: np.ndarray, ram_src: np.ndarray,
-               ram_size: np.ndarray, used: np.ndarray, tick: int, shard_chunks: int,
-               sources: np.ndarray, out: np.ndarray, missing: np.ndarray,
-               stack: int = 0) -> int:
-    """A whole read through the table of an lz4 shard store in one call: each frame's
-    source (`table_plan`); each chunk the table lacks decoded whole from its bytes (in the
-    writer's RAM, ``ram_src``/``ram_size``, else in its mapped file, ``src``/``size``; the
-    file marked used at ``tick``) straight into the row it claims (`claim_row`); then the
-    gather (`table_gather`; ``stack`` > 0: `flat` is a batch's obs and next stacks, see
-    `gather_frames`). ``table`` is ``(row_of, key_of, ref, pin, state)``; ``chunk`` =
-    ``tail_rows.shape[0] // envs`` frames a chunk.
+def _load_claimed(keys: np.ndarray, rows: np.ndarray, read: TableRead) -> int:
+    """Decode chunks `keys` (rows claimed by `table_plan`) whole from their bytes (in the
+    writer's RAM, else in their mapped file, marked used: `ChunkBytes`) straight into their
+    rows. Returns 0; or the count of chunks whose files are not mapped (keys in
+    ``read.missing[:count]``; their claims dropped, the others' chunks loaded); or
+    ``-status`` of a chunk that fails to decode, its key in ``read.missing[0]`` (its claim
+    and those not loaded yet dropped)."""
+    chunks, table, missing = read.chunks, read.table, read.missing
+    num_chunks, table_rows = read.layout.num_chunks, table.rows
+    n = table_rows.shape[1]
+    shards = -(-num_chunks // chunks.shard_chunks)
+    count = 0
+    for j in range(keys.size):
+        key = keys[j]
+        where, length, in_file = _row_source(chunks, key)
+        if in_file:
+            chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
+                = chunks.tick
+            if where == 0:
+                missing[count] = key
+                count += 1
+                continue
+        status = decode_one(where, length, table_rows.ctypes.data + rows[j] * n, n, LZ4, 0, 0, n)
+        if status != OK:
+            drop_rows(keys[j:], table)
+            missing[0] = key
+            return -status
+    drop_rows(missing[:count], table)
+    return count
+
+
+@numba.njit(nogil=True, cache=True)
+def table_read(flat: np.ndarray, read: TableRead, stack: int = 0) -> int:
+    """A whole read through the table of an lz4 shard store in one call: `table_plan`, the
+    chunks the table lacks decoded (`_load_claimed`), then `gather_frames` (``stack`` > 0:
+    `flat` is a batch's obs and next stacks).
 
     Returns 0; or, gathering nothing, the count of chunks whose files are not mapped (keys
-    in ``missing[:count]``, maybe repeated: map them and call again; the chunks decoded
+    in ``read.missing[:count]``, maybe repeated: map them and call again; the chunks decoded
     meanwhile stay in the table); or ``-status`` of a chunk that fails to decode, its key in
-    ``missing[0]`` (not kept); or `WIDE`."""
-    row_of, key_of, ref, pin, state = table
-    envs = next_slot.size
-    chunk = tail_rows.shape[0] // envs
-    n = rows.shape[1]
-    shards = -(-num_chunks // shard_chunks)
-    count = 0
-    state[EPOCH] += 1
-    for i in range(flat.size):
-        key, offset = _source(flat[i], slots, chunk, num_chunks, next_slot, tail_fill)
-        if key < 0:
-            sources[i] = offset
-            continue
-        row = row_of[key]
-        if row < 0:
-            where, length, in_file = _row_source(ram_src, ram_size, src, size, key)
-            if in_file:
-                used[(key // num_chunks) * shards + (key % num_chunks) // shard_chunks] = tick
-                if where == 0:
-                    missing[count] = key
-                    count += 1
-                    continue
-            row = claim_row(key, row_of, key_of, ref, pin, state, False)
-            if row < 0:
-                return WIDE
-            status = decode_one(where, length, rows.ctypes.data + row * n, n, LZ4, 0, 0, n)
-            if status != OK:
-                drop_rows(np.array([key]), row_of, key_of, state)
-                missing[0] = key
-                return -status
-        else:
-            ref[row], pin[row] = 1, state[EPOCH]
-        sources[i] = row * chunk + offset
-    if count:
-        return count
-    gather_frames(rows.ctypes.data, n // chunk, tail_rows, sources, out, stack)
+    ``read.missing[0]`` (not kept); or `WIDE`."""
+    keys, rows = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    count, wide = table_plan(flat, read.layout, read.table, read.sources, keys, rows)
+    status = _load_claimed(keys[:count], rows[:count], read)  # a wide read's too: kept
+    if status:
+        return status
+    if wide:
+        return WIDE
+    gather_frames(read.table.rows, read.layout.tail_rows, read.sources, read.out, stack)
     return 0
 
 
 @numba.njit(nogil=True, cache=True)
-def gather_frames(table: int, fb: int, tails: np.ndarray, sources: np.ndarray,
-                  out: np.ndarray, stack: int) -> None:
-    """`table_gather` with the table's frames at address `table` (`fb` bytes a frame).
+def gather_frames(rows: np.ndarray, tails: np.ndarray, sources: np.ndarray, out: np.ndarray,
+                  stack: int) -> None:
+    """``out[i]`` = the frame at source ``sources[i]`` (see the module docstring) of a table
+    whose C-contiguous `rows` hold its frames back to back, ``out.shape[1]`` bytes a frame:
+    every read's one gather.
 
     ``stack`` > 0: the sources are a batch's obs and next stacks, ``(2, B, stack)`` in
     order. Each transition's next stack is gathered right after its obs stack, and a frame
     the two share is copied from the obs just written (still in the CPU's cache) instead of
     from the table: a batch of 4-stacks and one-step next stacks reads 5 frames a transition
     from RAM, not 8 (n-step next stacks share 4 - n)."""
+    table, fb = rows.ctypes.data, out.shape[1]
     if stack <= 0 or sources.size % (2 * stack):
         for i in range(sources.size):
             _copy_frame(table, fb, tails, sources[i], out, i)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmreplay.kernels import tables
+from mmreplay.kernels import entry, tables
+from mmreplay.kernels.structs import TableArrays
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in `state`
 
@@ -49,6 +50,7 @@ class ChunkTable:
         self.pin = np.zeros(count, np.int64)
         self.state = np.zeros(3, np.int64)
         self._rows: np.ndarray | None = None
+        self._arrays: TableArrays | None = None
 
     @property
     def whole(self) -> bool:
@@ -67,6 +69,13 @@ class ChunkTable:
         """The rows as ``(R * chunk_frames, frame_bytes)``: one frame a row."""
         return self.rows.reshape(self.num_rows * self.chunk_frames, -1)
 
+    def arrays(self) -> TableArrays:
+        """The table's arrays, as the compiled reads take them (made once: they never move)."""
+        if self._arrays is None:
+            self._arrays = TableArrays(self.rows, self.row_of, self.key_of, self.ref, self.pin,
+                                       self.state)
+        return self._arrays
+
     @property
     def held(self) -> int:
         """Rows holding a chunk now."""
@@ -75,13 +84,12 @@ class ChunkTable:
     def put(self, key: int, frames: np.ndarray) -> None:
         """Chunk `key` = these decoded frames (a whole chunk, any dtype), in its row or in a
         row taken from another chunk."""
-        row = tables().claim_row(key, self.row_of, self.key_of, self.ref, self.pin,
-                                 self.state, True)
+        row = entry(tables().claim_row)(key, self.arrays(), True)
         self.rows[row] = np.ascontiguousarray(frames).reshape(-1).view(np.uint8)
 
     def drop(self, keys: np.ndarray) -> None:
         """Forget chunks `keys` (claimed by a read whose load failed): their rows are free."""
-        tables().drop_rows(keys, self.row_of, self.key_of, self.state)
+        entry(tables().drop_rows)(keys, self.arrays())
 
     def clear(self) -> None:
         """Forget every chunk."""
