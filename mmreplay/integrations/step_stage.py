@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mmreplay.integrations.sb3_edges import SAME_STEP, EpisodeEdges
 from mmreplay.recorder import StepRows
 from mmreplay.store import ReplayStore
 
@@ -34,13 +35,16 @@ SMALL_DRAIN = 4
 class StepStage:
     """Steps of env 0 of a one-env, unstacked buffer, not yet recorded (see module doc).
 
-    `running` and `last_next` are the buffer's per-env state arrays, shared and updated in
-    place by `drain`: whether env 0's episode runs, and its last recorded ``next_obs``.
+    `edges` is the buffer's `EpisodeEdges`, whose arrays `drain` updates in place: whether
+    env 0's episode runs, its last recorded ``next_obs``, whether its last step ended it.
+    The stage takes a step only where the buffer's own plan would record it as a plain
+    step (an episode start where obs is not the last ``next_obs``): a step right after an
+    end goes to the buffer until the stream is known to reset same-step.
     """
 
     def __init__(self, store: ReplayStore, obs_shape: tuple[int, ...], obs_dtype: np.dtype,
                  action_dim: int, action_dtype: np.dtype, *, capacity: int, timeouts: bool,
-                 running: np.ndarray, last_next: np.ndarray) -> None:
+                 edges: EpisodeEdges) -> None:
         self.store = store
         self.shape, self.dtype = (1, *obs_shape), np.dtype(obs_dtype)
         self.floating = self.dtype.kind == "f"
@@ -52,7 +56,8 @@ class StepStage:
         self.terminated = np.zeros(capacity, bool)
         self.truncated = np.zeros(capacity, bool)
         self.size = 0
-        self.running, self.last_next = running, last_next
+        self.edges = edges
+        self.running, self.last_next, self.ended = edges.running, edges.last_next, edges.ended
 
     def take(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
              infos: Any) -> bool:
@@ -66,10 +71,13 @@ class StepStage:
                 and obs.dtype == self.dtype and next_obs.dtype == self.dtype
                 and action.size == self.action_dim and action.dtype.kind in "biuf"
                 and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1
-                and len(infos) == 1
+                and type(infos) is list and len(infos) == 1
                 and type(infos[0]) is dict):
             return False
         k = self.size
+        final = infos[0].get("terminal_observation") is not None
+        if not self._plain(k, obs, final, done):
+            return False
         pair = self.pairs[k]
         pair[0] = obs
         pair[1] = next_obs
@@ -83,10 +91,27 @@ class StepStage:
             self.terminated[k], self.truncated[k] = False, True
         else:
             self.terminated[k], self.truncated[k] = done.item(), False
+        if final:  # a final observation in infos: the stream resets same-step
+            self.edges.mode = SAME_STEP
         self.size = k + 1
         if self.size == self.capacity:
             self.drain()
         return True
+
+    def _plain(self, k: int, obs: np.ndarray, final: bool, done: np.ndarray) -> bool:
+        """Staging the step records what the buffer's plan would (`EpisodeEdges`)."""
+        mode = self.edges.mode
+        if final and (mode not in (None, SAME_STEP) or not done.item()):
+            return False  # refused, or an end `done` does not flag: the buffer decides
+        if mode == SAME_STEP or final:
+            return True
+        if k:
+            after_end = self.terminated[k - 1] or self.truncated[k - 1]
+            before = self.pairs[k - 1, 1]
+        else:
+            after_end, before = self.ended[0], self.last_next
+        # obs repeating the ended episode's last next_obs: a next-step reset, perhaps
+        return not (after_end and np.array_equal(obs, before))
 
     def drain(self) -> None:
         """Record every staged step (episode starts first), then empty the stage."""
@@ -104,8 +129,8 @@ class StepStage:
         last = count - 1
         ended = bool(self.terminated[last] or self.truncated[last])
         self.running[0] = not ended
-        if not ended:
-            self.last_next[0] = self.pairs[last, 1, 0]
+        self.ended[0] = ended
+        self.last_next[0] = self.pairs[last, 1, 0]
 
     def _starts(self, count: int) -> np.ndarray:
         """Per staged step: its obs starts an episode (none running, or not the previous
