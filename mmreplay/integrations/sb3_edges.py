@@ -262,6 +262,8 @@ class EpisodeEdges:
         if bad.size:
             raise ValueError(_not_shifted(int(bad[0]), bool(finals.mask[bad[0]]),
                                           self.layout.frame_stack))
+        if not use_final.any():  # terminated: next_obs stays (its next state is never used)
+            return step.next_obs, term, trunc
         next_obs = step.next_obs.copy()
         next_obs[use_final] = finals.obs[use_final]  # type: ignore[index]
         return next_obs, term, trunc
