@@ -211,6 +211,23 @@ def test_zero_padded_frame_stacks_are_detected(tmp_path):
     ours.close()
 
 
+def test_cleanrl_cartpole_next_step_loop_through_the_staged_path(tmp_path):
+    """cleanrl's dqn.py (CartPole, no stacking) on next-step autoreset: the one-env buffer
+    stages steps in RAM, and hands the step after each end to the plan, which skips it.
+    (Every end here is a termination: an unstacked obs cannot show an unflagged one.)"""
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")], autoreset_mode=NEXT)
+    ours = FrameOnceReplayBuffer(1000, envs.single_observation_space, envs.single_action_space,
+                                 "cpu", optimize_memory_usage=True,
+                                 handle_timeout_termination=False, path=tmp_path / "rb", seed=0)
+    assert ours._stage is not None
+    log = cleanrl_loop(envs, [ours], steps=400, seed=3)
+    assert ours._stage.size > 0  # staged, not recorded yet
+    want, starts = expected(log, next_step=True)
+    assert starts >= 10
+    assert_stream_held(ours, want, starts)
+    ours.close()
+
+
 # -- refusals, on (4, 3, 2) stacks of one-channel frames --------------------------------------
 BOX = spaces.Box(0, 255, (4, 3, 2), np.uint8)
 

@@ -4,24 +4,29 @@
                 replay_buffer_class=FrameOnceReplayBuffer,
                 replay_buffer_kwargs=dict(path="runs/sb3_store", frame_stack=4))
 
-SB3 hands the buffer whole stacks (``obs`` and ``next_obs``, ``(n_envs, *stacked)``);
-the buffer keeps only the newest frame of each and lets the store rebuild the stacks::
+SB3 (or cleanrl, which feeds SB3's buffer) hands the buffer whole stacks (``obs`` and
+``next_obs``, ``(n_envs, *stacked)``); the buffer keeps only the newest frame of each and
+lets the store rebuild the stacks::
 
-    SB3 add:     obs = [o_{t-3} o_{t-2} o_{t-1} o_t]   next_obs = [o_{t-2} o_{t-1} o_t o_{t+1}]
-    store:       reset(o_0) at an episode start, then add(a_t, r_t, o_{t+1}, terminated, truncated)
-    sample:      stacks rebuilt from the store (zeros before o_0, as `VecFrameStack` pads)
+    add:     obs = [o_{t-3} o_{t-2} o_{t-1} o_t]   next_obs = [o_{t-2} o_{t-1} o_t o_{t+1}]
+    store:   reset(o_0) at an episode start, then add(a_t, r_t, o_{t+1}, terminated, truncated)
+    sample:  stacks rebuilt from the store, padded before o_0 as the env padded them
+             (zeros: `VecFrameStack`; copies of o_0: gymnasium's `FrameStackObservation`)
 
-Episode edges, per env:
+Episode edges, per env (the rules, and both autoreset modes of gymnasium's vector envs,
+in `mmreplay.integrations.sb3_edges`):
 
 * ``done`` with ``infos[i]["TimeLimit.truncated"]`` ends the episode as truncated (as
-  terminated without it, or always with ``handle_timeout_termination=False``); the
-  env's next ``obs`` starts a new episode.
+  terminated without it, or always with ``handle_timeout_termination=False``); so does a
+  final observation in ``infos`` without ``done`` (cleanrl passes only terminations).
 * an ``obs`` that is not the env's previous ``next_obs`` (a second ``learn()``, or
   ``load(force_reset=True)``, reset the envs with no done flag) ends the running episode
   as truncated and starts a new one: episodes are never stitched together.
-* every ``next_obs`` must be ``obs`` shifted by one frame, and every episode's first
-  ``obs`` must be zero-padded, so a rebuilt stack equals what SB3 passed, bit for bit;
-  anything else is refused (`ValueError`) before the store changes.
+* a step's next stack is ``next_obs`` if it is ``obs`` shifted by one frame, else the final
+  observation in ``infos`` if that is; a terminated step may have neither (its next state
+  is never used); with next-step autoreset, the step that only resets an env is no
+  transition. Every episode's first stack is padded alike, so a rebuilt stack equals what
+  was passed, bit for bit; anything else is refused (`ValueError`) before the store changes.
 
 One env without stacking (small vector observations): ``add`` stages the step in RAM
 (`StepStage`) and the store records staged steps as one block before anything reads it

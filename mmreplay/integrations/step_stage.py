@@ -51,6 +51,9 @@ class StepStage:
         self.action_dim, self.timeouts = action_dim, timeouts
         self.capacity = capacity
         self.pairs = np.zeros((capacity, 2, *self.shape), self.dtype)  # obs, next_obs
+        # finite check of a staged pair: x . 0 is 0 for finite x, NaN for NaN or inf
+        self.flat_pairs = self.pairs.reshape(capacity, -1)
+        self.zeros = np.zeros(self.flat_pairs.shape[1], self.dtype)
         self.action = np.zeros((capacity, action_dim), action_dtype)
         self.reward = np.zeros(capacity, np.float32)
         self.terminated = np.zeros(capacity, bool)
@@ -62,32 +65,38 @@ class StepStage:
     def take(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
              infos: Any) -> bool:
         """Stage one step if every argument is a plain array of the expected shape and
-        dtype with finite values; False (nothing staged) for anything else, which the
-        caller's full checks then explain. Drains when the stage is full."""
+        dtype with finite values, and ``infos`` as SB3 or gymnasium give them; False
+        (nothing staged) for anything else, which the caller's full checks then explain.
+        Drains when the stage is full."""
         nd = np.ndarray
         if not (type(obs) is nd and type(next_obs) is nd and type(action) is nd
                 and type(reward) is nd and type(done) is nd
                 and obs.shape == self.shape and next_obs.shape == self.shape
                 and obs.dtype == self.dtype and next_obs.dtype == self.dtype
                 and action.size == self.action_dim and action.dtype.kind in "biuf"
-                and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1
-                and type(infos) is list and len(infos) == 1
-                and type(infos[0]) is dict):
+                and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1):
+            return False
+        info = _env_info(infos)
+        if info is None:
             return False
         k = self.size
-        final = infos[0].get("terminal_observation") is not None
+        final = info.get("terminal_observation") is not None
         if not self._plain(k, obs, final, done):
             return False
         pair = self.pairs[k]
         pair[0] = obs
         pair[1] = next_obs
         rew = reward.item()
-        if not math.isfinite(rew) or (self.floating and not _finite(pair)):
+        if not math.isfinite(rew) or (
+                self.floating and not math.isfinite(self.flat_pairs[k].dot(self.zeros))):
             return False
-        self.action[k] = action.reshape(self.action_dim)
+        if self.action_dim == 1:
+            self.action[k, 0] = action.item()
+        else:
+            self.action[k] = action.reshape(self.action_dim)
         self.reward[k] = rew
         # as SB3's NStepReplayBuffer: a time-out ends the episode as truncated, done or not
-        if self.timeouts and infos[0].get("TimeLimit.truncated", False):
+        if self.timeouts and info.get("TimeLimit.truncated", False):
             self.terminated[k], self.truncated[k] = False, True
         else:
             self.terminated[k], self.truncated[k] = done.item(), False
@@ -175,7 +184,15 @@ class StepStage:
                         terminated=term, truncated=trunc, autoreset=auto)
 
 
-def _finite(pair: np.ndarray) -> bool:
-    """Every value finite: a finite sum says so at once (a sum that overflows, or any NaN
-    or inf, makes the full check)."""
-    return math.isfinite(np.add.reduce(pair, axis=None)) or bool(np.isfinite(pair).all())
+_NO_INFO: dict[str, Any] = {}
+
+
+def _env_info(infos: Any) -> dict[str, Any] | None:
+    """Env 0's info of SB3 ``infos`` (a list of one dict), or an empty one for gymnasium
+    ``infos`` (a dict) without final observations; None for anything else (the buffer's
+    plan takes it)."""
+    if type(infos) is list:
+        return infos[0] if len(infos) == 1 and type(infos[0]) is dict else None
+    if type(infos) is dict and "final_obs" not in infos and "final_observation" not in infos:
+        return _NO_INFO
+    return None
