@@ -27,6 +27,7 @@ from gymnasium import spaces  # noqa: E402
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, TimeLimit  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
+from mmreplay import ReplayStore  # noqa: E402
 from mmreplay.sb3 import FrameOnceReplayBuffer  # noqa: E402
 
 gym.register_envs(ale_py)
@@ -348,4 +349,18 @@ def test_an_unflagged_next_step_end_truncates_the_episode(tmp_path):
     assert batch.truncated.tolist() == [False, True, False]
     assert batch.terminated.tolist() == [False, False, False]
     assert buf._edges.mode == "next-step"
+    buf.close()
+
+
+def test_the_store_is_committed_every_flush_every_adds(tmp_path):
+    buf = small(tmp_path, flush_every=50)
+    frames = np.arange(1, 200)
+    obs = stack(*[frames[0]] * 4)
+    for t in range(120):
+        nxt = np.concatenate([obs[:, 1:], stack(*[frames[t + 1]] * 4)[:, :1]], axis=1)
+        step(buf, obs, nxt)
+        obs = nxt
+    with ReplayStore.open(tmp_path / "s", mode="r") as reader:  # what a crash would keep
+        assert reader.counts.transitions == 99  # committed before the 100th add
+    assert buf.store.counts.transitions == 120
     buf.close()

@@ -79,6 +79,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
 STATE_VERSION = 2  # 2: episode edge state (ended, autoreset mode, padding); 1 is read
+FLUSH_EVERY = 100_000  # adds between the buffer's own commits of the store (`flush_every`)
 STAGE_ROWS = 256  # steps of a one-env, unstacked buffer staged in RAM at most (`StepStage`)
 
 
@@ -158,6 +159,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
       algorithm builds the buffer).
     * ``autoreset_mode``: ``"same-step"`` or ``"next-step"``, the vector env's (default:
       told apart as the stream goes; see `mmreplay.integrations.sb3_edges`).
+    * ``flush_every``: the store commits every this many ``add`` calls (default 100,000;
+      None: only when the buffer is saved or closed): a crash keeps every step up to the
+      last commit, and what the store holds in RAM until a commit stays bounded.
     * ``seed``: the store's sampling RNG (default: the algorithm's seed).
     * ``store_options``: more ``ReplayStore.create`` options (``codec``, ``cache_bytes``...).
 
@@ -171,7 +175,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                  = None, frame_stack: int = 1, n_steps: int | None = None,
                  gamma: float | None = None, channels_order: str | None = None,
                  stack_padding: str | None = None, autoreset_mode: str | None = None,
-                 seed: int | None = None, store_options: dict[str, Any] | None = None) -> None:
+                 flush_every: int | None = FLUSH_EVERY, seed: int | None = None,
+                 store_options: dict[str, Any] | None = None) -> None:
         if path is None:
             raise ValueError('FrameOnceReplayBuffer needs a store directory: '
                              'replay_buffer_kwargs=dict(path="runs/store", frame_stack=...)')
@@ -189,6 +194,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                       frame_stack=frame_stack, n_steps=n_steps, gamma=gamma,
                       channels_order=channels_order, stack_padding=stack_padding,
                       autoreset_mode=autoreset_mode, seed=seed,
+                      flush_every=None if flush_every is None
+                      else _positive_int("flush_every", flush_every),
                       store_options=dict(store_options or {}))
         self._setup(str(path), observation_space, action_space, device, config, create=True)
 
@@ -223,6 +230,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                                    padding=config["stack_padding"], mode=config["autoreset_mode"])
         self._running, self._last_next = self._edges.running, self._edges.last_next
         self._store: ReplayStore | None = None
+        self._adds, self._flush_every = 0, config.get("flush_every")
         self._stage: StepStage | None = None
         self._finalizer: weakref.finalize | None = None
         if config["stack_padding"] or not self.layout.stacked or _holds_files(path):
@@ -299,6 +307,11 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             reward: np.ndarray, done: np.ndarray, infos: Any) -> None:
         """Record one step of every env: ``infos`` as SB3 (a list of dicts) or a gymnasium
         vector env (a dict) gives them; episode edges in `mmreplay.integrations.sb3_edges`."""
+        self._adds += 1
+        if self._adds == self._flush_every:
+            self._adds = 0
+            if self._store is not None:
+                self.store.flush()  # the steps so far (the stage's too); this one follows
         stage = self._stage
         if stage is not None:
             if stage.take(obs, next_obs, action, reward, done, infos):
@@ -400,6 +413,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         config = dict(state["config"])
         config.setdefault("stack_padding", "zero")  # version 1 took zero padding only
         config.setdefault("autoreset_mode", None)
+        config.setdefault("flush_every", FLUSH_EVERY)
         self._setup(state["path"], state["observation_space"], state["action_space"],
                     state["device"], config, create=False)
         counts = None if self._store is None else self._store.counts

@@ -8,9 +8,13 @@ Sections, in one process, each on buffers of its own:
     rss       `--steps` cleanrl-style adds (one env, ``(4, 84, 84)`` stacks padded with the
               first frame, ``real_next_obs`` replaced on truncation only, gymnasium ``infos``)
               into a buffer of `--buffer-size` transitions: RSS growth (VmRSS, RssAnon,
-              RssFile, peak) and the store's disk bytes. Frames: real Breakout frames
-              (`ale_frames`, `--distinct-frames` recorded, cycled), episodes cut at
-              `--max-episode-steps` (truncations) and at the recording's own ends.
+              RssFile, peak; the buffer commits the store every 100k adds, its default
+              ``flush_every``) and the store's disk bytes. Measured after a first use of the
+              compiled kernels (a short run through a small buffer, its growth recorded
+              apart: the libraries a process loads once, whatever the buffer's size).
+              Frames: real Breakout frames (`ale_frames`, `--distinct-frames` recorded,
+              cycled), episodes cut at `--max-episode-steps` (truncations) and at the
+              recording's own ends.
     sb3_rss   SB3's ``ReplayBuffer(optimize_memory_usage=True, handle_timeout_termination=False)``
               of `--sb3-steps` transitions filled with the same stream: RSS growth, and that
               growth per step times `--buffer-size` (SB3 at 1M would hold 28 GB of stacks).
@@ -148,7 +152,23 @@ def atari_buffers(args: Args, root: Path, name: str, sb3_size: int) -> tuple[Any
 
 
 # -- sections ----------------------------------------------------------------------------------
+def first_use(args: Args, rec: AleFrames, root: Path) -> dict[str, float]:
+    """RSS the process gains the first time it records and samples at all (compiled kernels
+    and the libraries they load, once per process, whatever the buffer size): a
+    `--block`-step run through a small buffer."""
+    gc.collect()
+    before = memory_status()
+    small, _ = atari_buffers(Args(**{**asdict(args), "buffer_size": 10 * args.block}), root,
+                             "first_use", 0)
+    for step in cleanrl_stream(rec, args.block, args.max_episode_steps, args.seed):
+        small.add(*step)
+    small.sample(32)
+    small.close()
+    return memory_growth(before, memory_status())
+
+
 def rss_section(args: Args, rec: AleFrames, root: Path) -> dict[str, Any]:
+    once = first_use(args, rec, root)
     gc.collect()
     before = memory_status()
     ours, _ = atari_buffers(args, root, "rss", 0)
@@ -156,17 +176,20 @@ def rss_section(args: Args, rec: AleFrames, root: Path) -> dict[str, Any]:
     spent = timed(ours.add, cleanrl_stream(rec, args.steps, args.max_episode_steps, args.seed))
     wall = time.perf_counter() - start
     counts = ours.store.counts
-    ours.store.flush()
+    adding = memory_growth(before, memory_status())
+    ours.store.flush()  # the buffer commits every `flush_every` adds; this is the last one
     grown = memory_growth(before, memory_status())
     disk = dir_bytes(root / "rss")
     ours.close()
     print(f"rss: {args.steps} adds into a {args.buffer_size} buffer: RSS +{grown['VmRSS']:.0f} "
-          f"MiB (anon +{grown.get('RssAnon', 0):.0f}, peak +{grown['VmHWM']:.0f}), "
-          f"add median {np.median(spent) * 1e6:.1f} us, disk {disk / 2**20:.0f} MiB", flush=True)
+          f"MiB (anon +{grown.get('RssAnon', 0):.0f}, peak +{grown['VmHWM']:.0f}; first use of "
+          f"the kernels before it: +{once['VmRSS']:.0f} MiB), add median "
+          f"{np.median(spent) * 1e6:.1f} us, disk {disk / 2**20:.0f} MiB", flush=True)
     return {"steps": args.steps, "buffer_size": args.buffer_size, "rss_growth_mib": grown,
-            "add": summary(spent), "wall_s": wall, "disk_bytes": disk,
-            "frames_written": counts.frames_written, "transitions": counts.transitions,
-            "episodes": counts.episodes}
+            "rss_growth_before_last_flush_mib": adding,
+            "first_use_rss_growth_mib": once, "add": summary(spent), "wall_s": wall,
+            "disk_bytes": disk, "frames_written": counts.frames_written,
+            "transitions": counts.transitions, "episodes": counts.episodes}
 
 
 def sb3_rss_section(args: Args, rec: AleFrames, root: Path) -> dict[str, Any]:
