@@ -8,10 +8,10 @@ Sections, in one process, each on buffers of its own:
     rss       `--steps` cleanrl-style adds (one env, ``(4, 84, 84)`` stacks padded with the
               first frame, ``real_next_obs`` replaced on truncation only, gymnasium ``infos``)
               into a buffer of `--buffer-size` transitions: RSS growth (VmRSS, RssAnon,
-              RssFile, peak; the buffer commits the store every 100k adds, its default
-              ``flush_every``) and the store's disk bytes. Measured after a first use of the
-              compiled kernels (a short run through a small buffer, its growth recorded
-              apart: the libraries a process loads once, whatever the buffer's size).
+              RssFile, peak; the buffer commits the store every `--flush-every` adds) and
+              the store's disk bytes. Measured after a first use of the compiled kernels
+              (a short run through a small buffer, its growth recorded apart: the
+              libraries a process loads once, whatever the buffer's size).
               Frames: real Breakout frames (`ale_frames`, `--distinct-frames` recorded,
               cycled), episodes cut at `--max-episode-steps` (truncations) and at the
               recording's own ends.
@@ -70,6 +70,8 @@ class Args:
     """real Breakout frames recorded (cached under data/cache) and cycled"""
     max_episode_steps: int = 400
     """episodes are truncated at this length (a TimeLimit), besides the recording's ends"""
+    flush_every: int = 100_000
+    """the adapter's ``flush_every`` (0: it commits the store only when closed)"""
     cartpole_steps: int = 100_000
     """adds per buffer in the cartpole section"""
     block: int = 500
@@ -148,7 +150,8 @@ def atari_buffers(args: Args, root: Path, name: str, sb3_size: int) -> tuple[Any
     space, act = spaces.Box(0, 255, (STACK, 84, 84), np.uint8), spaces.Discrete(4)
     ours = FrameOnceReplayBuffer(args.buffer_size, space, act, "cpu", optimize_memory_usage=True,
                                  handle_timeout_termination=False, path=root / name,
-                                 frame_stack=STACK, channels_order="first", seed=args.seed)
+                                 frame_stack=STACK, channels_order="first", seed=args.seed,
+                                 flush_every=args.flush_every or None)
     theirs = None
     if sb3_size:
         theirs = ReplayBuffer(sb3_size, space, act, "cpu", optimize_memory_usage=True,
