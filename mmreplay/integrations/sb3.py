@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -54,7 +53,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmreplay import lifecycle
 from mmreplay.integrations.sb3_edges import (
     AUTORESET_MODES,
     EpisodeEdges,
@@ -62,6 +60,7 @@ from mmreplay.integrations.sb3_edges import (
     final_observations,
 )
 from mmreplay.integrations.sb3_layout import PADDINGS, StackLayout
+from mmreplay.integrations.shared_stores import acquire, release
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import ArrayBatch, Batch
@@ -81,49 +80,6 @@ __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 STATE_VERSION = 2  # 2: episode edge state (ended, autoreset mode, padding); 1 is read
 FLUSH_EVERY = 100_000  # adds between the buffer's own commits of the store (`flush_every`)
 STAGE_ROWS = 256  # steps of a one-env, unstacked buffer staged in RAM at most (`StepStage`)
-
-
-# -- one open store per path and process --------------------------------------------------
-_OPEN: dict[str, tuple[ReplayStore, int]] = {}
-_OPEN_LOCK = threading.Lock()
-
-
-def _acquire(key: str, opener: Any) -> ReplayStore:
-    """The store open at `key` in this process (shared), or a newly opened one.
-
-    ``DQN.load`` builds a buffer on the store, then ``load_replay_buffer`` unpickles a
-    second one on the same path while the first still lives: they share one writer.
-    """
-    with _OPEN_LOCK:
-        if key in _OPEN:
-            store, refs = _OPEN[key]
-            _OPEN[key] = (store, refs + 1)
-            return store
-        store = opener()
-        lifecycle.untrack(store)  # the buffers' finalizers close it, at exit too (`_release`)
-        _OPEN[key] = (store, 1)
-        return store
-
-
-def _release(key: str, stage: StepStage | None = None) -> None:
-    """Record a buffer's staged steps, then close the store once no buffer shares it."""
-    try:
-        if stage is not None and not stage.store.closed:
-            stage.drain()
-    finally:
-        _drop(key)
-
-
-def _drop(key: str) -> None:
-    with _OPEN_LOCK:
-        if key not in _OPEN:
-            return
-        store, refs = _OPEN[key]
-        if refs > 1:
-            _OPEN[key] = (store, refs - 1)
-            return
-        del _OPEN[key]
-    store.close()
 
 
 def _calling_algorithm() -> OffPolicyAlgorithm | None:
@@ -239,10 +195,10 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     def _open_store(self, padding: str, *, create: bool) -> ReplayStore:
         """Open (or create, with first stacks padded as `padding`) the store at the path."""
         key = os.path.realpath(self.path)
-        store = _acquire(key, lambda: self._open_or_create(padding, create=create))
+        store = acquire(key, lambda: self._open_or_create(padding, create=create))
         self._store = store
         self._stage = _make_stage(self)
-        self._finalizer = weakref.finalize(self, _release, key, self._stage)
+        self._finalizer = weakref.finalize(self, release, key, self._stage)
         try:
             self._check_store()
         except BaseException:
