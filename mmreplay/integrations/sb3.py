@@ -197,7 +197,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         key = os.path.realpath(self.path)
         store = acquire(key, lambda: self._open_or_create(padding, create=create))
         self._store = store
-        self._stage = _make_stage(self)
+        self._stage = self._new_stage(store)
         self._finalizer = weakref.finalize(self, release, key, self._stage)
         try:
             self._check_store()
@@ -207,6 +207,15 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if self.layout.stacked:  # an existing store's padding is the one to keep
             self._edges.padding = self._config["stack_padding"] = store.spec.stack_padding
         return store
+
+    def _new_stage(self, store: ReplayStore) -> StepStage | None:
+        """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
+        if self.n_envs != 1 or self.layout.stacked:
+            return None
+        capacity = int(min(STAGE_ROWS, max(self.buffer_size // 4, 1)))
+        return StepStage(store, self.obs_shape, self._obs_dtype, self.action_dim,
+                         self._action_dtype, capacity=capacity,
+                         timeouts=self.handle_timeout_termination, edges=self._edges)
 
     @property
     def store(self) -> ReplayStore:
@@ -384,16 +393,6 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             warnings.warn(f"the store at {self.path} changed since this buffer was saved: "
                           f"its running episodes end as truncated at the next step",
                           stacklevel=2)
-
-
-def _make_stage(buf: FrameOnceReplayBuffer) -> StepStage | None:
-    """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
-    if buf.n_envs != 1 or buf.layout.frame_stack != 1 or buf._store is None:
-        return None
-    capacity = int(min(STAGE_ROWS, max(buf.buffer_size // 4, 1)))
-    return StepStage(buf._store, buf.obs_shape, buf._obs_dtype, buf.action_dim,
-                     buf._action_dtype, capacity=capacity,
-                     timeouts=buf.handle_timeout_termination, edges=buf._edges)
 
 
 def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
