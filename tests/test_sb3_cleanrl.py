@@ -11,6 +11,7 @@ same stream and with the stream itself; then the refusals, on small synthetic st
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,25 @@ def test_the_store_is_committed_every_flush_every_adds(tmp_path):
         assert reader.counts.transitions == 99  # committed before the 100th add
     assert buf.store.counts.transitions == 120
     buf.close()
+
+
+@pytest.mark.parametrize("infos, padding", [({}, "first"), ([{}], "zero")])
+def test_a_first_stack_of_zeros_takes_the_padding_of_its_source(tmp_path, infos, padding):
+    """o_0 of zeros fits both paddings: gymnasium (infos a dict) pads with o_0, SB3 with zeros."""
+    buf = small(tmp_path)
+    step(buf, stack(0, 0, 0, 0), stack(0, 0, 0, 4), infos=infos)
+    assert buf.store.spec.stack_padding == padding
+    buf.close()
+
+
+def test_pickled_buffers_keep_their_episode_edges(tmp_path):
+    pending = pickle.loads(pickle.dumps(small(tmp_path)))  # no store yet: created at add
+    step(pending, stack(2, 2, 2, 2), stack(2, 2, 2, 3))
+    step(pending, stack(2, 2, 2, 3), stack(2, 2, 3, 4), term=True)  # next-step: F = next_obs
+    step(pending, stack(2, 2, 3, 4), stack(6, 6, 6, 6))  # the reset step
+    again = pickle.loads(pickle.dumps(pending))
+    assert again._edges.mode == "next-step" and again.store.spec.stack_padding == "first"
+    step(again, stack(6, 6, 6, 6), stack(6, 6, 6, 7))
+    assert again.store.counts.transitions == 3 and again.store.counts.episodes == 2
+    again.close()
+    pending.close()
