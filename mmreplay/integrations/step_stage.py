@@ -70,23 +70,20 @@ class StepStage:
         Drains when the stage is full."""
         nd = np.ndarray
         if not (type(obs) is nd and type(next_obs) is nd and type(action) is nd
-                and type(reward) is nd and type(done) is nd
                 and obs.shape == self.shape and next_obs.shape == self.shape
                 and obs.dtype == self.dtype and next_obs.dtype == self.dtype
-                and action.size == self.action_dim and action.dtype.kind in "biuf"
-                and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1):
+                and action.size == self.action_dim and action.dtype.kind in "biuf"):
             return False
-        info = _env_info(infos)
-        if info is None:
+        rew, ended, info = _one(reward), _one(done), _env_info(infos)
+        if rew is None or ended is None or info is None:
             return False
         k = self.size
         final = info.get("terminal_observation") is not None
-        if not self._plain(k, obs, final, done):
+        if not self._plain(k, obs, final, bool(ended)):
             return False
         pair = self.pairs[k]
         pair[0] = obs
         pair[1] = next_obs
-        rew = reward.item()
         if not math.isfinite(rew) or (
                 self.floating and not math.isfinite(self.flat_pairs[k].dot(self.zeros))):
             return False
@@ -99,7 +96,7 @@ class StepStage:
         if self.timeouts and info.get("TimeLimit.truncated", False):
             self.terminated[k], self.truncated[k] = False, True
         else:
-            self.terminated[k], self.truncated[k] = done.item(), False
+            self.terminated[k], self.truncated[k] = bool(ended), False
         if final:  # a final observation in infos: the stream resets same-step
             self.edges.mode = SAME_STEP
         self.size = k + 1
@@ -107,10 +104,10 @@ class StepStage:
             self.drain()
         return True
 
-    def _plain(self, k: int, obs: np.ndarray, final: bool, done: np.ndarray) -> bool:
+    def _plain(self, k: int, obs: np.ndarray, final: bool, done: bool) -> bool:
         """Staging the step records what the buffer's plan would (`EpisodeEdges`)."""
         mode = self.edges.mode
-        if final and (mode not in (None, SAME_STEP) or not done.item()):
+        if final and (mode not in (None, SAME_STEP) or not done):
             return False  # refused, or an end `done` does not flag: the buffer decides
         if mode == SAME_STEP or final:
             return True
@@ -195,4 +192,19 @@ def _env_info(infos: Any) -> dict[str, Any] | None:
         return infos[0] if len(infos) == 1 and type(infos[0]) is dict else None
     if type(infos) is dict and "final_obs" not in infos and "final_observation" not in infos:
         return _NO_INFO
+    return None
+
+
+def _one(value: Any) -> float | int | bool | None:
+    """The one number `value` holds, as SB3's ``np.array(value)`` reads a one-env reward or
+    done (an array of one element, a NumPy or Python scalar, a list of one); None for
+    anything else."""
+    kind = type(value)
+    if kind is float or kind is bool or kind is int:
+        return value  # type: ignore[no-any-return]
+    if kind is np.ndarray or isinstance(value, np.generic):
+        return value.item() if value.size == 1 and value.dtype.kind in "biuf" else None
+    if (kind is list or kind is tuple) and len(value) == 1:
+        inner = value[0]
+        return None if type(inner) in (list, tuple) else _one(inner)
     return None
