@@ -387,3 +387,13 @@ def test_pickled_buffers_keep_their_episode_edges(tmp_path):
     assert again.store.counts.transitions == 3 and again.store.counts.episodes == 2
     again.close()
     pending.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stack_padding="reset"), r"stack_padding must be None or one of \('zero', 'first'\)"),
+    (dict(autoreset_mode="next"), r"autoreset_mode must be None or one of"),
+    (dict(flush_every=0), "flush_every must be a positive int, got 0"),
+])
+def test_bad_settings_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        small(tmp_path, **kwargs)
