@@ -45,10 +45,12 @@ SMALL: dict[str, list[tuple[str, str]]] = {
         ("total_steps, save_every = 1_000_000, 50_000", "total_steps, save_every = 96, 32"),
     ],
     "docs/guides/ray.md": [("a.run.remote(1000)", "a.run.remote(200)")],
+    "docs/guides/cleanrl.md": [("    1_000_000, envs", "    2_000, envs")],
 }
 # Optional packages a page's snippets import, and the extra that installs them.
 NEEDS: dict[str, tuple[list[str], str]] = {
     "docs/guides/sb3.md": (["stable_baselines3", "ale_py"], "sb3,atari"),
+    "docs/guides/cleanrl.md": (["stable_baselines3", "ale_py"], "sb3,atari"),
     "docs/guides/ray.md": (["ray", "gymnasium"], "ray,atari"),
     "docs/guides/datasets.md": (["gymnasium", "minari"], "atari,minari"),
     "docs/lifecycle.md": (["gymnasium"], "atari"),

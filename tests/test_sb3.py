@@ -377,7 +377,7 @@ def test_dqn_cnn_learn_save_load_and_replay_buffer_round_trip(tmp_path):
     assert 0 < len(stream.getvalue()) < 4 * 2 * 4 * 36 * 36 + 8192
     state = pickle.loads((tmp_path / "buffer.pkl").read_bytes()).__getstate__()
     assert set(state) == {"version", "path", "config", "observation_space", "action_space",
-                          "device", "running", "last_next", "at"}
+                          "device", "running", "last_next", "ended", "mode", "at"}
     assert (tmp_path / "buffer.pkl").stat().st_size < 4 * 2 * 4 * 36 * 36 + 8192  # no frames
     buf.close()
     del model, buf

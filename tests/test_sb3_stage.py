@@ -22,9 +22,10 @@ from mmreplay.torch_batch import OutputBuffers  # noqa: E402
 SPACE, ACT = spaces.Box(-10, 10, (4,), np.float32), spaces.Discrete(2)
 
 
-def feed(buffers, steps: int, seed: int) -> None:
+def feed(buffers, steps: int, seed: int, scalars: bool = False) -> None:
     """SB3-style adds of a CartPole-like stream: terminations, time-outs (with and without
-    ``done``) and resets without a done flag (a second ``learn()``)."""
+    ``done``) and resets without a done flag (a second ``learn()``); `scalars`: reward and
+    done as Python scalars (SB3's buffer takes them too)."""
     rng = np.random.default_rng(seed)
     obs = rng.standard_normal((1, 4)).astype(np.float32)
     for _ in range(steps):
@@ -36,7 +37,10 @@ def feed(buffers, steps: int, seed: int) -> None:
         infos = [{"TimeLimit.truncated": True} if 0.03 < end < 0.08 else {}]
         action, reward = rng.integers(0, 2, (1, 1)), rng.standard_normal(1).astype(np.float32)
         for buf in buffers:
-            buf.add(obs, nxt, action, reward, done, infos)
+            if scalars:
+                buf.add(obs, nxt, action, float(reward[0]), bool(done[0]), infos)
+            else:
+                buf.add(obs, nxt, action, reward, done, infos)
         ended = done[0] or "TimeLimit.truncated" in infos[0]
         obs = rng.standard_normal((1, 4)).astype(np.float32) if ended else nxt
 
@@ -71,6 +75,19 @@ def test_staged_adds_record_what_single_adds_record(tmp_path, size):
     staged.store.reseed(1), plain.store.reseed(1)
     s, t = staged.sample(64), plain.sample(64)
     assert torch.equal(s.observations, t.observations) and torch.equal(s.dones, t.dones)
+    staged.close(), plain.close()
+
+
+def test_scalar_rewards_and_dones_are_staged_too(tmp_path):
+    staged = FrameOnceReplayBuffer(10_000, SPACE, ACT, device="cpu", path=tmp_path / "a", seed=0)
+    plain = unstaged(tmp_path, "b", 10_000)
+    feed([staged, plain], 100, 4, scalars=True)
+    assert staged._stage.size == 100  # all staged, none through the buffer's own path
+    ids = staged.store.valid_ids()
+    assert ids.tolist() == plain.store.valid_ids().tolist()
+    x, y = staged.get(ids), plain.get(ids)
+    for field in ("observations", "actions", "next_observations", "dones", "rewards"):
+        assert torch.equal(getattr(x, field), getattr(y, field)), field
     staged.close(), plain.close()
 
 

@@ -4,24 +4,29 @@
                 replay_buffer_class=FrameOnceReplayBuffer,
                 replay_buffer_kwargs=dict(path="runs/sb3_store", frame_stack=4))
 
-SB3 hands the buffer whole stacks (``obs`` and ``next_obs``, ``(n_envs, *stacked)``);
-the buffer keeps only the newest frame of each and lets the store rebuild the stacks::
+SB3 (or cleanrl, which feeds SB3's buffer) hands the buffer whole stacks (``obs`` and
+``next_obs``, ``(n_envs, *stacked)``); the buffer keeps only the newest frame of each and
+lets the store rebuild the stacks::
 
-    SB3 add:     obs = [o_{t-3} o_{t-2} o_{t-1} o_t]   next_obs = [o_{t-2} o_{t-1} o_t o_{t+1}]
-    store:       reset(o_0) at an episode start, then add(a_t, r_t, o_{t+1}, terminated, truncated)
-    sample:      stacks rebuilt from the store (zeros before o_0, as `VecFrameStack` pads)
+    add:     obs = [o_{t-3} o_{t-2} o_{t-1} o_t]   next_obs = [o_{t-2} o_{t-1} o_t o_{t+1}]
+    store:   reset(o_0) at an episode start, then add(a_t, r_t, o_{t+1}, terminated, truncated)
+    sample:  stacks rebuilt from the store, padded before o_0 as the env padded them
+             (zeros: `VecFrameStack`; copies of o_0: gymnasium's `FrameStackObservation`)
 
-Episode edges, per env:
+Episode edges, per env (the rules, and both autoreset modes of gymnasium's vector envs,
+in `mmreplay.integrations.sb3_edges`):
 
 * ``done`` with ``infos[i]["TimeLimit.truncated"]`` ends the episode as truncated (as
-  terminated without it, or always with ``handle_timeout_termination=False``); the
-  env's next ``obs`` starts a new episode.
+  terminated without it, or always with ``handle_timeout_termination=False``); so does a
+  final observation in ``infos`` without ``done`` (cleanrl passes only terminations).
 * an ``obs`` that is not the env's previous ``next_obs`` (a second ``learn()``, or
   ``load(force_reset=True)``, reset the envs with no done flag) ends the running episode
   as truncated and starts a new one: episodes are never stitched together.
-* every ``next_obs`` must be ``obs`` shifted by one frame, and every episode's first
-  ``obs`` must be zero-padded, so a rebuilt stack equals what SB3 passed, bit for bit;
-  anything else is refused (`ValueError`) before the store changes.
+* a step's next stack is ``next_obs`` if it is ``obs`` shifted by one frame, else the final
+  observation in ``infos`` if that is; a terminated step may have neither (its next state
+  is never used); with next-step autoreset, the step that only resets an env is no
+  transition. Every episode's first stack is padded alike, so a rebuilt stack equals what
+  was passed, bit for bit; anything else is refused (`ValueError`) before the store changes.
 
 One env without stacking (small vector observations): ``add`` stages the step in RAM
 (`StepStage`) and the store records staged steps as one block before anything reads it
@@ -37,13 +42,10 @@ imported only here (extra ``sb3``).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
-import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -51,7 +53,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmreplay import lifecycle
+from mmreplay.integrations.sb3_edges import (
+    AUTORESET_MODES,
+    EpisodeEdges,
+    StepChecker,
+    final_observations,
+)
+from mmreplay.integrations.sb3_layout import PADDINGS, StackLayout
+from mmreplay.integrations.shared_stores import acquire, release
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
 from mmreplay.torch_batch import ArrayBatch, Batch, frames_tensor
@@ -68,152 +77,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: episode edge state (ended, autoreset mode, padding); 1 is read
+FLUSH_EVERY = 100_000  # adds between the buffer's own commits of the store (`flush_every`)
 STAGE_ROWS = 256  # steps of a one-env, unstacked buffer staged in RAM at most (`StepStage`)
-_ALL_FOLLOW = np.ones(64, bool)  # `StackLayout.follows` without stacking: read-only rows
-_ALL_FOLLOW.flags.writeable = False
-
-
-# -- stacks <-> frames ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class StackLayout:
-    """Where the frames of a `VecFrameStack` stack sit: ``k`` frames of ``channels``
-    channels each, concatenated oldest first along the first or the last axis."""
-
-    obs_shape: tuple[int, ...]
-    frame_stack: int
-    first: bool  # stacked along axis 0 (channels first) rather than the last axis
-
-    @classmethod
-    def of(cls, obs_shape: tuple[int, ...], frame_stack: int,
-           channels_order: str | None, image: bool) -> StackLayout:
-        if channels_order not in (None, "first", "last"):
-            raise ValueError(f"channels_order must be None, 'first' or 'last', "
-                             f"got {channels_order!r}")
-        if frame_stack == 1:
-            return cls(obs_shape, 1, False)
-        if not obs_shape:
-            raise ValueError(f"frame_stack={frame_stack} needs observations with at least "
-                             f"one axis, got shape {obs_shape}")
-        if channels_order is None:
-            first = cls._guess_first(obs_shape, frame_stack, image)
-        else:
-            first = channels_order == "first"
-        axis = obs_shape[0] if first else obs_shape[-1]
-        if axis % frame_stack:
-            raise ValueError(
-                f"observation shape {obs_shape}: the stacking axis ({'first' if first else 'last'}"
-                f", {axis}) is not a multiple of frame_stack={frame_stack}")
-        return cls(obs_shape, frame_stack, first)
-
-    @staticmethod
-    def _guess_first(shape: tuple[int, ...], k: int, image: bool) -> bool:
-        """VecFrameStack's guess, made on the unstacked shape: an image is stacked along
-        its first axis iff that is the smallest one; anything else along the last."""
-        if not image or len(shape) != 3:
-            return False
-        first = shape[0] % k == 0 and int(np.argmin((shape[0] // k, *shape[1:]))) == 0
-        last = shape[-1] % k == 0 and int(np.argmin((*shape[:-1], shape[-1] // k))) != 0
-        if first == last:
-            raise ValueError(f"cannot tell whether stacks of shape {shape} are channels first "
-                             f"or last: pass replay_buffer_kwargs channels_order='first' or "
-                             f"'last' (as given to VecFrameStack)")
-        return first
-
-    @property
-    def channels(self) -> int:
-        if self.frame_stack == 1:
-            return 0
-        return (self.obs_shape[0] if self.first else self.obs_shape[-1]) // self.frame_stack
-
-    @property
-    def frame_shape(self) -> tuple[int, ...]:
-        if self.frame_stack == 1:
-            return self.obs_shape
-        c = self.channels
-        return (c, *self.obs_shape[1:]) if self.first else (*self.obs_shape[:-1], c)
-
-    def newest(self, obs: np.ndarray) -> np.ndarray:
-        """``(N, *frame_shape)``: the newest frame of each of N stacks."""
-        if self.frame_stack == 1:
-            return obs
-        c = self.channels
-        return obs[:, -c:] if self.first else obs[..., -c:]
-
-    def older(self, obs: np.ndarray) -> np.ndarray:
-        """Every frame but the newest, per stack."""
-        c = self.channels
-        return obs[:, :-c] if self.first else obs[..., :-c]
-
-    def shifted(self, obs: np.ndarray) -> np.ndarray:
-        """Every frame but the oldest, per stack."""
-        c = self.channels
-        return obs[:, c:] if self.first else obs[..., c:]
-
-    def follows(self, obs: np.ndarray, next_obs: np.ndarray) -> np.ndarray:
-        """Per env: `next_obs` is `obs` shifted by one frame."""
-        if self.frame_stack == 1:
-            return _ALL_FOLLOW[: obs.shape[0]] if obs.shape[0] <= _ALL_FOLLOW.size \
-                else np.ones(obs.shape[0], bool)
-        return np.asarray(_flat(self.older(next_obs) == self.shifted(obs)).all(axis=1))
-
-    def fresh(self, obs: np.ndarray) -> np.ndarray:
-        """Per env: the stack is an episode's first (zeros before the newest frame)."""
-        if self.frame_stack == 1:
-            return np.ones(obs.shape[0], bool)
-        return np.asarray(~_flat(self.older(obs)).any(axis=1))
-
-    def to_sb3(self, stacks: torch.Tensor) -> torch.Tensor:
-        """``(B, k, *frame_shape)`` store stacks -> ``(B, *obs_shape)`` SB3 stacks."""
-        size = stacks.shape[0]
-        if self.frame_stack == 1:
-            return stacks[:, 0]
-        if self.first:
-            return stacks.reshape(size, *self.obs_shape)
-        return torch.movedim(stacks, 1, -2).reshape(size, *self.obs_shape)
-
-
-# -- one open store per path and process --------------------------------------------------
-_OPEN: dict[str, tuple[ReplayStore, int]] = {}
-_OPEN_LOCK = threading.Lock()
-
-
-def _acquire(key: str, opener: Any) -> ReplayStore:
-    """The store open at `key` in this process (shared), or a newly opened one.
-
-    ``DQN.load`` builds a buffer on the store, then ``load_replay_buffer`` unpickles a
-    second one on the same path while the first still lives: they share one writer.
-    """
-    with _OPEN_LOCK:
-        if key in _OPEN:
-            store, refs = _OPEN[key]
-            _OPEN[key] = (store, refs + 1)
-            return store
-        store = opener()
-        lifecycle.untrack(store)  # the buffers' finalizers close it, at exit too (`_release`)
-        _OPEN[key] = (store, 1)
-        return store
-
-
-def _release(key: str, stage: StepStage | None = None) -> None:
-    """Record a buffer's staged steps, then close the store once no buffer shares it."""
-    try:
-        if stage is not None and not stage.store.closed:
-            stage.drain()
-    finally:
-        _drop(key)
-
-
-def _drop(key: str) -> None:
-    with _OPEN_LOCK:
-        if key not in _OPEN:
-            return
-        store, refs = _OPEN[key]
-        if refs > 1:
-            _OPEN[key] = (store, refs - 1)
-            return
-        del _OPEN[key]
-    store.close()
 
 
 def _calling_algorithm() -> OffPolicyAlgorithm | None:
@@ -243,6 +109,15 @@ class FrameOnceReplayBuffer(ReplayBuffer):
       values that contradict the algorithm's are refused.
     * ``channels_order``: ``"first"``/``"last"`` as given to ``VecFrameStack``
       (default: the same guess it makes).
+    * ``stack_padding``: ``"zero"`` (``VecFrameStack``) or ``"first"`` (gymnasium's
+      ``FrameStackObservation``): how an episode's first stack is padded (default: read
+      off the first ``add``, which then creates the store; ``"zero"`` when an SB3
+      algorithm builds the buffer).
+    * ``autoreset_mode``: ``"same-step"`` or ``"next-step"``, the vector env's (default:
+      told apart as the stream goes; see `mmreplay.integrations.sb3_edges`).
+    * ``flush_every``: the store commits every this many ``add`` calls (default 100,000;
+      None: only when the buffer is saved or closed): a crash keeps every step up to the
+      last commit, and what the store holds in RAM until a commit stays bounded.
     * ``seed``: the store's sampling RNG (default: the algorithm's seed).
     * ``store_options``: more ``ReplayStore.create`` options (``codec``, ``cache_bytes``...).
 
@@ -255,26 +130,36 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                  handle_timeout_termination: bool = True, *, path: str | os.PathLike[str] | None
                  = None, frame_stack: int = 1, n_steps: int | None = None,
                  gamma: float | None = None, channels_order: str | None = None,
-                 seed: int | None = None, store_options: dict[str, Any] | None = None) -> None:
+                 stack_padding: str | None = None, autoreset_mode: str | None = None,
+                 flush_every: int | None = FLUSH_EVERY, seed: int | None = None,
+                 store_options: dict[str, Any] | None = None) -> None:
         if path is None:
             raise ValueError('FrameOnceReplayBuffer needs a store directory: '
                              'replay_buffer_kwargs=dict(path="runs/store", frame_stack=...)')
+        _choice("stack_padding", stack_padding, PADDINGS)
+        _choice("autoreset_mode", autoreset_mode, AUTORESET_MODES)
         algo = _calling_algorithm()
         n_steps, gamma = _reconcile_n_steps(algo, n_steps, gamma)
         if seed is None and algo is not None:
             seed = algo.seed
+        if stack_padding is None and algo is not None:
+            stack_padding = "zero"  # an SB3 algorithm's envs stack with VecFrameStack
         config = dict(buffer_size=buffer_size, n_envs=n_envs,
                       optimize_memory_usage=bool(optimize_memory_usage),
                       handle_timeout_termination=bool(handle_timeout_termination),
                       frame_stack=frame_stack, n_steps=n_steps, gamma=gamma,
-                      channels_order=channels_order, seed=seed,
+                      channels_order=channels_order, stack_padding=stack_padding,
+                      autoreset_mode=autoreset_mode, seed=seed,
+                      flush_every=None if flush_every is None
+                      else _positive_int("flush_every", flush_every),
                       store_options=dict(store_options or {}))
         self._setup(str(path), observation_space, action_space, device, config, create=True)
 
     # -- construction ---------------------------------------------------------------
     def _setup(self, path: str, observation_space: spaces.Space, action_space: spaces.Space,
                device: torch.device | str, config: dict[str, Any], *, create: bool) -> None:
-        """Everything `__init__` and `__setstate__` share: check, then open the store."""
+        """Everything `__init__` and `__setstate__` share: check, then open the store
+        (or wait for the first ``add`` to show the padding of first stacks)."""
         if not isinstance(observation_space, spaces.Box):
             raise ValueError(f"FrameOnceReplayBuffer needs a Box observation space, got "
                              f"{observation_space}")
@@ -295,22 +180,51 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                                      is_image_space(observation_space, check_channels=False))
         self._obs_dtype = np.dtype(observation_space.dtype)
         self._action_dtype = np.dtype(ReplayBuffer._maybe_cast_dtype(action_space.dtype))
-        self._running = np.zeros(n_envs, bool)
-        self._last_next = np.zeros((n_envs, *self.obs_shape), self._obs_dtype)
-        key = os.path.realpath(path)
-        self._store = _acquire(key, lambda: self._open_or_create(path, create=create))
-        self._stage = _make_stage(self)
-        self._finalizer = weakref.finalize(self, _release, key, self._stage)
+        self._checker = StepChecker(n_envs, self.obs_shape, self._obs_dtype, self.action_dim,
+                                    self._action_dtype, self.handle_timeout_termination)
+        self._edges = EpisodeEdges(self.layout, n_envs, self._obs_dtype,
+                                   padding=config["stack_padding"], mode=config["autoreset_mode"])
+        self._running, self._last_next = self._edges.running, self._edges.last_next
+        self._store: ReplayStore | None = None
+        self._adds, self._flush_every = 0, config.get("flush_every")
+        self._stage: StepStage | None = None
+        self._finalizer: weakref.finalize | None = None
+        if config["stack_padding"] or not self.layout.stacked or _holds_files(path):
+            self._open_store(config["stack_padding"] or "zero", create=create)
+
+    def _open_store(self, padding: str, *, create: bool) -> ReplayStore:
+        """Open (or create, with first stacks padded as `padding`) the store at the path."""
+        key = os.path.realpath(self.path)
+        store = acquire(key, lambda: self._open_or_create(padding, create=create))
+        self._store = store
+        self._stage = self._new_stage(store)
+        self._finalizer = weakref.finalize(self, release, key, self._stage)
         try:
             self._check_store()
         except BaseException:
             self._finalizer()
             raise
+        if self.layout.stacked:  # an existing store's padding is the one to keep
+            self._edges.padding = self._config["stack_padding"] = store.spec.stack_padding
+        return store
+
+    def _new_stage(self, store: ReplayStore) -> StepStage | None:
+        """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
+        if self.n_envs != 1 or self.layout.stacked:
+            return None
+        capacity = int(min(STAGE_ROWS, max(self.buffer_size // 4, 1)))
+        return StepStage(store, self.obs_shape, self._obs_dtype, self.action_dim,
+                         self._action_dtype, capacity=capacity,
+                         timeouts=self.handle_timeout_termination, edges=self._edges)
 
     @property
     def store(self) -> ReplayStore:
         """The `ReplayStore` behind the buffer, every step added so far recorded in it."""
         self.drain()
+        if self._store is None:
+            raise ValueError(
+                f"no store at {self.path} yet: the buffer creates it at the first add, where "
+                f"it sees how first stacks are padded (or pass stack_padding='zero'/'first')")
         return self._store
 
     def drain(self) -> None:
@@ -319,145 +233,95 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if self._stage is not None:
             self._stage.drain()
 
-    def _open_or_create(self, path: str, *, create: bool) -> ReplayStore:
-        root = Path(path)
-        if root.is_dir() and any(root.iterdir()):
+    def _open_or_create(self, padding: str, *, create: bool) -> ReplayStore:
+        root = Path(self.path)
+        if _holds_files(self.path):
             return ReplayStore.open(root)
         if not create:
-            raise FileNotFoundError(f"the replay store at {path} is gone: cannot reopen it")
+            raise FileNotFoundError(f"the replay store at {self.path} is gone: cannot reopen it")
         per_env = self.buffer_size + self.n_steps
         return ReplayStore.create(
             root, capacity=max(per_env, 2) * self.n_envs, obs_shape=self.layout.frame_shape,
             obs_dtype=self._obs_dtype, num_envs=self.n_envs,
             frame_stack=self.layout.frame_stack, n_step=self.n_steps, gamma=self.gamma,
-            action_shape=(self.action_dim,), action_dtype=self._action_dtype,
-            seed=self._config["seed"], **self._config["store_options"])
+            stack_padding=padding, action_shape=(self.action_dim,),
+            action_dtype=self._action_dtype, seed=self._config["seed"],
+            **self._config["store_options"])
 
     def _check_store(self) -> None:
         """The store (perhaps an existing one) is the one this buffer describes."""
-        spec = self._store.spec
+        assert self._store is not None  # called right after opening it
         want = dict(num_envs=self.n_envs, frame_stack=self.layout.frame_stack,
                     n_step=self.n_steps, obs_shape=self.layout.frame_shape,
                     obs_dtype=self._obs_dtype, action_shape=(self.action_dim,),
-                    action_dtype=self._action_dtype, stack_padding="zero",
+                    action_dtype=self._action_dtype,
                     capacity=max(self.buffer_size + self.n_steps, 2) * self.n_envs)
         if self.n_steps > 1:
             want["gamma"] = self.gamma
-        for name, value in want.items():
-            have = getattr(spec, name)
-            if name.endswith("dtype"):
-                have, value = np.dtype(have), np.dtype(value)
-            elif name.endswith("shape"):
-                have, value = tuple(have), tuple(value)
-            if have != value:
-                raise ValueError(f"the store at {self.path} has {name}={have!r}, this buffer "
-                                 f"needs {name}={value!r} (use another path, or the settings "
-                                 f"it was made with)")
+        if self.layout.stacked and self._config["stack_padding"] is not None:
+            want["stack_padding"] = self._config["stack_padding"]
+        _check_spec(self._store.spec, want, self.path)
 
     def close(self) -> None:
         """Flush and close the store (once no other buffer in this process shares it)."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     # -- SB3 buffer API -----------------------------------------------------------------
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray,
-            reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
-        """Record one step of every env (see the module docstring for episode edges)."""
+            reward: np.ndarray, done: np.ndarray, infos: Any) -> None:
+        """Record one step of every env: ``infos`` as SB3 (a list of dicts) or a gymnasium
+        vector env (a dict) gives them; episode edges in `mmreplay.integrations.sb3_edges`."""
+        self._adds += 1
+        if self._adds == self._flush_every:
+            self._adds = 0
+            if self._store is not None:
+                self.store.flush()  # the steps so far (the stage's too); this one follows
         stage = self._stage
         if stage is not None:
             if stage.take(obs, next_obs, action, reward, done, infos):
                 return
             stage.drain()  # in order: the staged steps first
-        step = self._checked_step(obs, next_obs, action, reward, done, infos)
-        if self.n_envs == 1:
-            self._add_one(step)
-            return
-        starts = ~self._running | ~_rows_equal(step.obs, self._last_next)
-        starts_at = np.flatnonzero(starts)
-        if starts_at.size:
-            stale = starts_at[~self.layout.fresh(step.obs[starts_at])]
-            if stale.size:
-                raise ValueError(
-                    f"obs of env {int(stale[0])} starts an episode but its stack holds older "
-                    f"frames: the buffer keeps the newest frame only, so an episode must start "
-                    f"with a zero-padded stack (VecFrameStack reset)")
-            self._store.reset(self.layout.newest(step.obs[starts_at]), env_ids=starts_at)
-        self._store.add(step.action, step.reward, self.layout.newest(step.next_obs),
-                       step.terminated, step.truncated)
-        going = ~(step.terminated | step.truncated)
-        self._running = going
-        self._last_next[going] = step.next_obs[going]
-
-    def _add_one(self, step: _Step) -> None:
-        """`add` of a one-env buffer, with scalar bookkeeping (the same steps and checks)."""
-        obs, layout = step.obs, self.layout
-        if not self._running[0] or not (obs == self._last_next).all():
-            if not layout.fresh(obs)[0]:
-                raise ValueError(
-                    "obs of env 0 starts an episode but its stack holds older frames: the "
-                    "buffer keeps the newest frame only, so an episode must start with a "
-                    "zero-padded stack (VecFrameStack reset)")
-            self._store.reset(layout.newest(obs)[0])
-        ended = bool(step.terminated[0]) or bool(step.truncated[0])
-        self._store.add(step.action[0], step.reward[0], layout.newest(step.next_obs)[0],
-                       bool(step.terminated[0]), bool(step.truncated[0]))
-        self._running[0] = not ended
-        if not ended:
-            self._last_next[0] = step.next_obs[0]
-
-    def _checked_step(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
-                      infos: list[dict[str, Any]]) -> _Step:
-        """`add`'s arguments as arrays of the right shapes, or a ValueError."""
-        n = self.n_envs
-        shape = (n, *self.obs_shape)
-        arrays = [_shaped("obs", obs, shape, self._obs_dtype),
-                  _shaped("next_obs", next_obs, shape, self._obs_dtype)]
-        act = np.asarray(action)
-        if act.size != n * self.action_dim:
-            raise ValueError(f"action shape {act.shape}: expected {n} x {self.action_dim} values")
-        rew = np.asarray(reward, dtype=np.float32).reshape(-1)
-        flags = np.asarray(done).reshape(-1)
-        if rew.size != n or flags.size != n or len(infos) != n:
-            raise ValueError(f"reward, done and infos need {n} entries each (n_envs), got "
-                             f"{rew.size}, {flags.size} and {len(infos)}")
-        if not math.isfinite(rew.sum()) and not np.isfinite(rew).all():
-            raise ValueError(f"rewards must be finite, got {rew.tolist()}")
-        # a sum is finite only if every element is (a sum that overflows checks them all)
-        if arrays[0].dtype.kind == "f" and not (math.isfinite(arrays[0].sum())
-                                                and math.isfinite(arrays[1].sum())) \
-                and not all(np.isfinite(a).all() for a in arrays):
-            raise ValueError("obs and next_obs must be finite")
-        if not self.layout.follows(arrays[0], arrays[1]).all():
-            bad = int(np.flatnonzero(~self.layout.follows(arrays[0], arrays[1]))[0])
-            raise ValueError(
-                f"next_obs of env {bad} is not its obs shifted by one frame: observations must "
-                f"be VecFrameStack stacks of frame_stack={self.layout.frame_stack} frames")
-        # As SB3's NStepReplayBuffer: a time-out ends the episode even without `done`.
-        timeout = np.array([bool(info.get("TimeLimit.truncated", False)) for info in infos]) \
-            if self.handle_timeout_termination else np.zeros(n, bool)
-        return _Step(obs=arrays[0], next_obs=arrays[1],
-                     action=act.reshape(n, self.action_dim).astype(self._action_dtype),
-                     reward=rew, terminated=flags.astype(bool) & ~timeout, truncated=timeout)
+        step = self._checker.check(obs, next_obs, action, reward, done, infos)
+        finals = final_observations(infos, self.n_envs, self.obs_shape, self._obs_dtype)
+        plan = self._edges.plan(step, finals, "first" if isinstance(infos, dict) else "zero")
+        store = self._store
+        if store is None:
+            store = self._open_store(plan.padding or "zero", create=True)
+        newest = self.layout.newest
+        if plan.reset_envs.size:
+            store.reset(newest(plan.reset_stacks), env_ids=plan.reset_envs)
+        rec = plan.recorded
+        if rec is None:
+            store.add(step.action, step.reward, newest(plan.next_obs), plan.terminated,
+                      plan.truncated)
+        elif rec.size:
+            store.add(step.action[rec], step.reward[rec], newest(plan.next_obs[rec]),
+                      plan.terminated[rec], plan.truncated[rec], env_ids=rec)
+        self._edges.commit(plan)
 
     def size(self) -> int:
         """Positions filled per env, as SB3's ``ReplayBuffer.size()``: one per ``add`` (where
         every env steps), at most ``buffer_size // n_envs``. ``len(buffer.store)`` is the
         number of transitions that can be sampled now."""
+        if self._store is None:
+            return 0
         staged = 0 if self._stage is None else self._stage.size
         return min((self._store.counts.transitions + staged) // self.n_envs, self.buffer_size)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""
-        self.drain()
+        store = self.store
         if env is not None:  # VecNormalize: through `samples`
-            return self.samples(self._store.sample(batch_size), env)
-        arrays = self._store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
+            return self.samples(store.sample(batch_size), env)
+        arrays = store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
         return _replay_samples(self, arrays)
 
     def get(self, ids: Any, env: VecNormalize | None = None) -> ReplayBufferSamples:
-        """The transitions with these store ids (ids count steps: ``k * n_envs + i`` is
-        env ``i``'s step in the k-th ``add``)."""
-        self.drain()
-        return self.samples(self._store.get(ids), env)
+        """The transitions with these store ids (ids count recorded steps, env by env within
+        an ``add``: ``k * n_envs + i`` is env ``i``'s step in the k-th ``add`` as long as no
+        step was only a next-step autoreset)."""
+        return self.samples(self.store.get(ids), env)
 
     def _get_samples(self, batch_inds: np.ndarray,
                      env: VecNormalize | None = None) -> ReplayBufferSamples:
@@ -494,39 +358,41 @@ class FrameOnceReplayBuffer(ReplayBuffer):
     def __getstate__(self) -> dict[str, Any]:
         """Path, configuration and per-env state only; the store is flushed first."""
         self.drain()
-        self._store.flush()
-        counts = self._store.counts
+        at = None
+        if self._store is not None:
+            self._store.flush()
+            counts = self._store.counts
+            at = (counts.frames_written, counts.transitions)
+        edges = self._edges
         return dict(version=STATE_VERSION, path=self.path, config=dict(self._config),
                     observation_space=self.observation_space, action_space=self.action_space,
-                    device=str(self.device), running=self._running.copy(),
-                    last_next=self._last_next.copy(),
-                    at=(counts.frames_written, counts.transitions))
+                    device=str(self.device), running=edges.running.copy(),
+                    last_next=edges.last_next.copy(), ended=edges.ended.copy(),
+                    mode=edges.mode, at=at)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"FrameOnceReplayBuffer pickle version {state.get('version')!r}, "
-                             f"expected {STATE_VERSION}")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"FrameOnceReplayBuffer pickle version {version!r}, expected "
+                             f"{STATE_VERSION} (or 1)")
+        config = dict(state["config"])
+        config.setdefault("stack_padding", "zero")  # version 1 took zero padding only
+        config.setdefault("autoreset_mode", None)
+        config.setdefault("flush_every", FLUSH_EVERY)
         self._setup(state["path"], state["observation_space"], state["action_space"],
-                    state["device"], state["config"], create=False)
-        counts = self._store.counts
-        if (counts.frames_written, counts.transitions) == tuple(state["at"]):
-            self._running[:] = np.asarray(state["running"], bool)  # shared with the stage
-            self._last_next[:] = np.asarray(state["last_next"], self._obs_dtype)
+                    state["device"], config, create=False)
+        counts = None if self._store is None else self._store.counts
+        at = None if counts is None else (counts.frames_written, counts.transitions)
+        if at == (None if state["at"] is None else tuple(state["at"])):
+            edges = self._edges  # arrays shared with the stage: filled in place
+            edges.running[:] = np.asarray(state["running"], bool)
+            edges.last_next[:] = np.asarray(state["last_next"], self._obs_dtype)
+            edges.ended[:] = np.asarray(state.get("ended", np.zeros(self.n_envs)), bool)
+            edges.mode = state.get("mode", edges.mode)
         else:
             warnings.warn(f"the store at {self.path} changed since this buffer was saved: "
                           f"its running episodes end as truncated at the next step",
                           stacklevel=2)
-
-
-def _make_stage(buf: FrameOnceReplayBuffer) -> StepStage | None:
-    """One unstacked env: steps staged in RAM and recorded in blocks (`StepStage`)."""
-    if buf.n_envs != 1 or buf.layout.frame_stack != 1:
-        return None
-    capacity = int(min(STAGE_ROWS, max(buf.buffer_size // 4, 1)))
-    return StepStage(buf._store, buf.obs_shape, buf._obs_dtype, buf.action_dim,
-                     buf._action_dtype, capacity=capacity,
-                     timeouts=buf.handle_timeout_termination, running=buf._running,
-                     last_next=buf._last_next)
 
 
 def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
@@ -551,16 +417,6 @@ def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBuff
         fields = {k: None if v is None else v.to(buf.device, non_blocking=True)
                   for k, v in fields.items()}
     return ReplayBufferSamples(**fields)
-
-
-@dataclass(frozen=True)
-class _Step:
-    obs: np.ndarray
-    next_obs: np.ndarray
-    action: np.ndarray
-    reward: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
 
 
 def _reconcile_n_steps(algo: OffPolicyAlgorithm | None, n_steps: int | None,
@@ -598,19 +454,25 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def _shaped(name: str, value: Any, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.size != math.prod(shape):
-        raise ValueError(f"{name} shape {arr.shape} != expected {shape} (n_envs, *obs_shape)")
-    if arr.dtype != dtype:
-        raise ValueError(f"{name} dtype {arr.dtype} != observation space dtype {dtype}")
-    return arr.reshape(shape)
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be None or one of {choices}, got {value!r}")
 
 
-def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.asarray(_flat(a == b).all(axis=1))
+def _holds_files(path: str) -> bool:
+    root = Path(path)
+    return root.is_dir() and any(root.iterdir())
 
 
-def _flat(a: np.ndarray) -> np.ndarray:
-    """``(N, ...)`` -> ``(N, rest)``, also for N = 0."""
-    return a.reshape(a.shape[0], math.prod(a.shape[1:]))
+def _check_spec(spec: Any, want: dict[str, Any], path: str) -> None:
+    """Every setting in `want` is the store's, or a ValueError naming both."""
+    for name, value in want.items():
+        have = getattr(spec, name)
+        if name.endswith("dtype"):
+            have, value = np.dtype(have), np.dtype(value)
+        elif name.endswith("shape"):
+            have, value = tuple(have), tuple(value)
+        if have != value:
+            raise ValueError(f"the store at {path} has {name}={have!r}, this buffer needs "
+                             f"{name}={value!r} (use another path, or the settings it was "
+                             f"made with)")

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mmreplay.integrations.sb3_edges import SAME_STEP, EpisodeEdges
 from mmreplay.recorder import StepRows
 from mmreplay.store import ReplayStore
 
@@ -34,59 +35,89 @@ SMALL_DRAIN = 4
 class StepStage:
     """Steps of env 0 of a one-env, unstacked buffer, not yet recorded (see module doc).
 
-    `running` and `last_next` are the buffer's per-env state arrays, shared and updated in
-    place by `drain`: whether env 0's episode runs, and its last recorded ``next_obs``.
+    `edges` is the buffer's `EpisodeEdges`, whose arrays `drain` updates in place: whether
+    env 0's episode runs, its last recorded ``next_obs``, whether its last step ended it.
+    The stage takes a step only where the buffer's own plan would record it as a plain
+    step (an episode start where obs is not the last ``next_obs``): a step right after an
+    end goes to the buffer until the stream is known to reset same-step.
     """
 
     def __init__(self, store: ReplayStore, obs_shape: tuple[int, ...], obs_dtype: np.dtype,
                  action_dim: int, action_dtype: np.dtype, *, capacity: int, timeouts: bool,
-                 running: np.ndarray, last_next: np.ndarray) -> None:
+                 edges: EpisodeEdges) -> None:
         self.store = store
         self.shape, self.dtype = (1, *obs_shape), np.dtype(obs_dtype)
         self.floating = self.dtype.kind == "f"
         self.action_dim, self.timeouts = action_dim, timeouts
         self.capacity = capacity
         self.pairs = np.zeros((capacity, 2, *self.shape), self.dtype)  # obs, next_obs
+        # finite check of a staged pair: x . 0 is 0 for finite x, NaN for NaN or inf
+        self.flat_pairs = self.pairs.reshape(capacity, -1)
+        self.zeros = np.zeros(self.flat_pairs.shape[1], self.dtype)
         self.action = np.zeros((capacity, action_dim), action_dtype)
         self.reward = np.zeros(capacity, np.float32)
         self.terminated = np.zeros(capacity, bool)
         self.truncated = np.zeros(capacity, bool)
         self.size = 0
-        self.running, self.last_next = running, last_next
+        self.edges = edges
+        self.running, self.last_next, self.ended = edges.running, edges.last_next, edges.ended
 
     def take(self, obs: Any, next_obs: Any, action: Any, reward: Any, done: Any,
              infos: Any) -> bool:
         """Stage one step if every argument is a plain array of the expected shape and
-        dtype with finite values; False (nothing staged) for anything else, which the
-        caller's full checks then explain. Drains when the stage is full."""
+        dtype with finite values, and ``infos`` as SB3 or gymnasium give them; False
+        (nothing staged) for anything else, which the caller's full checks then explain.
+        Drains when the stage is full."""
         nd = np.ndarray
         if not (type(obs) is nd and type(next_obs) is nd and type(action) is nd
-                and type(reward) is nd and type(done) is nd
                 and obs.shape == self.shape and next_obs.shape == self.shape
                 and obs.dtype == self.dtype and next_obs.dtype == self.dtype
-                and action.size == self.action_dim and action.dtype.kind in "biuf"
-                and reward.size == 1 and reward.dtype.kind in "biuf" and done.size == 1
-                and len(infos) == 1
-                and type(infos[0]) is dict):
+                and action.size == self.action_dim and action.dtype.kind in "biuf"):
+            return False
+        rew, ended, info = _one(reward), _one(done), _env_info(infos)
+        if rew is None or ended is None or info is None:
             return False
         k = self.size
+        final = info.get("terminal_observation") is not None
+        if not self._plain(k, obs, final, bool(ended)):
+            return False
         pair = self.pairs[k]
         pair[0] = obs
         pair[1] = next_obs
-        rew = reward.item()
-        if not math.isfinite(rew) or (self.floating and not _finite(pair)):
+        if not math.isfinite(rew) or (
+                self.floating and not math.isfinite(self.flat_pairs[k].dot(self.zeros))):
             return False
-        self.action[k] = action.reshape(self.action_dim)
+        if self.action_dim == 1:
+            self.action[k, 0] = action.item()
+        else:
+            self.action[k] = action.reshape(self.action_dim)
         self.reward[k] = rew
         # as SB3's NStepReplayBuffer: a time-out ends the episode as truncated, done or not
-        if self.timeouts and infos[0].get("TimeLimit.truncated", False):
+        if self.timeouts and info.get("TimeLimit.truncated", False):
             self.terminated[k], self.truncated[k] = False, True
         else:
-            self.terminated[k], self.truncated[k] = done.item(), False
+            self.terminated[k], self.truncated[k] = bool(ended), False
+        if final:  # a final observation in infos: the stream resets same-step
+            self.edges.mode = SAME_STEP
         self.size = k + 1
         if self.size == self.capacity:
             self.drain()
         return True
+
+    def _plain(self, k: int, obs: np.ndarray, final: bool, done: bool) -> bool:
+        """Staging the step records what the buffer's plan would (`EpisodeEdges`)."""
+        mode = self.edges.mode
+        if final and (mode not in (None, SAME_STEP) or not done):
+            return False  # refused, or an end `done` does not flag: the buffer decides
+        if mode == SAME_STEP or final:
+            return True
+        if k:
+            after_end = self.terminated[k - 1] or self.truncated[k - 1]
+            before = self.pairs[k - 1, 1]
+        else:
+            after_end, before = self.ended[0], self.last_next
+        # obs repeating the ended episode's last next_obs: a next-step reset, perhaps
+        return not (after_end and np.array_equal(obs, before))
 
     def drain(self) -> None:
         """Record every staged step (episode starts first), then empty the stage."""
@@ -104,8 +135,8 @@ class StepStage:
         last = count - 1
         ended = bool(self.terminated[last] or self.truncated[last])
         self.running[0] = not ended
-        if not ended:
-            self.last_next[0] = self.pairs[last, 1, 0]
+        self.ended[0] = ended
+        self.last_next[0] = self.pairs[last, 1, 0]
 
     def _starts(self, count: int) -> np.ndarray:
         """Per staged step: its obs starts an episode (none running, or not the previous
@@ -150,7 +181,30 @@ class StepStage:
                         terminated=term, truncated=trunc, autoreset=auto)
 
 
-def _finite(pair: np.ndarray) -> bool:
-    """Every value finite: a finite sum says so at once (a sum that overflows, or any NaN
-    or inf, makes the full check)."""
-    return math.isfinite(np.add.reduce(pair, axis=None)) or bool(np.isfinite(pair).all())
+_NO_INFO: dict[str, Any] = {}
+
+
+def _env_info(infos: Any) -> dict[str, Any] | None:
+    """Env 0's info of SB3 ``infos`` (a list of one dict), or an empty one for gymnasium
+    ``infos`` (a dict) without final observations; None for anything else (the buffer's
+    plan takes it)."""
+    if type(infos) is list:
+        return infos[0] if len(infos) == 1 and type(infos[0]) is dict else None
+    if type(infos) is dict and "final_obs" not in infos and "final_observation" not in infos:
+        return _NO_INFO
+    return None
+
+
+def _one(value: Any) -> float | int | bool | None:
+    """The one number `value` holds, as SB3's ``np.array(value)`` reads a one-env reward or
+    done (an array of one element, a NumPy or Python scalar, a list of one); None for
+    anything else."""
+    kind = type(value)
+    if kind is float or kind is bool or kind is int:
+        return value  # type: ignore[no-any-return]
+    if kind is np.ndarray or isinstance(value, np.generic):
+        return value.item() if value.size == 1 and value.dtype.kind in "biuf" else None
+    if (kind is list or kind is tuple) and len(value) == 1:
+        inner = value[0]
+        return None if type(inner) in (list, tuple) else _one(inner)
+    return None
