@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -42,18 +41,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-SCRIPTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(SCRIPTS))
-
-from ale_frames import AleFrames, record_frames  # noqa: E402
-from benchlib.harness import (  # noqa: E402
+import scripts_path  # noqa: F401  (scripts/ on sys.path)
+import tyro
+from ale_frames import AleFrames, record_frames
+from benchlib.harness import (
     machine_info,
     memory_growth,
     memory_status,
     write_json,
 )
-from common import dir_bytes, parse_args, run_main  # noqa: E402
+from common import dir_bytes, run_main
 
 STACK = 4
 
@@ -143,9 +140,8 @@ def ratios(figures: dict[str, dict[str, float]], base: str) -> dict[str, Any]:
 
 def atari_buffers(args: Args, root: Path, name: str, sb3_size: int) -> tuple[Any, Any]:
     from gymnasium import spaces
-    from stable_baselines3.common.buffers import ReplayBuffer
-
     from mmreplay.sb3 import FrameOnceReplayBuffer
+    from stable_baselines3.common.buffers import ReplayBuffer
 
     space, act = spaces.Box(0, 255, (STACK, 84, 84), np.uint8), spaces.Discrete(4)
     ours = FrameOnceReplayBuffer(args.buffer_size, space, act, "cpu", optimize_memory_usage=True,
@@ -246,9 +242,8 @@ def cartpole_stream(steps: int, seed: int) -> list[tuple[Any, ...]]:
 
 def cartpole_section(args: Args, root: Path) -> dict[str, Any]:
     from gymnasium import spaces
-    from stable_baselines3.common.buffers import ReplayBuffer
-
     from mmreplay.sb3 import FrameOnceReplayBuffer
+    from stable_baselines3.common.buffers import ReplayBuffer
 
     space, act = spaces.Box(-10, 10, (4,), np.float32), spaces.Discrete(2)
     n = args.cartpole_steps
@@ -286,11 +281,10 @@ def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
+    import mmreplay.sb3  # noqa: F401
     import stable_baselines3  # noqa: F401  (imported before any RSS is read)
 
-    import mmreplay.sb3  # noqa: F401
-
-    args = parse_args(Args, description=__doc__)
+    args = tyro.cli(Args, description=__doc__)
     sections = args.sections.split(",")
     rec = record_frames("ALE/Breakout-v5", args.distinct_frames, seed=args.seed)
     root = Path(tempfile.mkdtemp(prefix="bench_cleanrl_", dir=args.work_dir or None))

@@ -22,7 +22,6 @@ to GPU tensors <= 100 us median, a 1M-frame open + fill <= 10 s) are for an H100
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -30,12 +29,13 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import tyro
 
 from mmreplay import ReplayStore, StepRows
 
@@ -67,14 +67,6 @@ class Args:
     """where the stores are built (default: a temp directory, removed after)"""
     out_dir: str = "data/bench"
     """directory of device_frames.json"""
-
-
-def parse_args() -> Args:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in fields(Args):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default),
-                            default=f.default)
-    return Args(**vars(parser.parse_args()))
 
 
 def frame_maker(seed: int) -> np.ndarray:
@@ -162,7 +154,7 @@ def machine() -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args()
+    args = tyro.cli(Args, description=__doc__)
     if args.threads:
         torch.set_num_threads(args.threads)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-device-"))
