@@ -1,14 +1,14 @@
 """The compiled kernels of the read path, imported on first use.
 
-`numba_kernels` holds every compiled operation (chunk decode and gather, ring lookups,
-sum-tree walks) with plain-array signatures: it knows no files, manifests or torch. It loads
-numba, its on-disk cache and the C symbols it binds, so it is imported on a store's first read
-or sparse priority update through `compiled()`, never by ``import mmreplay``: opening a store
-for ``mmreplay info`` never loads it. `priority_kernels` (masses and a whole priority update
-in one call), `table_kernels` (reads from a table of every decoded chunk), `record_kernels`
-(a block of recorded steps in one call) and `sample_kernels` (a batch drawn, looked up and
-read in one call) are loaded the same way, through `priorities()`, `tables()`, `records()`
-and `samples()`.
+`numba_kernels` holds the compiled read path (chunk decode and gather, ring lookups) with
+plain-array signatures: it knows no files, manifests or torch. It loads numba, its on-disk
+cache and the C symbols it binds, so it is imported on a store's first read or sparse priority
+update through `compiled()`, never by ``import mmreplay``: opening a store for ``mmreplay
+info`` never loads it. `tree_kernels` (sum-tree walks), `priority_kernels` (masses and a whole
+priority update in one call), `table_kernels` (reads from a table of every decoded chunk),
+`record_kernels` (a block of recorded steps in one call) and `sample_kernels` (a batch drawn,
+looked up and read in one call) are loaded the same way, through `trees()`, `priorities()`,
+`tables()`, `records()` and `samples()`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
 def compiled() -> ModuleType:
     """`mmreplay.kernels.numba_kernels`, imported on the first call."""
     return importlib.import_module("mmreplay.kernels.numba_kernels")
+
+
+@functools.cache
+def trees() -> ModuleType:
+    """`mmreplay.kernels.tree_kernels`, imported on the first call."""
+    return importlib.import_module("mmreplay.kernels.tree_kernels")
 
 
 @functools.cache
