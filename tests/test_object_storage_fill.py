@@ -16,7 +16,7 @@ import pytest
 
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import pull
+from mmreplay.storage.pull import pull
 
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")

@@ -36,6 +36,7 @@ import numpy as np
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import StoreSpec
+from mmreplay.storage.bucket import follow_bucket
 from mmreplay.storage.codec import max_chunk_bytes
 from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import MANIFEST, parse_spec
@@ -45,8 +46,8 @@ from mmreplay.storage.objects import (
     ObjectMissingError,
     Objects,
 )
+from mmreplay.storage.pull import pull, pull_frames
 from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
-from mmreplay.storage.transfer import follow_bucket, pull, pull_frames
 
 if TYPE_CHECKING:
     from mmreplay.storage.cache_fill import CacheFiller
