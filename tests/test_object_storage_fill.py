@@ -203,7 +203,7 @@ def test_follower_shares_one_head_among_the_callers_that_waited(tmp_path: Path) 
     import threading
 
     from mmreplay.storage.objects import LocalObjects
-    from mmreplay.storage.remote_frames import Follower
+    from mmreplay.storage.remote_open import Follower
 
     release, entered = threading.Event(), threading.Event()
 

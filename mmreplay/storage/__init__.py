@@ -15,4 +15,5 @@ Everything here knows files and bytes; nothing here knows episodes, sampling pol
     push          a directory's committed generation into a bucket
     pull          a bucket's newest generation into a directory
     remote_frames frame chunks fetched on demand from a bucket into a bounded cache
+    remote_open   a bucket store opened for reads: small files pulled, the manifest followed
 """
