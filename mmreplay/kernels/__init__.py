@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -24,40 +25,23 @@ import numpy as np
 OK, TOO_SHORT, BAD_CRC, BAD_HEADER, NO_DECODE = 0, 1, 2, 3, 4
 
 
-@functools.cache
-def compiled() -> ModuleType:
-    """`mmreplay.kernels.numba_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.numba_kernels")
+def _loader(module: str) -> Callable[[], ModuleType]:
+    """A function that imports ``mmreplay.kernels.<module>`` on its first call (then cached)."""
+
+    @functools.cache
+    def load() -> ModuleType:
+        return importlib.import_module(f"mmreplay.kernels.{module}")
+
+    load.__doc__ = f"`mmreplay.kernels.{module}`, imported on the first call."
+    return load
 
 
-@functools.cache
-def trees() -> ModuleType:
-    """`mmreplay.kernels.tree_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.tree_kernels")
-
-
-@functools.cache
-def priorities() -> ModuleType:
-    """`mmreplay.kernels.priority_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.priority_kernels")
-
-
-@functools.cache
-def tables() -> ModuleType:
-    """`mmreplay.kernels.table_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.table_kernels")
-
-
-@functools.cache
-def records() -> ModuleType:
-    """`mmreplay.kernels.record_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.record_kernels")
-
-
-@functools.cache
-def samples() -> ModuleType:
-    """`mmreplay.kernels.sample_kernels`, imported on the first call."""
-    return importlib.import_module("mmreplay.kernels.sample_kernels")
+compiled = _loader("numba_kernels")
+trees = _loader("tree_kernels")
+priorities = _loader("priority_kernels")
+tables = _loader("table_kernels")
+records = _loader("record_kernels")
+samples = _loader("sample_kernels")
 
 
 class Entry:

@@ -331,6 +331,19 @@ def group_order(keys: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(nogil=True, cache=True)
+def chunk_bytes(chunks: ChunkBytes, key: int, num_chunks: int) -> tuple[int, int]:
+    """(address, length) of the bytes of chunk `key` on disk: the writer's RAM first, else
+    its mapped file, which is then marked used (address 0: the file is not mapped yet). Every
+    read takes a chunk's bytes through here (`read_sources`, `table_kernels`)."""
+    if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
+        return chunks.ram_src[key], chunks.ram_size[key]
+    shards = -(-num_chunks // chunks.shard_chunks)
+    chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] = \
+        chunks.tick
+    return chunks.src[key], chunks.size[key]
+
+
+@numba.njit(nogil=True, cache=True)
 def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: ChunkBytes,
                  where: np.ndarray, length: np.ndarray, missing: np.ndarray) -> int:
     """Bytes of each distinct chunk on disk a read takes (`ChunkBytes`: the writer's RAM,
@@ -339,18 +352,12 @@ def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: Ch
     ``missing[:count]``, to be mapped first)."""
     count = 0
     disk_keys = chunks.src.size  # envs * num_chunks
-    shards = -(-num_chunks // chunks.shard_chunks)
     for j in range(order.size):
         i = order[j]
         key = raw[i]
         if key >= disk_keys or (j > 0 and raw[order[j - 1]] == key):
             continue
-        if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
-            where[i], length[i] = chunks.ram_src[key], chunks.ram_size[key]
-            continue
-        where[i], length[i] = chunks.src[key], chunks.size[key]
-        chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
-            = chunks.tick
+        where[i], length[i] = chunk_bytes(chunks, key, num_chunks)
         if where[i] == 0:
             missing[count] = key
             count += 1
