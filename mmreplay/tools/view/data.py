@@ -189,18 +189,21 @@ class StoreData:
         return self.episode(rows[0]["episode"]) if rows else {"episode": None}
 
     def frame_png(self, episode: int, t: int) -> bytes:
+        def make(store: ReplayStore) -> bytes:
+            frames = self.episode_images(episode)
+            if not 0 <= t < len(frames):
+                raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
+                                     f"frames; frame {t} is not one of them")
+            return render.png_bytes(frames[t])
+
+        return self._image_png(("frame", episode, t), make)
+
+    def _image_png(self, key: tuple[Any, ...], make: Callable[[ReplayStore], bytes]) -> bytes:
+        """The PNG cached under `key`, else ``make(store)`` (an image store only)."""
         with self._lock:
             store = self.store()
             self._require_images(store)
-
-            def make() -> bytes:
-                frames = self.episode_images(episode)
-                if not 0 <= t < len(frames):
-                    raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
-                                            f"frames; frame {t} is not one of them")
-                return render.png_bytes(frames[t])
-
-            return self._png.get(("frame", episode, t), make)
+            return self._png.get(key, lambda: make(store))
 
     def episode_images(self, episode: int) -> np.ndarray:
         """The kept frames of `episode` as uint8 images (decoded once per generation)."""
@@ -223,15 +226,11 @@ class StoreData:
                            lambda s: tables.transition_json(transition(s, tid)), item=True)
 
     def stack_png(self, tid: int, which: str) -> bytes:
-        with self._lock:
-            store = self.store()
-            self._require_images(store)
+        def make(store: ReplayStore) -> bytes:
+            view = transition(store, tid)
+            return _stack_png(view.obs if which == "obs" else view.next_obs)
 
-            def make() -> bytes:
-                view = transition(store, tid)
-                return _stack_png(view.obs if which == "obs" else view.next_obs)
-
-            return self._png.get((which, tid), make)
+        return self._image_png((which, tid), make)
 
     def sampling(self, batch_size: int, seed: int | None, beta: float) -> dict[str, Any]:
         if not 1 <= batch_size <= MAX_BATCH:
