@@ -280,23 +280,31 @@ def lookup(flat: np.ndarray, ring: RingColumns, out: LookupOut) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
+def chunk_of(f: int, layout: FrameLayout) -> tuple[int, int, bool]:
+    """Flat slot ``f >= 0``: its chunk's key on disk (``env * num_chunks + chunk``), its frame
+    in that chunk, and whether that frame is in its env's RAM tail instead (the chunk the env
+    is filling, below ``tail_fill``). Every read plans its frames through here (`read_keys`,
+    `table_kernels.source_of`)."""
+    env, slot = f // layout.slots, f % layout.slots
+    c, offset = slot // layout.chunk, slot % layout.chunk
+    in_tail = c == layout.next_slot[env] // layout.chunk and offset < layout.tail_fill[env]
+    return env * layout.num_chunks + c, offset, in_tail
+
+
+@numba.njit(nogil=True, cache=True)
 def read_keys(flat: np.ndarray, layout: FrameLayout, raw: np.ndarray,
               offset: np.ndarray) -> None:
     """Each frame's chunk key (on disk: ``env * num_chunks + chunk``; then an env's RAM tail,
     ``envs * num_chunks + env``; then the zero frame) into ``raw`` and its frame in that chunk
     into ``offset``."""
-    envs, chunk, slots = layout.next_slot.size, layout.chunk, layout.slots
+    envs = layout.next_slot.size
     tails = envs * layout.num_chunks
     for i in range(flat.size):
         if flat[i] < 0:
             raw[i], offset[i] = tails + envs, 0
             continue
-        env, slot = flat[i] // slots, flat[i] % slots
-        c, offset[i] = slot // chunk, slot % chunk
-        if c == layout.next_slot[env] // chunk and offset[i] < layout.tail_fill[env]:
-            raw[i] = tails + env
-        else:
-            raw[i] = env * layout.num_chunks + c
+        key, offset[i], in_tail = chunk_of(flat[i], layout)
+        raw[i] = tails + key // layout.num_chunks if in_tail else key
 
 
 @numba.njit(nogil=True, cache=True)

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from mmreplay.kernels import OK
-from mmreplay.kernels.numba_kernels import LZ4, chunk_bytes, decode_one, memcpy
+from mmreplay.kernels.numba_kernels import LZ4, chunk_bytes, chunk_of, decode_one, memcpy
 from mmreplay.kernels.structs import FrameLayout, TableArrays, TableRead
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in ``state`` (`chunk_table.ChunkTable`)
@@ -81,14 +81,13 @@ def drop_rows(keys: np.ndarray, table: TableArrays) -> None:
 def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     """A flat slot's chunk key and offset in it; or -1 and its source (above) for a RAM
     tail or the zero frame."""
-    envs, chunk = layout.next_slot.size, layout.chunk
+    chunk = layout.chunk
     if f < 0:
-        return -1, -1 - envs * chunk
-    env, slot = f // layout.slots, f % layout.slots
-    c, offset = slot // chunk, slot % chunk
-    if c == layout.next_slot[env] // chunk and offset < layout.tail_fill[env]:
-        return -1, -1 - (env * chunk + offset)
-    return env * layout.num_chunks + c, offset
+        return -1, -1 - layout.next_slot.size * chunk
+    key, offset, in_tail = chunk_of(f, layout)
+    if in_tail:
+        return -1, -1 - (key // layout.num_chunks * chunk + offset)
+    return key, offset
 
 
 @numba.njit(nogil=True, cache=True)
