@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmreplay.errors import InvalidStoreError, ObjectStoreError, StoreLockedError
+from mmreplay.storage.lease import LEASE_TTL_S, Lease
 from mmreplay.storage.manifest import read_manifest
 from mmreplay.storage.objects import Objects
-from mmreplay.storage.transfer import LEASE_TTL_S, Lease, Pusher, PushReport
+from mmreplay.storage.push import Pusher, PushReport
 
 MAX_LAG = 2  # generations the bucket may trail the directory before a flush waits
 RETRY_S = (0.2, 0.5, 1.0, 2.0, 5.0)

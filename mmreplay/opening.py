@@ -32,8 +32,9 @@ from mmreplay.storage.manifest import (
     read_manifest,
 )
 from mmreplay.storage.objects import is_url, open_objects
-from mmreplay.storage.remote_frames import RemoteChunks, open_remote
-from mmreplay.storage.transfer import working_copy
+from mmreplay.storage.pull import working_copy
+from mmreplay.storage.remote_frames import RemoteChunks
+from mmreplay.storage.remote_open import open_remote
 from mmreplay.validate import CacheBytes
 
 OPEN_RETRIES = 32  # read-only opens raced by commits; only a live writer makes one retry

@@ -2,7 +2,7 @@
 
 `BucketMethods` is a mixin of `ReplayStore` that uses only the store's public surface
 (``path``, ``writable``, ``generation``, ``flush``, ``close``); the work is done by
-`storage.transfer` (push, pull, lease) and `mirror` (the background thread).
+`storage.push`, `storage.pull`, `storage.lease` and `mirror` (the background thread).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 from mmreplay.errors import InvalidInputError
 from mmreplay.mirror import Mirror
 from mmreplay.storage.objects import open_objects
+from mmreplay.storage.push import Pusher, PushReport
 from mmreplay.storage.remote_frames import RemoteChunks
-from mmreplay.storage.transfer import Pusher, PushReport
 
 
 class BucketMethods:

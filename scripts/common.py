@@ -135,7 +135,7 @@ class RunBucket:
         the store already (refused if the bucket holds a newer generation than it, or while
         another writer holds the prefix, unless `take_over`)."""
         from mmreplay.storage.objects import open_objects
-        from mmreplay.storage.transfer import working_copy
+        from mmreplay.storage.pull import working_copy
 
         working_copy(open_objects(self.store_url), run_dir / "store", take_over=take_over)
 

@@ -17,11 +17,11 @@ from PIL import Image
 
 from mmreplay import ReplayStore
 from mmreplay.storage.manifest import write_manifest
-from mmreplay.tools import inspection as ins
 from mmreplay.tools import render, show_labels
 from mmreplay.tools import verify as verify_mod
 from mmreplay.tools.cli import main
 from mmreplay.tools.plots import plot_store
+from mmreplay.tools.steps import episode_steps, transition
 from mmreplay.tools.verify import disk_chunks
 
 OBS = (8, 8)
@@ -214,7 +214,7 @@ def test_show_labels_each_frame_at_a_readable_size(rec: Recorded, tmp_path: Path
         assert (label != render.BACKGROUND).any(), f"frame {i} has no label"
     assert (image[:top - render.PAD, :200] != render.BACKGROUND).any(), "no title"
     with ReplayStore.open(rec.path, mode="r") as store:
-        labels = show_labels.transition_labels(ins.transition(store, tid), store.spec)
+        labels = show_labels.transition_labels(transition(store, tid), store.spec)
     n_step_return = 4 * (1 + 0.99 + 0.99 ** 2)  # episode 3's rewards are 4, n_step 3
     assert labels[3] == ["obs[3]  t", f"id {tid}  a 1  R3 {n_step_return:.4g}"]
     assert labels[7] == ["next[3]  t+3", ""]
@@ -228,7 +228,7 @@ def test_show_episode_labels_steps(rec: Recorded, tmp_path: Path,
     side = render.default_scale(*OBS) * OBS[0]
     assert code == 0 and image.width >= 6 * side and image.height >= side
     with ReplayStore.open(rec.path, mode="r") as store:
-        labels = show_labels.episode_labels(ins.episode_steps(store, 2))
+        labels = show_labels.episode_labels(episode_steps(store, 2))
     assert labels[0] == ["t=0  id " + str(rec.first_id[2]), "a 0  r 3"]
     assert labels[EPISODES[2][0] - 1][1].endswith("terminated")
     assert labels[-1] == [f"t={EPISODES[2][0]}", "no step (last)"]

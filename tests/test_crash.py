@@ -87,6 +87,7 @@ def ctx() -> multiprocessing.context.BaseContext:
     # runs them once). The server ignores the test's sys.path (CPython), so it gets tests/
     # through PYTHONPATH as it starts; a failed preload is silent (the writers then load it).
     context.set_forkserver_preload(["mmreplay", "torch", "mmreplay.kernels.numba_kernels",
+                                    "mmreplay.kernels.tree_kernels",
                                     "mmreplay.kernels.priority_kernels",
                                     "mmreplay.kernels.table_kernels",
                                     "mmreplay.kernels.sample_kernels", "crash_warmup"])

@@ -13,6 +13,7 @@ import pytest
 
 from mmreplay import ReplayStore
 from mmreplay.kernels import numba_kernels as kernels
+from mmreplay.kernels import tree_kernels
 
 N = 2 * 84 * 84  # one decoded chunk: 2 frames of 84x84 uint8
 
@@ -249,7 +250,7 @@ def test_an_entry_asks_the_dispatcher_again_for_arrays_of_another_look() -> None
     gets the dispatcher's own result, and so does an array of another dtype."""
     from mmreplay.kernels import Entry
 
-    call = Entry(kernels.tree_find)
+    call = Entry(tree_kernels.tree_find)
     prefix = np.array([0.0, 1.0, 3.0, 6.0])  # one row of three children: masses 1, 2, 3
     off, fan = np.zeros(1, np.int64), np.array([3], np.int64)
     for targets in (np.array([0.5, 2.0, 5.9]),  # binds the entry

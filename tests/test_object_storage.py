@@ -19,13 +19,14 @@ import pytest
 
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore, StoreLockedError
 from mmreplay.errors import ObjectStoreError
+from mmreplay.storage.lease import Lease
 from mmreplay.storage.objects import (
     ObjectChangedError,
     ObjectMissingError,
     Objects,
     open_objects,
 )
-from mmreplay.storage.transfer import Lease, pull
+from mmreplay.storage.pull import pull
 from mmreplay.tools.cli import main as cli
 
 sys.path.insert(0, str(Path(__file__).parent))

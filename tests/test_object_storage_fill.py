@@ -16,7 +16,7 @@ import pytest
 
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import pull
+from mmreplay.storage.pull import pull
 
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")
@@ -203,7 +203,7 @@ def test_follower_shares_one_head_among_the_callers_that_waited(tmp_path: Path) 
     import threading
 
     from mmreplay.storage.objects import LocalObjects
-    from mmreplay.storage.remote_frames import Follower
+    from mmreplay.storage.remote_open import Follower
 
     release, entered = threading.Event(), threading.Event()
 

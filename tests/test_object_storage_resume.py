@@ -20,8 +20,10 @@ import pytest
 
 from mmreplay import InvalidInputError, InvalidStoreError, ReplayStore, StoreLockedError
 from mmreplay.errors import ObjectStoreError
+from mmreplay.storage.bucket import read_bucket_manifest
+from mmreplay.storage.lease import Lease
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import Lease, pull, read_bucket_manifest
+from mmreplay.storage.pull import pull
 from mmreplay.tools.cli import main as cli
 
 sys.path.insert(0, str(Path(__file__).parent))

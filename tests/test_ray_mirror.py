@@ -25,9 +25,9 @@ pytest.importorskip("obstore", reason='needs the cloud extra: pip install "mmrep
 
 from mmreplay import ReplayStore, StoreLockedError  # noqa: E402
 from mmreplay.integrations.ray import BlockWriter, start_store_actor  # noqa: E402
+from mmreplay.storage.bucket import read_bucket_manifest  # noqa: E402
 from mmreplay.storage.manifest import read_manifest  # noqa: E402
 from mmreplay.storage.objects import open_objects  # noqa: E402
-from mmreplay.storage.transfer import read_bucket_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 pytest.register_assert_rewrite("s3_server")

@@ -29,6 +29,7 @@ from viewer_support import chromium, frame, record_episodes, serving, small_stor
 
 from mmreplay import ReplayStore
 from mmreplay.tools import inspection as ins
+from mmreplay.tools.steps import episode_frames, episode_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 BREAKOUT = ROOT / "data" / "breakout_store"
@@ -112,7 +113,7 @@ def numbered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def test_scrub_keys_and_play_show_the_right_frame(browser: Any, numbered: Path) -> None:
     with ins.open_readonly(numbered) as store:
-        want = ins.episode_frames(store, 1)
+        want = episode_frames(store, 1)
     with serving(numbered) as server:
         timed("open player", open_view(browser, server.url + "#/episode/1", "episode"))
         body = browser.find_element("tag name", "body")
@@ -148,8 +149,8 @@ def test_scrub_keys_and_play_show_the_right_frame(browser: Any, numbered: Path) 
 
 def test_deep_link_opens_episode_at_step(browser: Any, numbered: Path) -> None:
     with ins.open_readonly(numbered) as store:
-        want = ins.episode_frames(store, 2)
-        steps = ins.episode_steps(store, 2)
+        want = episode_frames(store, 2)
+        steps = episode_steps(store, 2)
     with serving(numbered) as server:
         open_view(browser, server.url + "#/episode/2?t=4", "episode")
         wait_for(frame_settled(browser, 4), "deep-linked frame 4")
@@ -198,7 +199,7 @@ def test_timeline_follows_the_frame_with_every_step_field(browser: Any, tmp_path
         ids = store.valid_ids()
         store.update_priorities(ids, 0.5 + ids % 7)
         store.flush()
-        steps = ins.episode_steps(store, 1)
+        steps = episode_steps(store, 1)
         batch = store.get(steps.ids[steps.sampleable])
         with serving(path) as server:
             open_view(browser, server.url + "#/episode/1?t=2", "episode")

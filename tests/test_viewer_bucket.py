@@ -25,7 +25,7 @@ from s3_server import S3Server  # noqa: E402
 from test_viewer_server import get, get_json  # noqa: E402
 from viewer_support import record_episodes, serving, small_store  # noqa: E402
 
-from mmreplay.tools import inspection as ins  # noqa: E402
+from mmreplay.tools.steps import episode_frames, episode_steps  # noqa: E402
 
 pytest_plugins = ["s3_server"]  # the fixtures s3, s3_proxy, s3_session
 
@@ -36,8 +36,8 @@ def check_served_like_the_store(url: str, local: Path) -> None:
     writer = small_store(local, [6, 20, 9], shard_chunks=4)
     try:
         writer.push(url)
-        steps = ins.episode_steps(writer, 1)
-        frames = ins.episode_frames(writer, 1)
+        steps = episode_steps(writer, 1)
+        frames = episode_frames(writer, 1)
         with serving(url) as server:  # type: ignore[arg-type]
             # the first answer waits for the warm-up (compiled read path, first frame)
             assert get(server, "/api/status", timeout=120)[0] == 200

@@ -25,6 +25,9 @@ from viewer_support import OBS, frame, record_episodes, serving, small_store
 from mmreplay import ReplayStore
 from mmreplay.errors import InvalidStoreError
 from mmreplay.tools import inspection as ins
+from mmreplay.tools.distributions import sampling_view
+from mmreplay.tools.images import tile
+from mmreplay.tools.steps import episode_frames, episode_steps, transition
 from mmreplay.tools.view import make_server
 from mmreplay.tools.view.data import StoreData
 
@@ -127,8 +130,8 @@ def test_series_has_ended_episodes(server: Any, store_path: Path) -> None:
 
 def test_episode_steps_and_frames(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
-        steps = ins.episode_steps(store, 5)
-        frames = ins.episode_frames(store, 5)
+        steps = episode_steps(store, 5)
+        frames = episode_frames(store, 5)
     ep = get_json(server, "/api/episode/5")
     assert ep["frames"] == len(frames) == LENGTHS[5] + 1
     assert ep["ids"] == steps.ids.tolist() and ep["ids"][-1] == -1
@@ -180,13 +183,13 @@ def test_episode_discount_and_n_step_return_match_the_store(tmp_path: Path) -> N
 def test_transition_stacks_and_gif(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
         tid = int(store.valid_ids()[-3])
-        view = ins.transition(store, tid)
+        view = transition(store, tid)
     fields = get_json(server, f"/api/transition/{tid}")
     assert fields["id"] == tid and fields["reward"] == pytest.approx(view.reward)
     for which, stack in (("obs", view.obs), ("next", view.next_obs)):
         code, _, body = get(server, f"/api/transition/{tid}/{which}.png")
         image = np.asarray(Image.open(io.BytesIO(body)))
-        assert code == 200 and np.array_equal(image, ins.tile(stack, cols=4))
+        assert code == 200 and np.array_equal(image, tile(stack, cols=4))
     code, kind, body = get(server, "/api/episode/6.gif?fps=10&scale=2")
     gif = Image.open(io.BytesIO(body))
     assert (code, kind) == (200, "image/gif") and gif.size == (OBS[1] * 2, OBS[0] * 2)
@@ -205,7 +208,7 @@ def decode_mp4(body: bytes) -> tuple[np.ndarray, Any]:
 def test_episode_mp4_decodes_to_the_store_s_frames(server: Any, store_path: Path,
                                                    episode: int) -> None:
     with ins.open_readonly(store_path) as store:
-        want = ins.episode_frames(store, episode).astype(np.int64)
+        want = episode_frames(store, episode).astype(np.int64)
     big = want.repeat(2, axis=1).repeat(2, axis=2)[..., None]  # scale=2, gray in each channel
     code, kind, body = get(server, f"/api/episode/{episode}.mp4?fps=10&scale=2&lossless=1")
     frames, codec = decode_mp4(body)
@@ -280,7 +283,7 @@ def test_health_run_stops_at_its_time_limit(tmp_path: Path) -> None:
 
 def test_sampling_view_and_batch(server: Any, store_path: Path) -> None:
     with ins.open_readonly(store_path) as store:
-        view = ins.sampling_view(store)
+        view = sampling_view(store)
     s = get_json(server, "/api/sampling?batch=5&seed=3&beta=0.5")
     p = view.probabilities
     assert s["sampleable"] == view.ids.size and s["sampler"] == "prioritized"
@@ -299,7 +302,7 @@ def test_sampling_view_and_batch(server: Any, store_path: Path) -> None:
 def test_probabilities_of_a_uniform_store(tmp_path: Path) -> None:
     small_store(tmp_path / "u", [5, 5]).close()
     with ins.open_readonly(tmp_path / "u") as store:
-        view = ins.sampling_view(store)
+        view = sampling_view(store)
     assert view.probabilities == pytest.approx(np.full(view.ids.size, 1 / view.ids.size))
     assert view.effective_sample_size == pytest.approx(view.ids.size)
 

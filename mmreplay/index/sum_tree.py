@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from mmreplay.kernels import compiled, entry
+from mmreplay.kernels import entry, trees
 from mmreplay.kernels.structs import TreeArrays
 
 __all__ = ["SumTree", "TreeArrays"]
@@ -192,7 +192,7 @@ class SumTree:
         out = np.zeros(targets.shape, dtype=np.int64)
         if self._levels:
             tree = self._arrays
-            find = compiled().tree_find  # plain arrays: numba types them in C
+            find = trees().tree_find  # plain arrays: numba types them in C
             find(tree.prefix, tree.offsets, tree.fanouts, targets.reshape(-1), out.reshape(-1))
         return out
 
@@ -207,7 +207,7 @@ class SumTree:
                            beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
         """`stratified` of float64 `u` and a float `beta` on a tree the caller knows has
         mass (no checks): one compiled call."""
-        return entry(compiled().tree_draw)(self._arrays, u, beta)  # type: ignore[no-any-return]
+        return entry(trees().tree_draw)(self._arrays, u, beta)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------------------- updates
 
@@ -228,7 +228,7 @@ class SumTree:
             for level in reversed(self._levels):
                 self._rebuild(level)
             return
-        entry(compiled().tree_set)(self._arrays, idx, np.ascontiguousarray(vals, dtype=np.float64))
+        entry(trees().tree_set)(self._arrays, idx, np.ascontiguousarray(vals, dtype=np.float64))
 
     def set_all(self, values: npt.ArrayLike) -> None:
         """Replace every leaf (``len(values) == capacity``) and rebuild bottom-up in O(N)."""

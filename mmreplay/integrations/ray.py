@@ -51,9 +51,9 @@ from mmreplay.integrations.ray_support import ACTOR_DIED, BATCH_FIELDS, ray, wai
 from mmreplay.mirror import MirrorInfo
 from mmreplay.rate_limit import RateLimiter
 from mmreplay.spec import StoreSpec
+from mmreplay.storage.lease import Lease
 from mmreplay.storage.manifest import MANIFEST
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import Lease
 from mmreplay.store import ReplayStore, StoreCounts
 
 

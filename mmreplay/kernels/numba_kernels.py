@@ -1,5 +1,8 @@
 """Compiled kernels of the read path: plain arrays and byte addresses in, plain arrays out.
 
+Chunk decode, the ring lookup of a batch's stacks and n-step windows, and a whole frame read
+in one call (plan, decode, gather); the sum-tree walks are `tree_kernels`'.
+
 Each operation has exactly one implementation on the read path, here (its naive twin lives
 in ``tests/``; chunk decoding has a numcodecs twin, ``codec.ChunkCodec.check``, which
 ``mmreplay verify`` uses so that it needs no numba, tested to agree verdict for verdict);
@@ -56,7 +59,6 @@ from mmreplay.kernels.structs import (
     LookupOut,
     OnePassRead,
     RingColumns,
-    TreeArrays,
 )
 
 BLOSC_HEADER = 16
@@ -237,69 +239,6 @@ def decode_prefixes(src: np.ndarray, size: np.ndarray, rows: np.ndarray, dest: n
     return status
 
 
-# -- sum tree (see `sum_tree.SumTree` for the layout) ------------------------------------------
-# A level ``L`` has ``first[L]`` rows (its row ``r`` is node ``first[L] + r``), ``fan[L]``
-# children a row (node ``first[L] * fan[L] + r * fan[L] + c``), and its prefix rows at
-# ``prefix[off[L] + r * (fan[L] + 1):][:fan[L] + 1]``; leaf ``j``'s ancestor is row
-# ``j >> shift[L]``. The arithmetic is the numpy reference's, operation for operation (a
-# sequential sum is `np.add.accumulate`), so the tree stays a function of its leaves.
-
-
-@numba.njit(nogil=True, cache=True)
-def tree_find(prefix: np.ndarray, off: np.ndarray, fan: np.ndarray, targets: np.ndarray,
-              out: np.ndarray) -> None:
-    """Leaf of each target: on every level, the remainder is clamped below the node's mass
-    and the first child whose prefix entry exceeds it is taken (a child of positive mass).
-
-    Level by level for the whole batch, so the targets' independent memory reads overlap
-    (a 1M-leaf tree is mostly cache misses: 7.0 vs 9.6 µs for 32 targets walked one by one).
-    """
-    rem = targets.copy()
-    out[:] = 0
-    for level in range(off.size):
-        f = fan[level]
-        for b in range(targets.size):
-            base = off[level] + out[b] * (f + 1)
-            r = min(rem[b], np.nextafter(prefix[base + f], 0.0))
-            lo, hi = 0, f  # first c with prefix[base + 1 + c] > r; rows are non-decreasing
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if prefix[base + 1 + mid] > r:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            child = min(lo, f - 1)
-            rem[b] = r - prefix[base + child]
-            out[b] = out[b] * f + child
-
-
-@numba.njit(nogil=True, cache=True)
-def tree_set(tree: TreeArrays, idx: np.ndarray, vals: np.ndarray) -> None:
-    """Write leaves (the last of duplicates wins), then rebuild each of their ancestors'
-    rows from its children, bottom-up: sums, prefix rows and mins."""
-    sums, mins, prefix, leaf0 = tree.sums, tree.mins, tree.prefix, tree.leaf0
-    for i in range(idx.size):
-        sums[leaf0 + idx[i]] = vals[i]
-        mins[leaf0 + idx[i]] = vals[i] if vals[i] > 0.0 else np.inf
-    for level in range(tree.offsets.size - 1, -1, -1):
-        f, rows = tree.fanouts[level], tree.firsts[level]
-        last = -1
-        for i in range(idx.size):
-            r = idx[i] >> tree.shifts[level]
-            if r == last:
-                continue
-            last = r
-            base, kid = tree.offsets[level] + r * (f + 1), rows * f + r * f
-            acc, low = 0.0, np.inf
-            prefix[base] = 0.0
-            for c in range(f):
-                acc += sums[kid + c]
-                prefix[base + 1 + c] = acc
-                if mins[kid + c] < low:
-                    low = mins[kid + c]
-            sums[rows + r], mins[rows + r] = acc, low
-
-
 # -- index arithmetic (see `ring` for frame numbers, stacks and n-step windows) -------------
 
 
@@ -337,34 +276,19 @@ def lookup(flat: np.ndarray, ring: RingColumns, out: LookupOut) -> None:
                 rows[b, i] = -1 if f < 0 else env * slots + f % slots
 
 
-@numba.njit(nogil=True, cache=True)
-def tree_stratified(tree: TreeArrays, u: np.ndarray, beta: float, slots: np.ndarray,
-                    weights: np.ndarray) -> None:
-    """Stratified draw of a tree with mass: target ``(b + u[b]) * total / B`` for slice ``b``
-    (`tree_find`), and importance weights ``(mass / min_mass) ** -beta`` (float32); the
-    total and the smallest positive mass are the roots' (``sums[1]``, ``mins[1]``)."""
-    size = u.size
-    total, min_mass = tree.sums[1], tree.mins[1]
-    targets = np.empty(size)
-    for b in range(size):
-        targets[b] = (b + u[b]) * total / size
-    tree_find(tree.prefix, tree.offsets, tree.fanouts, targets, slots)
-    for b in range(size):
-        weights[b] = np.float32((tree.sums[tree.leaf0 + slots[b]] / min_mass) ** -beta)
-
-
-@numba.njit(nogil=True, cache=True)
-def tree_draw(tree: TreeArrays, u: np.ndarray, beta: float) -> tuple[np.ndarray, np.ndarray]:
-    """`tree_stratified` into new arrays. A tree without levels (one leaf) draws leaf 0,
-    weight 1."""
-    slots = np.zeros(u.size, np.int64)
-    weights = np.ones(u.size, np.float32)
-    if tree.offsets.size:
-        tree_stratified(tree, u, beta, slots, weights)
-    return slots, weights
-
-
 # -- a whole read in one call: plan, decode and gather (`frame_store.FrameStore.read`) ---------
+
+
+@numba.njit(nogil=True, cache=True)
+def chunk_of(f: int, layout: FrameLayout) -> tuple[int, int, bool]:
+    """Flat slot ``f >= 0``: its chunk's key on disk (``env * num_chunks + chunk``), its frame
+    in that chunk, and whether that frame is in its env's RAM tail instead (the chunk the env
+    is filling, below ``tail_fill``). Every read plans its frames through here (`read_keys`,
+    `table_kernels.source_of`)."""
+    env, slot = f // layout.slots, f % layout.slots
+    c, offset = slot // layout.chunk, slot % layout.chunk
+    in_tail = c == layout.next_slot[env] // layout.chunk and offset < layout.tail_fill[env]
+    return env * layout.num_chunks + c, offset, in_tail
 
 
 @numba.njit(nogil=True, cache=True)
@@ -373,18 +297,14 @@ def read_keys(flat: np.ndarray, layout: FrameLayout, raw: np.ndarray,
     """Each frame's chunk key (on disk: ``env * num_chunks + chunk``; then an env's RAM tail,
     ``envs * num_chunks + env``; then the zero frame) into ``raw`` and its frame in that chunk
     into ``offset``."""
-    envs, chunk, slots = layout.next_slot.size, layout.chunk, layout.slots
+    envs = layout.next_slot.size
     tails = envs * layout.num_chunks
     for i in range(flat.size):
         if flat[i] < 0:
             raw[i], offset[i] = tails + envs, 0
             continue
-        env, slot = flat[i] // slots, flat[i] % slots
-        c, offset[i] = slot // chunk, slot % chunk
-        if c == layout.next_slot[env] // chunk and offset[i] < layout.tail_fill[env]:
-            raw[i] = tails + env
-        else:
-            raw[i] = env * layout.num_chunks + c
+        key, offset[i], in_tail = chunk_of(flat[i], layout)
+        raw[i] = tails + key // layout.num_chunks if in_tail else key
 
 
 @numba.njit(nogil=True, cache=True)
@@ -419,6 +339,19 @@ def group_order(keys: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(nogil=True, cache=True)
+def chunk_bytes(chunks: ChunkBytes, key: int, num_chunks: int) -> tuple[int, int]:
+    """(address, length) of the bytes of chunk `key` on disk: the writer's RAM first, else
+    its mapped file, which is then marked used (address 0: the file is not mapped yet). Every
+    read takes a chunk's bytes through here (`read_sources`, `table_kernels`)."""
+    if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
+        return chunks.ram_src[key], chunks.ram_size[key]
+    shards = -(-num_chunks // chunks.shard_chunks)
+    chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] = \
+        chunks.tick
+    return chunks.src[key], chunks.size[key]
+
+
+@numba.njit(nogil=True, cache=True)
 def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: ChunkBytes,
                  where: np.ndarray, length: np.ndarray, missing: np.ndarray) -> int:
     """Bytes of each distinct chunk on disk a read takes (`ChunkBytes`: the writer's RAM,
@@ -427,18 +360,12 @@ def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: Ch
     ``missing[:count]``, to be mapped first)."""
     count = 0
     disk_keys = chunks.src.size  # envs * num_chunks
-    shards = -(-num_chunks // chunks.shard_chunks)
     for j in range(order.size):
         i = order[j]
         key = raw[i]
         if key >= disk_keys or (j > 0 and raw[order[j - 1]] == key):
             continue
-        if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
-            where[i], length[i] = chunks.ram_src[key], chunks.ram_size[key]
-            continue
-        where[i], length[i] = chunks.src[key], chunks.size[key]
-        chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
-            = chunks.tick
+        where[i], length[i] = chunk_bytes(chunks, key, num_chunks)
         if where[i] == 0:
             missing[count] = key
             count += 1

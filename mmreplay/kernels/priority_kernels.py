@@ -33,8 +33,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from mmreplay.kernels.numba_kernels import tree_set
 from mmreplay.kernels.structs import IdMap, Priorities, Written
+from mmreplay.kernels.tree_kernels import tree_set
 
 BAD_VALUE, OVERFLOW, MISSED, BAD_SLOT = -1, -2, -3, -4
 

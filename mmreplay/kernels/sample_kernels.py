@@ -32,9 +32,10 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from mmreplay.kernels.numba_kernels import lookup, read_frames, tree_find, tree_stratified
+from mmreplay.kernels.numba_kernels import lookup, read_frames
 from mmreplay.kernels.structs import OnePassRead, RingColumns, SampleOut, TableRead, TreeDraw
 from mmreplay.kernels.table_kernels import table_read
+from mmreplay.kernels.tree_kernels import tree_find, tree_stratified
 
 
 @intrinsic  # type: ignore[misc]

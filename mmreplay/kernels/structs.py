@@ -13,7 +13,7 @@ Which kernel takes which::
                                            scratch_plan, numba_kernels (read_keys, read_frames)
     OnePassRead, TableRead                 read_frames, table_read, sample_kernels
     RingColumns, LookupOut                 numba_kernels.lookup, sample_kernels
-    TreeArrays                             numba_kernels (tree_set, tree_stratified, tree_draw),
+    TreeArrays                             tree_kernels (tree_set, tree_stratified, tree_draw),
                                            priority_kernels, sample_kernels.draw_slots
     TreeDraw, SampleOut                    sample_kernels
     IdMap, Priorities, Written             priority_kernels

@@ -21,8 +21,8 @@ import numba
 import numpy as np
 
 from mmreplay.kernels import OK
-from mmreplay.kernels.numba_kernels import LZ4, decode_one, memcpy
-from mmreplay.kernels.structs import ChunkBytes, FrameLayout, TableArrays, TableRead
+from mmreplay.kernels.numba_kernels import LZ4, chunk_bytes, chunk_of, decode_one, memcpy
+from mmreplay.kernels.structs import FrameLayout, TableArrays, TableRead
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in ``state`` (`chunk_table.ChunkTable`)
 WIDE = -1000  # a read touching more chunks than the table has rows
@@ -81,14 +81,13 @@ def drop_rows(keys: np.ndarray, table: TableArrays) -> None:
 def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     """A flat slot's chunk key and offset in it; or -1 and its source (above) for a RAM
     tail or the zero frame."""
-    envs, chunk = layout.next_slot.size, layout.chunk
+    chunk = layout.chunk
     if f < 0:
-        return -1, -1 - envs * chunk
-    env, slot = f // layout.slots, f % layout.slots
-    c, offset = slot // chunk, slot % chunk
-    if c == layout.next_slot[env] // chunk and offset < layout.tail_fill[env]:
-        return -1, -1 - (env * chunk + offset)
-    return env * layout.num_chunks + c, offset
+        return -1, -1 - layout.next_slot.size * chunk
+    key, offset, in_tail = chunk_of(f, layout)
+    if in_tail:
+        return -1, -1 - (key // layout.num_chunks * chunk + offset)
+    return key, offset
 
 
 @numba.njit(nogil=True, cache=True)
@@ -147,15 +146,6 @@ def scratch_plan(flat: np.ndarray, layout: FrameLayout, keys: np.ndarray,
 
 
 @numba.njit(nogil=True, cache=True)
-def _row_source(chunks: ChunkBytes, key: int) -> tuple[int, int, bool]:
-    """Where the bytes of chunk `key` are: the writer's RAM first, else its mapped file
-    (address 0: not mapped yet); and whether they come from the file."""
-    if key < chunks.ram_src.size and chunks.ram_src[key] != 0:
-        return chunks.ram_src[key], chunks.ram_size[key], False
-    return chunks.src[key], chunks.size[key], True
-
-
-@numba.njit(nogil=True, cache=True)
 def _load_claimed(keys: np.ndarray, rows: np.ndarray, read: TableRead) -> int:
     """Decode chunks `keys` (rows claimed by `table_plan`) whole from their bytes (in the
     writer's RAM, else in their mapped file, marked used: `ChunkBytes`) straight into their
@@ -166,18 +156,14 @@ def _load_claimed(keys: np.ndarray, rows: np.ndarray, read: TableRead) -> int:
     chunks, table, missing = read.chunks, read.table, read.missing
     num_chunks, table_rows = read.layout.num_chunks, table.rows
     n = table_rows.shape[1]
-    shards = -(-num_chunks // chunks.shard_chunks)
     count = 0
     for j in range(keys.size):
         key = keys[j]
-        where, length, in_file = _row_source(chunks, key)
-        if in_file:
-            chunks.used[(key // num_chunks) * shards + (key % num_chunks) // chunks.shard_chunks] \
-                = chunks.tick
-            if where == 0:
-                missing[count] = key
-                count += 1
-                continue
+        where, length = chunk_bytes(chunks, key, num_chunks)
+        if where == 0:
+            missing[count] = key
+            count += 1
+            continue
         status = decode_one(where, length, table_rows.ctypes.data + rows[j] * n, n, LZ4, 0, 0, n)
         if status != OK:
             drop_rows(keys[j:], table)

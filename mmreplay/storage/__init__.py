@@ -10,6 +10,10 @@ Everything here knows files and bytes; nothing here knows episodes, sampling pol
     layout        which files a store may hold, checked before any is read
     safe_io       bounded reads, atomic writes, fsync of files and folders
     objects       object storage: keys and bytes (a directory, or S3 through obstore)
-    transfer      push a directory's committed generation to a bucket, pull it back; lease
+    bucket        a store in object storage: its keys, its manifest as push and pull read it
+    lease         the one writer that may push into a prefix (lease.json)
+    push          a directory's committed generation into a bucket
+    pull          a bucket's newest generation into a directory
     remote_frames frame chunks fetched on demand from a bucket into a bounded cache
+    remote_open   a bucket store opened for reads: small files pulled, the manifest followed
 """

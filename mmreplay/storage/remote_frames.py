@@ -23,7 +23,6 @@ fetched bytes exceed the budget, whole shard files are evicted, least recently u
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,22 +30,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import google_crc32c
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.codec import max_chunk_bytes
 from mmreplay.storage.frame_store import FRAMES
-from mmreplay.storage.manifest import MANIFEST, parse_spec
 from mmreplay.storage.objects import (
     ObjectChangedError,
     ObjectInfo,
     ObjectMissingError,
     Objects,
 )
-from mmreplay.storage.shards import index_size, max_shard_bytes, parse_index
-from mmreplay.storage.transfer import follow_bucket, pull, pull_frames
+from mmreplay.storage.shards import (
+    checked_shard,
+    chunk_crc_ok,
+    index_size,
+    max_shard_bytes,
+    parse_index,
+)
 
 if TYPE_CHECKING:
     from mmreplay.storage.cache_fill import CacheFiller
@@ -117,7 +119,7 @@ class RemoteChunks:
             self.fill_bytes += len(data)
         if info.size != len(data):
             return False  # replaced since the listing: the reads fetch what they need
-        index, present = checked_file(data, self._k, self._max_chunk, where)
+        index, present = checked_shard(data, self._k, self._max_chunk, where)
         if present is None:
             return False
         installed = self._install(shard, data, index, info.etag)
@@ -265,7 +267,7 @@ class RemoteChunks:
             return False
         self.requests += 1
         parts = [data[index[j, 0] - lo:index[j].sum() - lo] for j in run]
-        if len(data) != hi - lo or not all(_crc_ok(part) for part in parts):
+        if len(data) != hi - lo or not all(chunk_crc_ok(part) for part in parts):
             return False
         fd = os.open(self._path(shard), os.O_WRONLY)
         try:
@@ -369,16 +371,6 @@ def chunk_runs(index: np.ndarray, positions: list[int], where: str) -> list[list
     return runs
 
 
-def check_listing(remote: RemoteChunks) -> None:
-    """Refuse a bucket whose frame objects are larger than a shard file can be (from the
-    listing at the open: no object is read)."""
-    limit = max_shard_bytes(remote.spec.shard_chunks, max_chunk_bytes(remote.spec))
-    for key, info in sorted(remote.listed.items()):
-        if info.size > limit:
-            raise InvalidStoreError(f"{remote.objects.url}/{key} is {info.size} bytes, more "
-                                    f"than a frame file can be ({limit})")
-
-
 def listed_shards(listed: dict[str, ObjectInfo]) -> list[tuple[Shard, int]]:
     """((env, shard), size) of each frame object of a listing, in key order."""
     out = []
@@ -386,19 +378,6 @@ def listed_shards(listed: dict[str, ObjectInfo]) -> list[tuple[Shard, int]]:
         env, shard = (int(x) for x in key[len(FRAMES) + 3:].split(".")[:2])
         out.append(((env, shard), info.size))
     return out
-
-
-def checked_file(data: bytes, k: int, max_chunk: int,
-                 where: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """A whole shard file's index and its present positions, checked as reads check them
-    (the index; every chunk's crc32c: positions None if one fails)."""
-    if len(data) > max_shard_bytes(k, max_chunk):
-        raise InvalidStoreError(f"{where} is {len(data)} bytes, more than a frame file "
-                                f"can be")
-    index = parse_index(data[-index_size(k):], len(data), k, max_chunk, where)
-    present = np.flatnonzero(index[:, 0] >= 0)
-    ok = all(_crc_ok(data[o:o + n]) for o, n in index[present].tolist())
-    return index, present if ok else None
 
 
 def write_whole(path: Path, data: bytes) -> None:
@@ -434,69 +413,3 @@ def fill_on_batches(remote: RemoteChunks) -> None:
     if remote.fill_mode is None and sum(i.size for i in remote.listed.values()) <= \
             remote.budget:
         remote.start_filling()
-
-
-def _crc_ok(data: bytes) -> bool:
-    """A chunk ends with the crc32c of the bytes before it (the codec's last step)."""
-    return len(data) >= 5 and google_crc32c.value(data[:-4]) == struct.unpack(
-        "<I", data[-4:])[0]
-
-
-REMOTE_CACHE_BYTES = 2 << 30  # fetched frame bytes a store read from a bucket keeps
-
-
-def open_remote(objects: Objects, root: Path, *, budget_bytes: int | None = None,
-                fill: bool | None = None) -> RemoteChunks | None:
-    """Pull a bucket store's small files into `root` (an empty directory) and return the
-    fetcher of its frame chunks; the manifest in `root` follows the bucket's give-ups. A
-    format-1 store (a file per chunk, no shard index to read ranges through) comes down
-    whole instead, and there is no fetcher (None). `fill`: ``cache_fill`` (`CacheFiller`)."""
-    manifest = pull(objects, root, frames=False, check=False)  # the open checks it
-    spec = parse_spec(manifest)
-    if spec.shard_chunks == 1:
-        pull_frames(objects, root, manifest)
-        return None
-    remote = RemoteChunks(objects, root, spec, after_fetch=Follower(objects, root),
-                          budget_bytes=REMOTE_CACHE_BYTES if budget_bytes is None
-                          else budget_bytes)
-    remote.fill_mode = fill  # started by the store once it is open (`start_filling`)
-    try:
-        check_listing(remote)
-    except BaseException:
-        remote.close()
-        raise
-    return remote
-
-
-class Follower:
-    """`follow_bucket` for the reads of one store, called after each newer shard index.
-
-    It is skipped while the bucket's manifest keeps its etag (a HEAD); it runs one at a
-    time (a slower one must not write an older manifest over a newer one); and the callers
-    that asked while one ran share the next: a HEAD sent after a caller asked covers it,
-    so many shard files read at once (the cache filler) cost a few HEADs, not one each.
-    """
-
-    def __init__(self, objects: Objects, root: Path) -> None:
-        self.objects, self.root = objects, root
-        self._seen: str | None = None  # the manifest etag last followed
-        self._lock = threading.Lock()  # one follow at a time
-        self._count = threading.Lock()  # guards the two counters
-        self.asked = self._covered = 0  # calls so far; calls the last follow covered
-        self.heads = 0
-
-    def __call__(self) -> None:
-        with self._count:
-            self.asked += 1
-            ticket = self.asked
-        with self._lock:
-            if self._covered >= ticket:
-                return  # a follow that started after this call asked has ended
-            with self._count:
-                start = self.asked
-            info = self.objects.head(MANIFEST)
-            self.heads += 1
-            if info is None or info.etag is None or info.etag != self._seen:
-                follow_bucket(self.objects, self.root)
-                self._seen = None if info is None else info.etag
-            self._covered = start

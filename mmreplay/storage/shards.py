@@ -101,6 +101,25 @@ def read_shard(path: str, where: str, shard_chunks: int, max_chunk: int) -> dict
     return {j: data[o:o + n] for j, (o, n) in enumerate(index.tolist()) if o >= 0}
 
 
+def checked_shard(data: bytes, k: int, max_chunk: int,
+                 where: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """A whole shard file's index and its present positions, checked as reads check them
+    (the index; every chunk's crc32c: positions None if one fails)."""
+    if len(data) > max_shard_bytes(k, max_chunk):
+        raise InvalidStoreError(f"{where} is {len(data)} bytes, more than a frame file "
+                                f"can be")
+    index = parse_index(data[-index_size(k):], len(data), k, max_chunk, where)
+    present = np.flatnonzero(index[:, 0] >= 0)
+    ok = all(chunk_crc_ok(data[o:o + n]) for o, n in index[present].tolist())
+    return index, present if ok else None
+
+
+def chunk_crc_ok(data: bytes) -> bool:
+    """A chunk ends with the crc32c of the bytes before it (the codec's last step)."""
+    return len(data) >= 5 and google_crc32c.value(data[:-4]) == struct.unpack(
+        "<I", data[-4:])[0]
+
+
 class MappedChunks(NamedTuple):
     """`ShardFiles.read_state`: chunk addresses and lengths, file use ticks, this read's tick
     (a named tuple: made once per read, it costs a third of a frozen dataclass)."""

@@ -40,6 +40,8 @@ from mmreplay.tools import inspection as ins
 from mmreplay.tools import render, show_labels
 from mmreplay.tools.cli_datasets import add_dataset_commands
 from mmreplay.tools.cli_remote import add_remote_commands, verify_url
+from mmreplay.tools.images import as_images, is_image_shape, tile
+from mmreplay.tools.steps import episode_frames, episode_steps, transition
 from mmreplay.tools.verify import verify_store
 
 PROG = "mmreplay"
@@ -265,17 +267,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     image = _pillow()
     with ins.open_readonly(args.path) as store:
         shape = tuple(store.spec.obs_shape)
-        if not ins.is_image_shape(shape):
+        if not is_image_shape(shape):
             raise UsageError(f"`show` draws image observations; {args.path} holds observations "
                              f"of shape {shape}, which are not images (try `mmreplay sample`)")
         if args.episode is not None:
             return _show_episode(image, store, args)
-        view = ins.transition(store, args.id)
-    images = ins.as_images(np.concatenate([view.obs, view.next_obs]))
+        view = transition(store, args.id)
+    images = as_images(np.concatenate([view.obs, view.next_obs]))
     out = args.out or f"transition_{view.id}.png"
     k = view.obs.shape[0]
     if args.no_labels:
-        picture = image.fromarray(ins.tile(images, cols=k, scale=args.scale or 1))
+        picture = image.fromarray(tile(images, cols=k, scale=args.scale or 1))
     else:
         picture = render.labelled_sheet(images, show_labels.transition_labels(view, store.spec),
                                         cols=k, scale=_scale(args, images),
@@ -293,7 +295,7 @@ def _scale(args: argparse.Namespace, images: np.ndarray) -> int:
 
 
 def _show_episode(image: Any, store: Any, args: argparse.Namespace) -> int:
-    images = ins.as_images(ins.episode_frames(store, args.episode))
+    images = as_images(episode_frames(store, args.episode))
     if args.gif:
         out = args.out or f"episode_{args.episode}.gif"
         big = render.enlarge(images, args.scale or 1)
@@ -308,9 +310,9 @@ def _show_episode(image: Any, store: Any, args: argparse.Namespace) -> int:
         out = args.out or f"episode_{args.episode}.png"
         cols = min(len(images), 16 if args.no_labels else 8)
         if args.no_labels:
-            picture = image.fromarray(ins.tile(images, cols=cols, scale=args.scale or 1))
+            picture = image.fromarray(tile(images, cols=cols, scale=args.scale or 1))
         else:
-            steps = ins.episode_steps(store, args.episode)
+            steps = episode_steps(store, args.episode)
             picture = render.labelled_sheet(
                 images, show_labels.episode_labels(steps), cols=cols, scale=_scale(args, images),
                 title=f"episode {args.episode} (env {steps.env}): {len(images)} kept frames")

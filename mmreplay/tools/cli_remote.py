@@ -1,4 +1,4 @@
-"""The object-storage verbs of the ``mmreplay`` command: thin wrappers over `transfer`.
+"""The object-storage verbs of the ``mmreplay`` command: thin wrappers over `push` and `pull`.
 
     mmreplay push STORE URL [--take-over]     upload the committed generation (incremental)
     mmreplay pull URL DIR                     download the newest complete generation, verify
@@ -20,7 +20,7 @@ from typing import Any
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.storage.objects import open_objects
-from mmreplay.storage.transfer import pull
+from mmreplay.storage.pull import pull
 from mmreplay.store import ReplayStore
 from mmreplay.tools.verify import VerifyReport, verify_store
 

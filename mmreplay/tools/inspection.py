@@ -1,4 +1,4 @@
-"""Read-only inspection of a store on disk: summary, episode table, samples, images.
+"""Read-only inspection of a store on disk: opening, summary, episode table, sample summary.
 
 Every function here reads; nothing writes to a store. Stores are opened with
 ``mode="r"`` (no lock, no sweep), so inspecting a store another process is
@@ -7,7 +7,9 @@ verify that raced a flush is retried once the generation has moved on.
 
 Results are frozen dataclasses and numpy arrays. The terminal, image files and
 plots belong to `cli.py`. A store is read through its public methods and its
-read-only ``store.views`` (step columns, frames by slot, priorities, memory).
+read-only ``store.views`` (step columns, frames by slot, priorities, memory). Beside it:
+`steps` (one transition, one episode frame by frame), `distributions` (what `plot` draws),
+`images` (observations as pictures).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import EXTRA_PREFIX, StepColumns
+from mmreplay.index.ring import StepColumns
 from mmreplay.rate_limit import summary
 from mmreplay.storage.frame_store import FRAMES
 from mmreplay.storage.manifest import committed_generation as _committed_generation
@@ -255,120 +257,6 @@ def sort_episodes(rows: Sequence[EpisodeRow], by: str) -> list[EpisodeRow]:
     return sorted(rows, key=lambda r: (-r.length, r.episode))
 
 
-# -- frames and transitions -------------------------------------------------------------
-@dataclass(frozen=True)
-class TransitionView:
-    """One transition as numpy: ``obs``/``next_obs`` are ``(frame_stack, *obs_shape)``."""
-
-    id: int
-    obs: np.ndarray
-    next_obs: np.ndarray
-    action: np.ndarray
-    reward: float
-    discount: float
-    terminated: bool
-    truncated: bool
-
-
-def transition(store: ReplayStore, transition_id: int) -> TransitionView:
-    """The sampleable transition `transition_id` (`UnknownIdError` if it is not)."""
-    batch = store.get([transition_id])
-    return TransitionView(
-        id=int(transition_id), obs=batch.obs[0].numpy(), next_obs=batch.next_obs[0].numpy(),
-        action=batch.action[0].numpy(), reward=float(batch.reward[0]),
-        discount=float(batch.discount[0]), terminated=bool(batch.terminated[0]),
-        truncated=bool(batch.truncated[0]))
-
-
-def episode_frames(store: ReplayStore, episode: int) -> np.ndarray:
-    """The kept frames of `episode` in order, ``(T, *obs_shape)``."""
-    return store.views.read_frames(_episode_slots(store, episode))
-
-
-def _episode_slots(store: ReplayStore, episode: int) -> np.ndarray:
-    """Flat slots of the kept frames of `episode`, in frame order."""
-    ring = store.views.step_columns()
-    flat = ring.flat(*ring.kept_frames())
-    mine = flat[ring.steps["episode"].reshape(-1)[flat] == episode]
-    if mine.size == 0:
-        raise InvalidInputError(f"episode {episode} has no kept frame in this store "
-                                f"(see `mmreplay episodes` for the kept ones)")
-    return mine
-
-
-def as_images(frames: np.ndarray) -> np.ndarray:
-    """Frames ``(N, *obs_shape)`` as uint8 images ``(N, H, W)`` or ``(N, H, W, C)``.
-
-    Accepts (H, W), (H, W, C) and (C, H, W) observations with C in 1, 3, 4, and 1-D
-    vectors (drawn as a one-pixel-high strip). Non-uint8 values are scaled min..max to 0..255.
-    """
-    shape = frames.shape[1:]
-    if len(shape) == 1:
-        frames = frames[:, None, :]
-    elif len(shape) == 3 and shape[-1] not in (1, 3, 4) and shape[0] in (1, 3, 4):
-        frames = np.moveaxis(frames, 1, -1)
-    elif len(shape) != 2 and not (len(shape) == 3 and shape[-1] in (1, 3, 4)):
-        raise InvalidInputError(f"cannot draw observations of shape {shape}: expected "
-                                f"(H, W), (H, W, C) or (C, H, W) with C in 1, 3, 4")
-    if frames.ndim == 4 and frames.shape[-1] == 1:
-        frames = frames[..., 0]
-    return _to_uint8(frames)
-
-
-def _to_uint8(frames: np.ndarray) -> np.ndarray:
-    if frames.dtype == np.uint8:
-        return frames
-    values = frames.astype(np.float64)
-    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
-    if high <= low:
-        return np.zeros(frames.shape, np.uint8)
-    return np.round((values - low) * (255.0 / (high - low))).astype(np.uint8)
-
-
-def tile(images: np.ndarray, *, cols: int, scale: int = 1, gap: int = 2,
-         fill: int = 128) -> np.ndarray:
-    """Lay images ``(N, H, W[, C])`` out row-major in a grid `cols` wide.
-
-    Each image is enlarged `scale` times (nearest neighbour); cells are `gap` pixels
-    apart on a `fill` background. Result: ``rows*H*scale + (rows-1)*gap`` high.
-    """
-    n = images.shape[0]
-    rows = max(1, -(-n // cols))
-    big = images.repeat(scale, axis=1).repeat(scale, axis=2)
-    h, w = big.shape[1:3]
-    out = np.full((rows * h + (rows - 1) * gap, cols * w + (cols - 1) * gap, *big.shape[3:]),
-                  fill, np.uint8)
-    for i in range(n):
-        r, c = divmod(i, cols)
-        out[r * (h + gap):r * (h + gap) + h, c * (w + gap):c * (w + gap) + w] = big[i]
-    return out
-
-
-# -- plot data ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Distributions:
-    """What `mmreplay plot` draws: priorities of sampleable transitions (None when uniform),
-    per-step rewards of kept steps, and lengths and returns of fully kept, ended episodes."""
-
-    priorities: np.ndarray | None
-    rewards: np.ndarray
-    episode_lengths: np.ndarray
-    episode_returns: np.ndarray
-
-
-def distributions(store: ReplayStore) -> Distributions:
-    ring = store.views.step_columns()
-    env, frames = ring.kept_frames()
-    cols = ring.steps[env, frames % ring.slots_per_env]
-    done = [r for r in episode_table(store) if r.fully_kept and r.status != "running"]
-    state = store.views.priority_state()
-    return Distributions(
-        priorities=None if state is None else state.sampleable,
-        rewards=cols["reward"][cols["has_step"]].astype(np.float64),
-        episode_lengths=np.array([r.length for r in done], np.int64),
-        episode_returns=np.array([r.episode_return for r in done], np.float64))
-
-
 # -- sample ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FieldSummary:
@@ -410,112 +298,8 @@ def draw_batch(store: ReplayStore, batch_size: int, *, seed: int | None = None,
     return store.sample(batch_size, beta=beta)
 
 
-# -- viewer data ----------------------------------------------------------------------------
+# -- the viewer's poll -------------------------------------------------------------------
 def committed_generation(path: str | os.PathLike[str]) -> int | None:
     """Generation of the store's manifest on disk now (cheap: one small file); None if it
     cannot be read (no store there, or a manifest being replaced)."""
     return _committed_generation(Path(path))
-
-
-def is_image_shape(obs_shape: Sequence[int]) -> bool:
-    """True for observations `as_images` draws as pictures: (H, W), (H, W, C) or (C, H, W)
-    with C in 1, 3, 4. Vectors and other layouts are not images."""
-    shape = tuple(obs_shape)
-    if len(shape) == 2:
-        return True
-    return len(shape) == 3 and (shape[-1] in (1, 3, 4) or shape[0] in (1, 3, 4))
-
-
-@dataclass(frozen=True)
-class EpisodeSteps:
-    """The kept frames of one episode and the step taken from each; arrays are ``(T, ...)``.
-
-    Frame ``t`` is o at episode position ``pos[t]``; its step (o, ``action[t]``,
-    ``reward[t]``, next o) is transition ``ids[t]``, -1 where the frame has no step (the
-    last frame of an ended episode, or the newest of a running one). ``priority`` is NaN
-    for uniform stores and frames without a step.
-    """
-
-    episode: int
-    env: int
-    pos: np.ndarray
-    ids: np.ndarray
-    action: np.ndarray
-    reward: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    sampleable: np.ndarray
-    priority: np.ndarray
-    extras: dict[str, np.ndarray]
-
-
-def episode_steps(store: ReplayStore, episode: int) -> EpisodeSteps:
-    """Step columns of the kept frames of `episode` (`InvalidInputError` if none is kept)."""
-    flat = _episode_slots(store, episode)
-    ring = store.views.step_columns()
-    cols = ring.steps.reshape(-1)[flat]
-    has = cols["has_step"]
-    prio = np.full(flat.size, np.nan)
-    state = store.views.priority_state()
-    if state is not None:  # priorities of sampleable transitions, in flat-slot order
-        valid = np.flatnonzero(ring.valid)
-        where = np.searchsorted(valid, flat)
-        hit = ring.valid[flat]
-        prio[hit] = state.sampleable[where[hit]]
-    extras = {name: cols[EXTRA_PREFIX + name] for name, _, _ in store.spec.extras}
-    return EpisodeSteps(
-        episode=int(episode), env=int(flat[0] // ring.slots_per_env), pos=cols["pos"].copy(),
-        ids=np.where(has, cols["id"], -1), action=cols["action"].copy(),
-        reward=cols["reward"].astype(np.float64), terminated=cols["terminated"] & has,
-        truncated=cols["truncated"] & has, sampleable=ring.valid[flat].copy(), priority=prio,
-        extras={k: np.where(_rows(has, v), v, 0) for k, v in extras.items()})
-
-
-def _rows(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """`mask` (N,) shaped to broadcast over an (N, ...) array."""
-    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
-
-
-@dataclass(frozen=True)
-class SamplingView:
-    """What the sampler draws from: every sampleable id (increasing), the exact probability
-    of drawing it, and its raw priority (None for uniform stores). ``next_id`` is the id
-    the next transition will get, so ``next_id - 1 - ids`` are the ages in transitions."""
-
-    sampler: str
-    ids: np.ndarray
-    probabilities: np.ndarray
-    priorities: np.ndarray | None
-    next_id: int
-
-    @property
-    def effective_sample_size(self) -> float:
-        """``1 / sum(p^2)``: as many ids as a uniform draw over that many would cover
-        (equal to the count for a uniform sampler); 0 when nothing is sampleable."""
-        total = float(np.square(self.probabilities).sum())
-        return 1.0 / total if total > 0 else 0.0
-
-
-def sampling_view(store: ReplayStore) -> SamplingView:
-    """From the raw priorities: ``(p + eps)^alpha`` (prioritized) or ``rank^-alpha`` with
-    exact ranks (rank; the sampler's lazily re-sorted ranks may differ slightly)."""
-    ring = store.views.step_columns()
-    flat = np.flatnonzero(ring.valid)
-    ids = ring.steps["id"].reshape(-1)[flat]
-    order = np.argsort(ids, kind="stable")
-    state = store.views.priority_state()
-    spec = store.spec
-    if state is None or ids.size == 0:
-        prios = None if state is None else state.sampleable[order]
-        probs = np.full(ids.size, 1.0 / ids.size) if ids.size else np.zeros(0)
-    else:
-        prios = state.sampleable[order]
-        if spec.sampler == "rank":
-            ranks = np.empty(prios.size)
-            ranks[np.lexsort((flat[order], -prios))] = np.arange(1, prios.size + 1)
-            mass = ranks ** -spec.alpha
-        else:
-            mass = (prios + spec.priority_eps) ** spec.alpha
-        probs = mass / mass.sum() if mass.sum() > 0 else np.full(ids.size, 1.0 / ids.size)
-    return SamplingView(sampler=spec.sampler, ids=ids[order], probabilities=probs,
-                        priorities=prios, next_id=int(ring.next_id))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay.store import ReplayStore
-from mmreplay.tools import inspection as ins
+from mmreplay.tools.distributions import SamplingView, distributions, sampling_view
 from mmreplay.tools.render import MissingExtraError
 
 COLS = 2
@@ -59,7 +59,7 @@ def plot_store(store: ReplayStore, *, bins: int = 30) -> PlotResult:
 
 def _panels(store: ReplayStore, bins: int) -> tuple[list[Panel], tuple[str, ...]]:
     """(panels with data, names of those without)."""
-    dist, view = ins.distributions(store), ins.sampling_view(store)
+    dist, view = distributions(store), sampling_view(store)
     n = view.ids.size
     # (name, title, has data, draw)
     candidates: list[tuple[str, str, bool, Callable[[Any], None]]] = [
@@ -81,7 +81,7 @@ def _panels(store: ReplayStore, bins: int) -> tuple[list[Panel], tuple[str, ...]
     return panels, tuple(name for name, _, has, _ in candidates if not has)
 
 
-def _ring(ax: Any, view: ins.SamplingView) -> None:
+def _ring(ax: Any, view: SamplingView) -> None:
     n = view.ids.size
     step = max(1, -(-n // RING_POINTS))
     starts = np.arange(0, n, step)
@@ -92,7 +92,7 @@ def _ring(ax: Any, view: ins.SamplingView) -> None:
     ax.set_ylabel("P(draw) per id" if step == 1 else f"mean P(draw), {step} ids")
 
 
-def _ages(ax: Any, view: ins.SamplingView, bins: int) -> None:
+def _ages(ax: Any, view: SamplingView, bins: int) -> None:
     ages = view.next_id - 1 - view.ids
     ax.hist(ages, bins=min(bins, ages.size), weights=view.probabilities, color="tab:purple")
     ax.set_xlabel("age (transitions)")

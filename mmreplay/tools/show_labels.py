@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from mmreplay.spec import StoreSpec
-from mmreplay.tools.inspection import EpisodeSteps, TransitionView
+from mmreplay.tools.steps import EpisodeSteps, TransitionView
 
 
 def flags(terminated: bool, truncated: bool) -> str:

@@ -30,6 +30,8 @@ from mmreplay.storage.objects import is_url
 from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
 from mmreplay.tools import render
+from mmreplay.tools.images import as_images, is_image_shape, tile
+from mmreplay.tools.steps import episode_frames, episode_steps, transition
 from mmreplay.tools.view import follow, tables
 from mmreplay.tools.view.health import DEFAULT_LIMIT_S, HealthCheck
 
@@ -131,7 +133,7 @@ class StoreData:
         try:
             first = self.episodes({"limit": "1"})["rows"]
             self.series()
-            if first and ins.is_image_shape(self.store().spec.obs_shape):
+            if first and is_image_shape(self.store().spec.obs_shape):
                 self.frame_png(first[0]["episode"], 0)
                 if first[0]["first_id"] is not None:
                     self.stack_png(first[0]["first_id"], "obs")
@@ -178,7 +180,7 @@ class StoreData:
 
     def episode(self, episode: int) -> dict[str, Any]:
         return self.cached(("episode", episode),
-                           lambda s: tables.episode_json(s, _known(ins.episode_steps, s,
+                           lambda s: tables.episode_json(s, _known(episode_steps, s,
                                                                    episode)), item=True)
 
     def first_episode(self) -> dict[str, Any]:
@@ -187,26 +189,29 @@ class StoreData:
         return self.episode(rows[0]["episode"]) if rows else {"episode": None}
 
     def frame_png(self, episode: int, t: int) -> bytes:
+        def make(store: ReplayStore) -> bytes:
+            frames = self.episode_images(episode)
+            if not 0 <= t < len(frames):
+                raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
+                                     f"frames; frame {t} is not one of them")
+            return render.png_bytes(frames[t])
+
+        return self._image_png(("frame", episode, t), make)
+
+    def _image_png(self, key: tuple[Any, ...], make: Callable[[ReplayStore], bytes]) -> bytes:
+        """The PNG cached under `key`, else ``make(store)`` (an image store only)."""
         with self._lock:
             store = self.store()
             self._require_images(store)
-
-            def make() -> bytes:
-                frames = self.episode_images(episode)
-                if not 0 <= t < len(frames):
-                    raise UnknownIdError(f"episode {episode} has {len(frames)} kept "
-                                            f"frames; frame {t} is not one of them")
-                return render.png_bytes(frames[t])
-
-            return self._png.get(("frame", episode, t), make)
+            return self._png.get(key, lambda: make(store))
 
     def episode_images(self, episode: int) -> np.ndarray:
         """The kept frames of `episode` as uint8 images (decoded once per generation)."""
         with self._lock:
             store = self.store()
             self._require_images(store)
-            return self._frames.get(episode, lambda: ins.as_images(
-                _known(ins.episode_frames, store, episode)))
+            return self._frames.get(episode, lambda: as_images(
+                _known(episode_frames, store, episode)))
 
     def episode_gif(self, episode: int, *, fps: int, scale: int) -> bytes:
         return render.gif_bytes(self.episode_images(episode), fps=fps, scale=scale)
@@ -218,18 +223,14 @@ class StoreData:
     # -- transitions and sampling ---------------------------------------------------------
     def transition(self, tid: int) -> dict[str, Any]:
         return self.cached(("transition", tid),
-                           lambda s: tables.transition_json(ins.transition(s, tid)), item=True)
+                           lambda s: tables.transition_json(transition(s, tid)), item=True)
 
     def stack_png(self, tid: int, which: str) -> bytes:
-        with self._lock:
-            store = self.store()
-            self._require_images(store)
+        def make(store: ReplayStore) -> bytes:
+            view = transition(store, tid)
+            return _stack_png(view.obs if which == "obs" else view.next_obs)
 
-            def make() -> bytes:
-                view = ins.transition(store, tid)
-                return _stack_png(view.obs if which == "obs" else view.next_obs)
-
-            return self._png.get((which, tid), make)
+        return self._image_png((which, tid), make)
 
     def sampling(self, batch_size: int, seed: int | None, beta: float) -> dict[str, Any]:
         if not 1 <= batch_size <= MAX_BATCH:
@@ -240,7 +241,7 @@ class StoreData:
             if store.counts.sampleable == 0:
                 return {**out, "batch": None}
             batch = ins.draw_batch(store, batch_size, seed=seed, beta=beta)
-            if ins.is_image_shape(store.spec.obs_shape):
+            if is_image_shape(store.spec.obs_shape):
                 for i, tid in enumerate(batch.ids.tolist()):  # the PNGs the page asks next
                     self._png.get(("obs", tid), functools.partial(_stack_png,
                                                                   batch.obs[i].numpy()))
@@ -249,7 +250,7 @@ class StoreData:
     @staticmethod
     def _require_images(store: ReplayStore) -> None:
         shape = tuple(store.spec.obs_shape)
-        if not ins.is_image_shape(shape):
+        if not is_image_shape(shape):
             raise InvalidInputError(f"observations of shape {shape} are not images; this "
                                     f"store has no frames to draw")
 
@@ -265,4 +266,4 @@ def _known(read: Callable[[ReplayStore, int], Any], store: ReplayStore, episode:
 
 def _stack_png(stack: np.ndarray) -> bytes:
     """A stacked state ``(frame_stack, *obs_shape)`` as one PNG, oldest frame left."""
-    return render.png_bytes(ins.tile(ins.as_images(stack), cols=len(stack)))
+    return render.png_bytes(tile(as_images(stack), cols=len(stack)))

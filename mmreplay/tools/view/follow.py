@@ -61,8 +61,8 @@ class UrlProbe:
         self._generation: int | None = None
 
     def generation(self) -> int | None:
+        from mmreplay.storage.bucket import read_bucket_manifest
         from mmreplay.storage.objects import open_objects  # obstore: only for URLs
-        from mmreplay.storage.transfer import read_bucket_manifest
 
         with self._lock:
             if time.monotonic() - self._checked < self.interval:

@@ -17,6 +17,9 @@ import numpy as np
 from mmreplay.errors import InvalidInputError
 from mmreplay.store import ReplayStore
 from mmreplay.tools import inspection as ins
+from mmreplay.tools.distributions import sampling_view
+from mmreplay.tools.images import is_image_shape
+from mmreplay.tools.steps import EpisodeSteps, TransitionView
 
 MAX_PAGE = 500
 SERIES_POINTS = 1000  # return/length plot: at most this many points (means of buckets)
@@ -51,7 +54,7 @@ def _nested_none(value: Any) -> Any:
 def overview(store: ReplayStore) -> dict[str, Any]:
     """What ``mmreplay info --json`` prints, plus whether observations are images."""
     info = ins.store_info(store).to_dict()
-    info["images"] = ins.is_image_shape(store.spec.obs_shape)
+    info["images"] = is_image_shape(store.spec.obs_shape)
     info["disk"]["compression_ratio"] = number(info["disk"]["compression_ratio"] or math.nan)
     return info
 
@@ -196,11 +199,11 @@ def row_json(r: ins.EpisodeRow) -> dict[str, Any]:
 
 
 # -- one episode, one transition, a batch ----------------------------------------------------
-def episode_json(store: ReplayStore, steps: ins.EpisodeSteps) -> dict[str, Any]:
+def episode_json(store: ReplayStore, steps: EpisodeSteps) -> dict[str, Any]:
     spec = store.spec
     return {
         "episode": steps.episode, "env": steps.env, "frames": int(steps.pos.size),
-        "images": ins.is_image_shape(spec.obs_shape), "frame_stack": spec.frame_stack,
+        "images": is_image_shape(spec.obs_shape), "frame_stack": spec.frame_stack,
         "n_step": spec.n_step, "gamma": spec.gamma, "sampler": spec.sampler,
         "pos": steps.pos.tolist(), "ids": steps.ids.tolist(),
         "action": numbers(steps.action), "reward": numbers(steps.reward),
@@ -210,7 +213,7 @@ def episode_json(store: ReplayStore, steps: ins.EpisodeSteps) -> dict[str, Any]:
         **nstep_targets(steps, n_step=spec.n_step, gamma=spec.gamma)}
 
 
-def nstep_targets(steps: ins.EpisodeSteps, *, n_step: int, gamma: float) -> dict[str, Any]:
+def nstep_targets(steps: EpisodeSteps, *, n_step: int, gamma: float) -> dict[str, Any]:
     """Per frame, the n-step return and discount a batch holds for the transition starting
     there (``null`` where it is not sampleable): the window runs `n_step` steps or to the
     episode's end; discount is 0 if it ends terminated, else ``gamma ** steps`` (the
@@ -244,17 +247,17 @@ def extra_json(values: np.ndarray) -> dict[str, Any]:
     return {"shape": shape, "summary": "mean", "values": numbers(means)}
 
 
-def transition_json(view: ins.TransitionView) -> dict[str, Any]:
+def transition_json(view: TransitionView) -> dict[str, Any]:
     return {"id": view.id, "action": numbers(view.action), "reward": number(view.reward),
             "discount": number(view.discount), "terminated": view.terminated,
             "truncated": view.truncated, "frame_stack": int(view.obs.shape[0])}
 
 
 def sampling_json(store: ReplayStore) -> dict[str, Any]:
-    view = ins.sampling_view(store)
+    view = sampling_view(store)
     n = view.ids.size
     out: dict[str, Any] = {"sampler": view.sampler, "sampleable": int(n),
-                           "images": ins.is_image_shape(store.spec.obs_shape),
+                           "images": is_image_shape(store.spec.obs_shape),
                            "next_id": view.next_id,
                            "effective_sample_size": view.effective_sample_size}
     if n == 0:
