@@ -42,6 +42,7 @@ from mmreplay.errors import ClosedStoreError, InvalidInputError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
+from mmreplay.late_priorities import wants_late
 from mmreplay.mirror import Mirror
 from mmreplay.opening import open_store
 from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
@@ -137,7 +138,7 @@ class ReplayStore(BucketMethods):
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
-        self._priorities = Priorities(spec, self._sampler)
+        self._priorities = Priorities(spec, self._sampler, self._ring)
         self._sequences = _sequence_reader(spec, self._reader, self._priorities)
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
@@ -300,17 +301,17 @@ class ReplayStore(BucketMethods):
         return it
 
     @_locked
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
+    def update_priorities(self, ids: Any, priorities: Any, *, late: bool | None = None
+                          ) -> int | None:
         """Set new priorities (e.g. |TD error|) for sampled ids; returns how many applied.
-
-        Ids no longer (or not yet) sampleable are ignored; for duplicates the last value
-        wins; NaN, inf or negative priorities raise and change nothing.
-        """
+        Ids not sampleable are ignored, the last value of a duplicate wins; NaN, inf or
+        negative priorities raise and change nothing. CUDA tensors (or ``late=True``): queued,
+        None returned, applied by the next draws (docs/guides/device_frames.md "Late")."""
         _check_writable(self, "update_priorities")
-        wanted, values = validate.id_priorities(ids, priorities)
-        self._priorities.require("update_priorities", ("prioritized", "rank"))
+        if wants_late(ids, priorities, late):
+            return self._priorities.update_later(ids, priorities)
         self._reader.refresh()
-        return self._priorities.set_ids(wanted, values, self._ring)
+        return self._priorities.update(ids, priorities)
 
     @_reading
     def get(self, ids: Any) -> Batch:
@@ -436,6 +437,7 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
     sequences = SequenceReader(reader, lambda: make_sampler(spec),
                                None if spec.sampler == "uniform" else priorities.of_starts)
     priorities.listeners.append(sequences.set_priorities)
+    reader.before_draw = priorities.at_draw  # late priority updates, applied by draws
     return sequences
 
 
@@ -500,6 +502,7 @@ def _flush(store: ReplayStore, wait_mirror: bool) -> None:
         _commit(store)
     if store.mirror is not None:
         store.mirror.notify(store.generation, wait=wait_mirror)
+    store._priorities.report_late()  # a late update dropped at this commit
 
 
 def _close(store: ReplayStore) -> None:
