@@ -90,7 +90,7 @@ def record_events(sources: Sequence[Any]) -> list[Event]:
     import torch
 
     devices = dict.fromkeys(tensor.device for tensor in sources)
-    events = []
+    events: list[Event] = []
     for device in devices:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))

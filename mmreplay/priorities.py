@@ -22,7 +22,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, id_map, spilled
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
-from mmreplay.late_priorities import LatePriorities
+from mmreplay.late_priorities import LatePriorities, wants_late
 from mmreplay.spec import StoreSpec
 
 Listener = Callable[[np.ndarray, np.ndarray], None]
@@ -79,9 +79,12 @@ class Priorities:
         self.late.apply_all()
         return self._set_ids(ids, values, ring)
 
-    def update(self, ids: Any, values: Any) -> int:
-        """`ReplayStore.update_priorities` now: checked, then `set_ids` in this column's ring
-        (which the caller refreshed)."""
+    def update(self, ids: Any, values: Any, late: Any = None) -> int | None:
+        """`ReplayStore.update_priorities`: queued (`update_later`) if `wants_late`, else
+        checked and set now (`set_ids`, in this column's ring, which the caller refreshed)."""
+        if wants_late(ids, values, late):
+            self.update_later(ids, values)
+            return None
         wanted, checked = validate.id_priorities(ids, values)
         self.require("update_priorities", ("prioritized", "rank"))
         assert self.ring is not None  # the store's column is given its ring

@@ -42,7 +42,6 @@ from mmreplay.errors import ClosedStoreError, InvalidInputError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
 from mmreplay.index.sequences import sequence_priority
-from mmreplay.late_priorities import wants_late
 from mmreplay.mirror import Mirror
 from mmreplay.opening import open_store
 from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
@@ -308,10 +307,8 @@ class ReplayStore(BucketMethods):
         negative priorities raise and change nothing. CUDA tensors (or ``late=True``): queued,
         None returned, applied by the next draws (docs/guides/device_frames.md "Late")."""
         _check_writable(self, "update_priorities")
-        if wants_late(ids, priorities, late):
-            return self._priorities.update_later(ids, priorities)
         self._reader.refresh()
-        return self._priorities.update(ids, priorities)
+        return self._priorities.update(ids, priorities, late)
 
     @_reading
     def get(self, ids: Any) -> Batch:
