@@ -29,7 +29,7 @@ from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, TimeLi
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
-from mmreplay.sb3 import FrameOnceReplayBuffer  # noqa: E402
+from mmreplay.integrations.sb3 import FrameOnceReplayBuffer  # noqa: E402
 
 gym.register_envs(ale_py)
 SAME, NEXT = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.NEXT_STEP

@@ -73,7 +73,8 @@ try:
     from stable_baselines3.common.type_aliases import ReplayBufferSamples
     from stable_baselines3.common.vec_env import VecNormalize
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError('mmreplay.sb3 needs stable-baselines3: pip install "mmreplay[sb3]"') from exc
+    raise ImportError('mmreplay.integrations.sb3 needs stable-baselines3: '
+                      'pip install "mmreplay[sb3]"') from exc
 
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 

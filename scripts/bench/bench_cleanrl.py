@@ -140,8 +140,9 @@ def ratios(figures: dict[str, dict[str, float]], base: str) -> dict[str, Any]:
 
 def atari_buffers(args: Args, root: Path, name: str, sb3_size: int) -> tuple[Any, Any]:
     from gymnasium import spaces
-    from mmreplay.sb3 import FrameOnceReplayBuffer
     from stable_baselines3.common.buffers import ReplayBuffer
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
 
     space, act = spaces.Box(0, 255, (STACK, 84, 84), np.uint8), spaces.Discrete(4)
     ours = FrameOnceReplayBuffer(args.buffer_size, space, act, "cpu", optimize_memory_usage=True,
@@ -242,8 +243,9 @@ def cartpole_stream(steps: int, seed: int) -> list[tuple[Any, ...]]:
 
 def cartpole_section(args: Args, root: Path) -> dict[str, Any]:
     from gymnasium import spaces
-    from mmreplay.sb3 import FrameOnceReplayBuffer
     from stable_baselines3.common.buffers import ReplayBuffer
+
+    from mmreplay.integrations.sb3 import FrameOnceReplayBuffer
 
     space, act = spaces.Box(-10, 10, (4,), np.float32), spaces.Discrete(2)
     n = args.cartpole_steps
@@ -281,8 +283,9 @@ def report(name: str, figures: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    import mmreplay.sb3  # noqa: F401
     import stable_baselines3  # noqa: F401  (imported before any RSS is read)
+
+    import mmreplay.integrations.sb3  # noqa: F401
 
     args = tyro.cli(Args, description=__doc__)
     sections = args.sections.split(",")
