@@ -305,7 +305,7 @@ class ReplayStore(BucketMethods):
         """Set new priorities (e.g. |TD error|) for sampled ids; returns how many applied.
         Ids not sampleable are ignored, the last value of a duplicate wins; NaN, inf or
         negative priorities raise and change nothing. CUDA tensors (or ``late=True``): queued,
-        None returned, applied by the next draws (docs/guides/device_frames.md "Late")."""
+        None returned, applied by later draws (docs/guides/device_frames.md "Late priority")."""
         _check_writable(self, "update_priorities")
         self._reader.refresh()
         return self._priorities.update(ids, priorities, late)
