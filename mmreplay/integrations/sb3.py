@@ -46,6 +46,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -68,10 +69,11 @@ from mmreplay.integrations.sb3_edges import (
     final_observations,
 )
 from mmreplay.integrations.sb3_layout import PADDINGS, StackLayout
+from mmreplay.integrations.sb3_samples import array_fields, batch_fields
 from mmreplay.integrations.shared_stores import acquire, release
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
-from mmreplay.torch_batch import ArrayBatch, Batch, frames_tensor
+from mmreplay.torch_batch import Batch
 
 try:
     from gymnasium import spaces
@@ -129,10 +131,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
       last commit, and what the store holds in RAM until a commit stays bounded.
     * ``seed``: the store's sampling RNG (default: the algorithm's seed).
     * ``store_options``: more ``ReplayStore.create`` options (``codec``, ``cache_bytes``...).
-    * ``frames_on_device``: keep every frame once in the memory of the buffer's ``device``
-      too (``ReplayStore.create(device=...)``, docs/guides/device_frames.md): ``sample``
-      gathers its batches there, nothing but a few KB of indices crossing the bus. A store
-      that does not fit falls back to frames on the host, with a warning.
+    * ``frames_on_device``: every frame once on ``device`` too (docs/guides/device_frames.md),
+      ``sample`` gathered there; a store that does not fit stays on the host, with a warning.
 
     The store keeps ``buffer_size // n_envs + n_steps`` frames per env.
     """
@@ -255,14 +255,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         """The store, with its frames on ``self.device`` too if the configuration says so
         and they fit there (else on the host, with a warning)."""
         device = self.device if self._config.get("frames_on_device") else None
-        try:
-            store = self._open_on(device, padding, create=create)
-        except DeviceMemoryError as exc:
-            warnings.warn(f"FrameOnceReplayBuffer(frames_on_device=True): {exc}; the frames "
-                          f"stay on the host and batches are copied to {self.device}",
-                          stacklevel=5)
-            store, device = self._open_on(None, padding, create=create), None
-        self._frames_on_device = device is not None
+        store, self._frames_on_device = _open_with_fallback(
+            lambda on: self._open_on(on, padding, create=create), device)
         return store
 
     def _open_on(self, device: torch.device | None, padding: str, *,
@@ -349,7 +343,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if env is not None or self._frames_on_device:  # VecNormalize, device: `samples`
             return self.samples(store.sample(batch_size), env)
         arrays = store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
-        return _replay_samples(self, arrays)
+        return ReplayBufferSamples(**array_fields(arrays, self.layout, self.obs_shape,
+                                                  self._n_step_gamma(), self.device))
 
     def get(self, ids: Any, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """The transitions with these store ids (ids count recorded steps, env by env within
@@ -364,32 +359,13 @@ class FrameOnceReplayBuffer(ReplayBuffer):
 
     def samples(self, batch: Batch, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """A store `Batch` (on any device) as SB3's ``ReplayBufferSamples`` on
-        ``self.device``; tensors there already are not copied.
+        ``self.device`` (`mmreplay.integrations.sb3_samples`: dones, discounts)."""
+        return ReplayBufferSamples(**batch_fields(batch, self.layout, self._n_step_gamma(),
+                                                  self.device, env))
 
-        ``dones`` is 1 for a window that ended in termination (not truncation);
-        ``discounts`` is ``None`` for 1-step (SB3 then uses the algorithm's gamma), else
-        ``gamma ** m`` for a window of m steps, also after a termination, as SB3's
-        ``NStepReplayBuffer`` (the store's own ``Batch.discount`` is 0 there).
-        """
-        obs, next_obs = self.layout.to_sb3(batch.obs), self.layout.to_sb3(batch.next_obs)
-        rewards = batch.reward.reshape(-1, 1)
-        if env is not None:
-            obs = torch.from_numpy(np.asarray(self._normalize_obs(obs.cpu().numpy(), env)))
-            next_obs = torch.from_numpy(np.asarray(self._normalize_obs(next_obs.cpu().numpy(),
-                                                                       env)))
-            rewards = torch.from_numpy(self._normalize_reward(rewards.cpu().numpy(), env))
-        discounts = None
-        if self.n_steps > 1:
-            assert batch.steps is not None  # store batches carry their window lengths
-            # on the batch's device; float64 as numpy's ``gamma ** steps``, then float32
-            discounts = (self.gamma ** batch.steps.to(torch.float64)).to(
-                torch.float32).reshape(-1, 1)
-        fields = dict(observations=obs, actions=batch.action, next_observations=next_obs,
-                      dones=batch.terminated.to(torch.float32).reshape(-1, 1),
-                      rewards=rewards, discounts=discounts)
-        if self.device.type != "cpu":
-            fields = {k: None if v is None else v.to(self.device) for k, v in fields.items()}
-        return ReplayBufferSamples(**fields)
+    def _n_step_gamma(self) -> float | None:
+        """The gamma of n-step discounts; None for 1-step (SB3 uses the algorithm's)."""
+        return self.gamma if self.n_steps > 1 else None
 
     # -- pickling (save_replay_buffer / load_replay_buffer) ----------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -433,28 +409,18 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                           stacklevel=2)
 
 
-def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
-    """`FrameOnceReplayBuffer.samples` of a store's `ArrayBatch` (no VecNormalize): each field
-    handed to torch without a copy (``obs``, ``next_obs``: views of one tensor of frames)."""
-    both = frames_tensor(batch)  # pinned: the block's own tensor, so copies are tracked
-    if buf.layout.frame_stack == 1:
-        both = both.reshape(2, both.shape[1], *buf.obs_shape)
-        obs, next_obs = both[0], both[1]
-    else:
-        obs, next_obs = buf.layout.to_sb3(both[0]), buf.layout.to_sb3(both[1])
-    rewards = batch.reward.reshape(-1, 1)
-    discounts = None
-    if buf.n_steps > 1:
-        discounts = torch.from_numpy(
-            (buf.gamma ** batch.steps).astype(np.float32).reshape(-1, 1))
-    fields = dict(observations=obs, actions=torch.from_numpy(batch.action),
-                  next_observations=next_obs,
-                  dones=torch.from_numpy(batch.terminated.astype(np.float32)[:, None]),
-                  rewards=torch.from_numpy(rewards), discounts=discounts)
-    if buf.device.type != "cpu":
-        fields = {k: None if v is None else v.to(buf.device, non_blocking=True)
-                  for k, v in fields.items()}
-    return ReplayBufferSamples(**fields)
+def _open_with_fallback(open_on: Callable[[torch.device | None], ReplayStore],
+                        device: torch.device | None) -> tuple[ReplayStore, bool]:
+    """``open_on(device)`` and True; ``open_on(None)`` and False without a device, or with a
+    warning where the store's frames do not fit there."""
+    if device is None:
+        return open_on(None), False
+    try:
+        return open_on(device), True
+    except DeviceMemoryError as exc:
+        warnings.warn(f"FrameOnceReplayBuffer(frames_on_device=True): {exc}; the frames stay "
+                      f"on the host and batches are copied to {device}", stacklevel=8)
+        return open_on(None), False
 
 
 def _holds_files(path: str) -> bool:
