@@ -282,3 +282,15 @@ def test_cuda_updates_wait_for_a_lagging_stream(tmp_path):
     for ids, values in made:  # the same updates in the same order, synchronously
         twin.update_priorities(ids.cpu(), values.cpu())
     np.testing.assert_array_equal(prios(store), prios(twin))
+
+
+@CUDA
+def test_cuda_sequence_updates_are_taken_synchronously(tmp_path):
+    store, twin = make(tmp_path / "s", device="cuda"), make(tmp_path / "t")
+    seq = store.sample_sequences(3, 4)
+    twin.sample_sequences(3, 4)
+    assert seq.ids.is_cuda
+    errors = seq.ids.double() * 0.5 + 1
+    applied = store.update_sequence_priorities(seq.ids, errors)
+    assert applied == twin.update_sequence_priorities(seq.ids.cpu(), errors.cpu())
+    np.testing.assert_array_equal(prios(store), prios(twin))
