@@ -4,6 +4,10 @@ Transitions and sequence starts share the column: a sequence's priority is the p
 its start step. Every write goes through `Priorities.set` (last value wins for a slot given
 twice), which tells the sampler, every prioritized sequence index, and the set of step
 blocks the next commit must rewrite. Uniform stores have no column (`sampler` is None).
+
+Updates made from device tensors wait in `late` (`mmreplay.late_priorities`): a draw
+applies those that are done (`at_draw`); every other write and every commit applies them
+all first, so updates take effect in the order they were made.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, id_map, spilled
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
+from mmreplay.late_priorities import LatePriorities, wants_late
 from mmreplay.spec import StoreSpec
 
 Listener = Callable[[np.ndarray, np.ndarray], None]
@@ -35,8 +40,9 @@ class PriorityState:
 class Priorities:
     """The priority column of one store (see the module doc)."""
 
-    def __init__(self, spec: StoreSpec, sampler: Sampler) -> None:
+    def __init__(self, spec: StoreSpec, sampler: Sampler, ring: StepRing | None = None) -> None:
         self.spec = spec
+        self.ring = ring  # where late updates find their ids (`late`)
         self.sampler = None if spec.sampler == "uniform" else cast(PrioritySampler, sampler)
         # step blocks whose priorities changed since the commit: every write marks them in
         # `marks` (a compiled update there too), `commit_fields` moves them into `dirty`
@@ -44,6 +50,7 @@ class Priorities:
         blocks = -(-spec.slots_per_env // spec.block_slots)
         self.marks = SlotMarks(np.zeros(blocks, np.bool_), spec.slots_per_env, spec.block_slots)
         self.listeners: list[Listener] = []  # told (flat, values) of every write
+        self.late = LatePriorities(self._apply_late)
 
     def require(self, what: str, kinds: tuple[str, ...]) -> PrioritySampler:
         """The sampler, if this store samples one of `kinds`; else `InvalidInputError`."""
@@ -55,8 +62,9 @@ class Priorities:
 
     def set(self, flat: np.ndarray, values: np.ndarray) -> int:
         """The priority column at these step slots; for a slot given twice the last value
-        wins. Returns how many slots were set."""
+        wins. Returns how many slots were set (late updates applied first)."""
         assert self.sampler is not None  # callers `require` first
+        self.late.apply_all()
         flat, first = np.unique(flat[::-1], return_index=True)  # reversed: first = last given
         values = values[::-1][first]
         self.sampler.set_priorities(flat, values)
@@ -67,7 +75,42 @@ class Priorities:
         """The priorities of transition `ids` found sampleable in `ring` (others ignored; the
         last value of a slot wins); returns how many slots were set. NaN, inf or negative
         values raise and change nothing. Proportional stores do it in one compiled call,
-        from ids to tree leaves (values checked there)."""
+        from ids to tree leaves (values checked there). Late updates are applied first."""
+        self.late.apply_all()
+        return self._set_ids(ids, values, ring)
+
+    def update(self, ids: Any, values: Any, late: Any = None) -> int | None:
+        """`ReplayStore.update_priorities`: queued (`update_later`) if `wants_late`, else
+        checked and set now (`set_ids`, in this column's ring, which the caller refreshed)."""
+        if wants_late(ids, values, late):
+            self.update_later(ids, values)
+            return None
+        wanted, checked = validate.id_priorities(ids, values)
+        self.require("update_priorities", ("prioritized", "rank"))
+        assert self.ring is not None  # the store's column is given its ring
+        return self.set_ids(wanted, checked, self.ring)
+
+    def update_later(self, ids: Any, values: Any) -> None:
+        """`ReplayStore.update_priorities` late: queued (device tensors: no wait for the
+        device) for the next draws to apply (`LatePriorities`)."""
+        self.require("update_priorities", ("prioritized", "rank"))
+        assert self.ring is not None
+        self.late.queue(ids, values)
+
+    def at_draw(self) -> None:
+        """Before a draw: apply the late updates that are done (`LatePriorities.apply_ready`)
+        and raise the error of one that was dropped."""
+        late = self.late
+        if late.queued:
+            late.apply_ready()
+        if late.error is not None:
+            late.report()
+
+    def _apply_late(self, ids: np.ndarray, values: np.ndarray) -> int:
+        assert self.ring is not None
+        return self._set_ids(ids, values, self.ring)
+
+    def _set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
         sampler = self.sampler
         if not isinstance(sampler, PrioritizedSampler):
             validate.priority_values(values)
@@ -89,6 +132,10 @@ class Priorities:
             listener(flat, values)
         self.marks.mask[flat % self.spec.slots_per_env // self.spec.block_slots] = True
 
+    def report_late(self) -> None:
+        """Raise the error of a late update that was dropped (after a commit), once."""
+        self.late.report()
+
     def of_starts(self, flat: np.ndarray) -> np.ndarray:
         """The priorities of these step slots (what sequence starts take)."""
         return cast(PrioritizedSampler, self.sampler).priorities_at(flat)
@@ -102,7 +149,9 @@ class Priorities:
 
     def commit_fields(self) -> dict[str, Any]:
         """What `Committer.commit` persists of the column (and which blocks changed: the
-        blocks compiled updates marked move into `dirty`, which the commit then clears)."""
+        blocks compiled updates marked move into `dirty`, which the commit then clears).
+        Late updates are applied first; the error of one dropped is kept for `report_late`."""
+        self.late.apply_all()
         sampler, marked = self.sampler, self.marks.mask
         if marked.any():
             self.dirty.update(np.flatnonzero(marked).tolist())

@@ -66,6 +66,8 @@ class Reader:
         self.frame_nbytes = math.prod(ring.spec.obs_shape) * np.dtype(ring.spec.obs_dtype).itemsize
         self.pageable = OutputBuffers()  # reused once no batch views them
         self.pinned = PinnedBlocks()  # fresh page-locked blocks: never reused by us
+        # called by every draw after its refresh (the store's: late priority updates)
+        self.before_draw: Callable[[], None] = _nothing
 
     # -- keeping the index current -------------------------------------------------
     def refresh(self, *, follow: bool = True) -> None:
@@ -171,6 +173,7 @@ class Reader:
         re-check saw them: one manifest check a batch instead of two. A draw that took a
         slot given up since is read, found out by that read's re-check and drawn again."""
         self.refresh(follow=follow)
+        self.before_draw()
         if self.sampler.count() == 0:
             raise EmptyStoreError("cannot sample: the store holds no sampleable transition yet")
 
@@ -260,3 +263,7 @@ class Reader:
     def ids(self, flat: np.ndarray) -> np.ndarray:
         """The transition ids at these flat slots, increasing."""
         return np.sort(self.ring.steps["id"].reshape(-1)[flat])
+
+
+def _nothing() -> None:
+    """`Reader.before_draw` of a reader nobody told otherwise."""

@@ -104,6 +104,7 @@ class SequenceReader:
         `read` as in `sample` (a `SequenceArrays` by default)."""
         def attempt() -> Started | None:
             self.reader.refresh()  # the step priorities that starts take
+            self.reader.before_draw()
             index = self.index(key)
             if index.sampler.count() == 0:
                 raise EmptyStoreError(f"cannot sample: no valid start for sequences of "

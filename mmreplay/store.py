@@ -137,7 +137,7 @@ class ReplayStore(BucketMethods):
         self._sampler = make_sampler(spec)
         self._recorder = Recorder(spec, self._ring, self._frames)
         self._reader = Reader(root, self._ring, self._frames, self._sampler, writable=writable)
-        self._priorities = Priorities(spec, self._sampler)
+        self._priorities = Priorities(spec, self._sampler, self._ring)
         self._sequences = _sequence_reader(spec, self._reader, self._priorities)
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
@@ -300,17 +300,15 @@ class ReplayStore(BucketMethods):
         return it
 
     @_locked
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
+    def update_priorities(self, ids: Any, priorities: Any, *, late: bool | None = None
+                          ) -> int | None:
         """Set new priorities (e.g. |TD error|) for sampled ids; returns how many applied.
-
-        Ids no longer (or not yet) sampleable are ignored; for duplicates the last value
-        wins; NaN, inf or negative priorities raise and change nothing.
-        """
+        Ids not sampleable are ignored, the last value of a duplicate wins; NaN, inf or
+        negative priorities raise and change nothing. CUDA tensors (or ``late=True``): queued,
+        None returned, applied by later draws (docs/guides/device_frames.md "Late priority")."""
         _check_writable(self, "update_priorities")
-        wanted, values = validate.id_priorities(ids, priorities)
-        self._priorities.require("update_priorities", ("prioritized", "rank"))
         self._reader.refresh()
-        return self._priorities.set_ids(wanted, values, self._ring)
+        return self._priorities.update(ids, priorities, late)
 
     @_reading
     def get(self, ids: Any) -> Batch:
@@ -436,6 +434,7 @@ def _sequence_reader(spec: StoreSpec, reader: Reader, priorities: Priorities) ->
     sequences = SequenceReader(reader, lambda: make_sampler(spec),
                                None if spec.sampler == "uniform" else priorities.of_starts)
     priorities.listeners.append(sequences.set_priorities)
+    reader.before_draw = priorities.at_draw  # late priority updates, applied by draws
     return sequences
 
 
@@ -500,6 +499,7 @@ def _flush(store: ReplayStore, wait_mirror: bool) -> None:
         _commit(store)
     if store.mirror is not None:
         store.mirror.notify(store.generation, wait=wait_mirror)
+    store._priorities.report_late()  # a late update dropped at this commit
 
 
 def _close(store: ReplayStore) -> None:

@@ -27,6 +27,7 @@ def test_bench_gpu_runs_its_feeds_on_the_cpu(tmp_path):
     result = json.loads((tmp_path / "gpu.json").read_text())
     feeds = {(a["sampler"], a["feed"]) for a in result["arms"]}
     assert {("uniform", "ceiling"), ("uniform", "store_sample"), ("uniform", "prefetch"),
-            ("uniform", "device_batches"), ("prioritized", "device_batches")} <= feeds
+            ("uniform", "device_batches"), ("prioritized", "device_batches"),
+            ("prioritized", "device_store"), ("prioritized", "device_store_late")} <= feeds
     assert all(a["updates_per_s"] > 0 for a in result["arms"])
     assert result["wrong_batches"] == {}  # the check needs CUDA

@@ -532,7 +532,7 @@ def test_importing_needs_no_optional_dependency_and_names_the_extra():
             "try:\n    import mmreplay.integrations.sb3\nexcept ImportError as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out.startswith("mmreplay.")
+    assert out.startswith("mmreplay.integrations.sb3 needs"), out
     assert out.endswith(' needs stable-baselines3: pip install "mmreplay[sb3]"'), out
 
 

@@ -140,7 +140,7 @@ class StoreActor:
         return out
 
     @ray.method(concurrency_group="learner")
-    def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
+    def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int | None:
         return self.store.update_priorities(ids, priorities)
 
     @ray.method(concurrency_group="flush")

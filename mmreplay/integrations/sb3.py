@@ -46,6 +46,7 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -53,6 +54,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmreplay.errors import DeviceMemoryError
+from mmreplay.integrations.sb3_config import (
+    check_spec,
+    choice,
+    flag,
+    positive_int,
+    reconcile_n_steps,
+)
 from mmreplay.integrations.sb3_edges import (
     AUTORESET_MODES,
     EpisodeEdges,
@@ -60,10 +69,11 @@ from mmreplay.integrations.sb3_edges import (
     final_observations,
 )
 from mmreplay.integrations.sb3_layout import PADDINGS, StackLayout
+from mmreplay.integrations.sb3_samples import array_fields, batch_fields
 from mmreplay.integrations.shared_stores import acquire, release
 from mmreplay.integrations.step_stage import StepStage
 from mmreplay.store import ReplayStore
-from mmreplay.torch_batch import ArrayBatch, Batch, frames_tensor
+from mmreplay.torch_batch import Batch
 
 try:
     from gymnasium import spaces
@@ -73,7 +83,8 @@ try:
     from stable_baselines3.common.type_aliases import ReplayBufferSamples
     from stable_baselines3.common.vec_env import VecNormalize
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError('mmreplay.sb3 needs stable-baselines3: pip install "mmreplay[sb3]"') from exc
+    raise ImportError('mmreplay.integrations.sb3 needs stable-baselines3: '
+                      'pip install "mmreplay[sb3]"') from exc
 
 __all__ = ["FrameOnceReplayBuffer", "StackLayout"]
 
@@ -120,6 +131,8 @@ class FrameOnceReplayBuffer(ReplayBuffer):
       last commit, and what the store holds in RAM until a commit stays bounded.
     * ``seed``: the store's sampling RNG (default: the algorithm's seed).
     * ``store_options``: more ``ReplayStore.create`` options (``codec``, ``cache_bytes``...).
+    * ``frames_on_device``: every frame once on ``device`` too (docs/guides/device_frames.md),
+      ``sample`` gathered there; a store that does not fit stays on the host, with a warning.
 
     The store keeps ``buffer_size // n_envs + n_steps`` frames per env.
     """
@@ -132,14 +145,15 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                  gamma: float | None = None, channels_order: str | None = None,
                  stack_padding: str | None = None, autoreset_mode: str | None = None,
                  flush_every: int | None = FLUSH_EVERY, seed: int | None = None,
-                 store_options: dict[str, Any] | None = None) -> None:
+                 store_options: dict[str, Any] | None = None,
+                 frames_on_device: bool = False) -> None:
         if path is None:
             raise ValueError('FrameOnceReplayBuffer needs a store directory: '
                              'replay_buffer_kwargs=dict(path="runs/store", frame_stack=...)')
-        _choice("stack_padding", stack_padding, PADDINGS)
-        _choice("autoreset_mode", autoreset_mode, AUTORESET_MODES)
+        choice("stack_padding", stack_padding, PADDINGS)
+        choice("autoreset_mode", autoreset_mode, AUTORESET_MODES)
         algo = _calling_algorithm()
-        n_steps, gamma = _reconcile_n_steps(algo, n_steps, gamma)
+        n_steps, gamma = reconcile_n_steps(algo, n_steps, gamma)
         if seed is None and algo is not None:
             seed = algo.seed
         if stack_padding is None and algo is not None:
@@ -151,8 +165,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                       channels_order=channels_order, stack_padding=stack_padding,
                       autoreset_mode=autoreset_mode, seed=seed,
                       flush_every=None if flush_every is None
-                      else _positive_int("flush_every", flush_every),
-                      store_options=dict(store_options or {}))
+                      else positive_int("flush_every", flush_every),
+                      store_options=dict(store_options or {}),
+                      frames_on_device=flag("frames_on_device", frames_on_device))
         self._setup(str(path), observation_space, action_space, device, config, create=True)
 
     # -- construction ---------------------------------------------------------------
@@ -166,9 +181,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         if not isinstance(action_space, spaces.Box | spaces.Discrete | spaces.MultiDiscrete
                           | spaces.MultiBinary):
             raise ValueError(f"unsupported action space {action_space}")
-        n_envs = _positive_int("n_envs", config["n_envs"])
-        frame_stack = _positive_int("frame_stack", config["frame_stack"])
-        BaseBuffer.__init__(self, _positive_int("buffer_size", config["buffer_size"]),
+        n_envs = positive_int("n_envs", config["n_envs"])
+        frame_stack = positive_int("frame_stack", config["frame_stack"])
+        BaseBuffer.__init__(self, positive_int("buffer_size", config["buffer_size"]),
                             observation_space, action_space, device, n_envs=n_envs)
         self.buffer_size = max(config["buffer_size"] // n_envs, 1)
         self.optimize_memory_usage = config["optimize_memory_usage"]
@@ -186,6 +201,9 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                                    padding=config["stack_padding"], mode=config["autoreset_mode"])
         self._running, self._last_next = self._edges.running, self._edges.last_next
         self._store: ReplayStore | None = None
+        # sample through `ReplayStore.sample` (gathered on the device): as configured, unless
+        # this buffer opened the store and its frames did not fit there
+        self._frames_on_device = bool(config.get("frames_on_device"))
         self._adds, self._flush_every = 0, config.get("flush_every")
         self._stage: StepStage | None = None
         self._finalizer: weakref.finalize | None = None
@@ -234,9 +252,18 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             self._stage.drain()
 
     def _open_or_create(self, padding: str, *, create: bool) -> ReplayStore:
+        """The store, with its frames on ``self.device`` too if the configuration says so
+        and they fit there (else on the host, with a warning)."""
+        device = self.device if self._config.get("frames_on_device") else None
+        store, self._frames_on_device = _open_with_fallback(
+            lambda on: self._open_on(on, padding, create=create), device)
+        return store
+
+    def _open_on(self, device: torch.device | None, padding: str, *,
+                 create: bool) -> ReplayStore:
         root = Path(self.path)
         if _holds_files(self.path):
-            return ReplayStore.open(root)
+            return ReplayStore.open(root, device=device)
         if not create:
             raise FileNotFoundError(f"the replay store at {self.path} is gone: cannot reopen it")
         per_env = self.buffer_size + self.n_steps
@@ -245,7 +272,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             obs_dtype=self._obs_dtype, num_envs=self.n_envs,
             frame_stack=self.layout.frame_stack, n_step=self.n_steps, gamma=self.gamma,
             stack_padding=padding, action_shape=(self.action_dim,),
-            action_dtype=self._action_dtype, seed=self._config["seed"],
+            action_dtype=self._action_dtype, seed=self._config["seed"], device=device,
             **self._config["store_options"])
 
     def _check_store(self) -> None:
@@ -260,7 +287,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
             want["gamma"] = self.gamma
         if self.layout.stacked and self._config["stack_padding"] is not None:
             want["stack_padding"] = self._config["stack_padding"]
-        _check_spec(self._store.spec, want, self.path)
+        check_spec(self._store.spec, want, self.path)
 
     def close(self) -> None:
         """Flush and close the store (once no other buffer in this process shares it)."""
@@ -310,12 +337,14 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         return min((self._store.counts.transitions + staged) // self.n_envs, self.buffer_size)
 
     def sample(self, batch_size: int, env: VecNormalize | None = None) -> ReplayBufferSamples:
-        """`batch_size` transitions drawn uniformly by the store (its own seeded RNG)."""
+        """`batch_size` transitions drawn uniformly by the store (its own seeded RNG);
+        with ``frames_on_device``, gathered on the device."""
         store = self.store
-        if env is not None:  # VecNormalize: through `samples`
+        if env is not None or self._frames_on_device:  # VecNormalize, device: `samples`
             return self.samples(store.sample(batch_size), env)
         arrays = store.sample_arrays(batch_size, pin_memory=self.device.type == "cuda")
-        return _replay_samples(self, arrays)
+        return ReplayBufferSamples(**array_fields(arrays, self.layout, self.obs_shape,
+                                                  self._n_step_gamma(), self.device))
 
     def get(self, ids: Any, env: VecNormalize | None = None) -> ReplayBufferSamples:
         """The transitions with these store ids (ids count recorded steps, env by env within
@@ -329,30 +358,14 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                                   "sample(batch_size) or get(transition_ids)")
 
     def samples(self, batch: Batch, env: VecNormalize | None = None) -> ReplayBufferSamples:
-        """A store `Batch` as SB3's ``ReplayBufferSamples`` on ``self.device``.
+        """A store `Batch` (on any device) as SB3's ``ReplayBufferSamples`` on
+        ``self.device`` (`mmreplay.integrations.sb3_samples`: dones, discounts)."""
+        return ReplayBufferSamples(**batch_fields(batch, self.layout, self._n_step_gamma(),
+                                                  self.device, env))
 
-        ``dones`` is 1 for a window that ended in termination (not truncation);
-        ``discounts`` is ``None`` for 1-step (SB3 then uses the algorithm's gamma), else
-        ``gamma ** m`` for a window of m steps, also after a termination, as SB3's
-        ``NStepReplayBuffer`` (the store's own ``Batch.discount`` is 0 there).
-        """
-        obs, next_obs = self.layout.to_sb3(batch.obs), self.layout.to_sb3(batch.next_obs)
-        rewards = batch.reward.reshape(-1, 1)
-        if env is not None:
-            obs = torch.from_numpy(np.asarray(self._normalize_obs(obs.numpy(), env)))
-            next_obs = torch.from_numpy(np.asarray(self._normalize_obs(next_obs.numpy(), env)))
-            rewards = torch.from_numpy(self._normalize_reward(rewards.numpy(), env))
-        discounts = None
-        if self.n_steps > 1:
-            assert batch.steps is not None  # store batches carry their window lengths
-            discounts = torch.from_numpy(
-                (self.gamma ** batch.steps.numpy()).astype(np.float32).reshape(-1, 1))
-        fields = dict(observations=obs, actions=batch.action, next_observations=next_obs,
-                      dones=batch.terminated.to(torch.float32).reshape(-1, 1),
-                      rewards=rewards, discounts=discounts)
-        if self.device.type != "cpu":
-            fields = {k: None if v is None else v.to(self.device) for k, v in fields.items()}
-        return ReplayBufferSamples(**fields)
+    def _n_step_gamma(self) -> float | None:
+        """The gamma of n-step discounts; None for 1-step (SB3 uses the algorithm's)."""
+        return self.gamma if self.n_steps > 1 else None
 
     # -- pickling (save_replay_buffer / load_replay_buffer) ----------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -379,6 +392,7 @@ class FrameOnceReplayBuffer(ReplayBuffer):
         config.setdefault("stack_padding", "zero")  # version 1 took zero padding only
         config.setdefault("autoreset_mode", None)
         config.setdefault("flush_every", FLUSH_EVERY)
+        config.setdefault("frames_on_device", False)
         self._setup(state["path"], state["observation_space"], state["action_space"],
                     state["device"], config, create=False)
         counts = None if self._store is None else self._store.counts
@@ -395,84 +409,20 @@ class FrameOnceReplayBuffer(ReplayBuffer):
                           stacklevel=2)
 
 
-def _replay_samples(buf: FrameOnceReplayBuffer, batch: ArrayBatch) -> ReplayBufferSamples:
-    """`FrameOnceReplayBuffer.samples` of a store's `ArrayBatch` (no VecNormalize): each field
-    handed to torch without a copy (``obs``, ``next_obs``: views of one tensor of frames)."""
-    both = frames_tensor(batch)  # pinned: the block's own tensor, so copies are tracked
-    if buf.layout.frame_stack == 1:
-        both = both.reshape(2, both.shape[1], *buf.obs_shape)
-        obs, next_obs = both[0], both[1]
-    else:
-        obs, next_obs = buf.layout.to_sb3(both[0]), buf.layout.to_sb3(both[1])
-    rewards = batch.reward.reshape(-1, 1)
-    discounts = None
-    if buf.n_steps > 1:
-        discounts = torch.from_numpy(
-            (buf.gamma ** batch.steps).astype(np.float32).reshape(-1, 1))
-    fields = dict(observations=obs, actions=torch.from_numpy(batch.action),
-                  next_observations=next_obs,
-                  dones=torch.from_numpy(batch.terminated.astype(np.float32)[:, None]),
-                  rewards=torch.from_numpy(rewards), discounts=discounts)
-    if buf.device.type != "cpu":
-        fields = {k: None if v is None else v.to(buf.device, non_blocking=True)
-                  for k, v in fields.items()}
-    return ReplayBufferSamples(**fields)
-
-
-def _reconcile_n_steps(algo: OffPolicyAlgorithm | None, n_steps: int | None,
-                       gamma: float | None) -> tuple[int, float]:
-    """n-step settings from the kwargs and the algorithm, or a ValueError if they disagree.
-
-    SB3 passes ``n_steps``/``gamma`` only to its own buffer: ``DQN(n_steps=3)`` with a
-    custom class would otherwise train 1-step without a word.
-    """
-    algo_n = 1 if algo is None else int(algo.n_steps)
-    algo_gamma = None if algo is None else float(algo.gamma)
-    if n_steps is None and algo_n > 1:
-        warnings.warn(f"FrameOnceReplayBuffer takes n_steps={algo_n}, gamma={algo_gamma} from "
-                      f"the algorithm: its n-step returns are on", stacklevel=4)
-    if n_steps is None:
-        n_steps = algo_n
-    n_steps = _positive_int("n_steps", n_steps)
-    if algo_n > 1 and n_steps != algo_n:
-        raise ValueError(f"replay_buffer_kwargs n_steps={n_steps} contradicts the algorithm's "
-                         f"n_steps={algo_n}")
-    if gamma is None:
-        gamma = 0.99 if algo_gamma is None else algo_gamma
-    elif n_steps > 1 and algo_gamma is not None and float(gamma) != algo_gamma:
-        raise ValueError(f"replay_buffer_kwargs gamma={gamma} contradicts the algorithm's "
-                         f"gamma={algo_gamma}: n-step returns would discount differently")
-    gamma = float(gamma)
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    return n_steps, gamma
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value is not None and value not in choices:
-        raise ValueError(f"{name} must be None or one of {choices}, got {value!r}")
+def _open_with_fallback(open_on: Callable[[torch.device | None], ReplayStore],
+                        device: torch.device | None) -> tuple[ReplayStore, bool]:
+    """``open_on(device)`` and True; ``open_on(None)`` and False without a device, or with a
+    warning where the store's frames do not fit there."""
+    if device is None:
+        return open_on(None), False
+    try:
+        return open_on(device), True
+    except DeviceMemoryError as exc:
+        warnings.warn(f"FrameOnceReplayBuffer(frames_on_device=True): {exc}; the frames stay "
+                      f"on the host and batches are copied to {device}", stacklevel=8)
+        return open_on(None), False
 
 
 def _holds_files(path: str) -> bool:
     root = Path(path)
     return root.is_dir() and any(root.iterdir())
-
-
-def _check_spec(spec: Any, want: dict[str, Any], path: str) -> None:
-    """Every setting in `want` is the store's, or a ValueError naming both."""
-    for name, value in want.items():
-        have = getattr(spec, name)
-        if name.endswith("dtype"):
-            have, value = np.dtype(have), np.dtype(value)
-        elif name.endswith("shape"):
-            have, value = tuple(have), tuple(value)
-        if have != value:
-            raise ValueError(f"the store at {path} has {name}={have!r}, this buffer needs "
-                             f"{name}={value!r} (use another path, or the settings it was "
-                             f"made with)")

@@ -17,7 +17,11 @@ step, which brings |td| back to the host):
     pinned           ``store.batches(prefetch=4, pin_memory=True)`` + ``non_blocking`` copy
     device_batches   ``store.batches(prefetch=4, device=...)``: copied by the prefetch thread
     device_batches_workers  the same from a read-only view, ``workers=--workers``
-    device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it
+    device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it;
+                     prioritized: |td| brought to the host every step (the learner waits)
+    device_store_late  the same store, prioritized, ``update_priorities(batch.ids, |td|)``
+                     with the device tensors: queued without a wait, applied by a later
+                     draw (at most 2 late; docs/guides/device_frames.md)
 
 Sampling throughput alone (no learner): ``batches(32)`` of a read-only view with 1, 2, 4,
 ... up to `--workers` threads. Then the wrong-batch check: batches copied ``non_blocking``
@@ -56,7 +60,7 @@ from mmreplay import InvalidInputError, ReplayStore
 FEEDS = ("ceiling", "cpprb", "store_sample", "prefetch", "pinned", "device_batches",
          "device_batches_workers", "device_store")
 PRIORITIZED_FEEDS = ("cpprb", "store_sample", "prefetch", "pinned", "device_batches",
-                     "device_store")
+                     "device_store", "device_store_late")
 
 
 @dataclass
@@ -229,9 +233,10 @@ def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: to
             yield (lambda: (ceiling, None)), _no_priorities
         elif name == "cpprb":
             yield None if bufs.cpprb is None else cpprb_feed(bufs, size, prioritized, device)
-        elif name == "device_store":
+        elif name in ("device_store", "device_store_late"):
             ds = bufs.pdevice_store if prioritized else bufs.device_store
-            yield None if ds is None else store_feed(lambda: ds.sample(size), ds, device)
+            yield None if ds is None else store_feed(lambda: ds.sample(size), ds, device,
+                                                     late=name == "device_store_late")
         elif name == "pinned" and device.type != "cuda":
             yield None
         elif name == "store_sample":
@@ -252,13 +257,18 @@ def _no_priorities(ids: Any, td: torch.Tensor) -> None:
 
 
 def store_feed(sample: Callable[[], Any], store: ReplayStore, device: torch.device, *,
-               non_blocking: bool = False) -> tuple[Get, Prioritize]:
+               non_blocking: bool = False, late: bool = False) -> tuple[Get, Prioritize]:
+    """`late`: priorities handed over as tensors where they are (``late=True``: queued even
+    on the CPU, as on CUDA by default), else brought to the host first (a wait a step)."""
     def get() -> tuple[DeviceBatch, Any]:
         batch = sample()
         return from_store(batch, device, non_blocking), batch.ids
 
     def prioritize(ids: Any, td: torch.Tensor) -> None:
-        store.update_priorities(ids.cpu().numpy(), td.cpu().numpy() + 1e-6)
+        if late:
+            store.update_priorities(ids, td.detach() + 1e-6, late=True)
+        else:
+            store.update_priorities(ids.cpu().numpy(), td.cpu().numpy() + 1e-6)
     return get, prioritize
 
 
