@@ -18,6 +18,7 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.ring import StepRing, id_map, spilled
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
+from mmreplay.index.sequences import sequence_priority
 from mmreplay.spec import StoreSpec
 
 Listener = Callable[[np.ndarray, np.ndarray], None]
@@ -62,6 +63,18 @@ class Priorities:
         self.sampler.set_priorities(flat, values)
         self._written(flat, values)
         return int(flat.size)
+
+    def set_sequences(self, ids: Any, td_errors: Any, eta: float,
+                      starts_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> int:
+        """`ReplayStore.update_sequence_priorities`: R2D2's priority of each sequence (rows
+        of `ids`, -1 padding) from its steps' `td_errors`, set at its start's flat slot
+        (`starts_of`: flat slots and found mask of start ids); returns how many applied."""
+        rows, errors = validate.sequence_priorities(ids, td_errors)
+        eta = validate.unit_interval("eta", eta)
+        self.require("update_sequence_priorities", ("prioritized",))
+        flat, found = starts_of(rows[:, 0])
+        values = sequence_priority(rows, errors, eta)
+        return self.set(flat[found], values[found])
 
     def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
         """The priorities of transition `ids` found sampleable in `ring` (others ignored; the

@@ -45,12 +45,10 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
-from mmreplay.admission import ENDLESS, NO_LEASE, REVOKED, Leases, StepLease
+from mmreplay.admission import ENDLESS, REVOKED, Leases, StepLease
 from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
 
 CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
@@ -475,90 +473,3 @@ def summary(state: dict[str, Any]) -> dict[str, Any]:
     diff = state["inserts"] * spi - state["samples"] - state.get("offset", 0.0)
     return {**state, "achieved_samples_per_insert": state["samples"] / past if past > 0
             else None, "error": diff - spi * min_size}
-
-
-def steps_in_call(count: int, autoreset: Any) -> int:
-    """How many of `count` env rows of an ``add`` are steps (not autoreset rows); a value
-    the store's own checks will refuse counts as `count` (the refusal cancels it)."""
-    if autoreset is None:
-        return count
-    try:
-        resets = int(np.count_nonzero(np.asarray(autoreset)))
-    except (TypeError, ValueError, RuntimeError):
-        return count
-    return max(0, count - resets)
-
-
-class LimiterSlot:
-    """The rate limiter a store may hold, and the waits its calls make on it.
-
-    `sampling(n)` is a context manager: it waits until the limiter lets `n` samples
-    through, runs the body, and gives the count back if the body raises (a refused call was
-    never a sample). With no limiter it costs nothing. Inserts (`ReplayStore.add`, one per
-    env step) are the store's: it holds `lease` (None with no limiter) and follows the
-    protocol of `mmreplay.admission` under its own lock, written out in `add` (a call is a
-    measurable share of an `add`); `hold` takes a new one on its slow path.
-    """
-
-    def __init__(self) -> None:
-        self.limiter: RateLimiter | None = None
-        self.lease: StepLease | None = None  # the holder's: under the store's lock only
-
-    def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
-               inserts: int, capacity: int) -> None:
-        """Hold `limiter` (None removes it), counting from a store's committed counters
-        `saved` and its `inserts` recorded steps; refused if samples could never start."""
-        if limiter is not None:
-            if limiter.min_size_to_sample > capacity:
-                raise InvalidInputError(
-                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
-                    f"capacity {capacity}: samples would wait forever")
-            limiter.attach(saved, inserts=inserts)
-        self.limiter = limiter
-        self.lease = None if limiter is None else NO_LEASE
-
-    def hold(self, limiter: RateLimiter, lease: StepLease) -> None:
-        """Under the holder's lock: use `lease` from now on if `limiter` is still the one
-        held (else it is left unused: the limiter drops it when it revokes it)."""
-        if self.limiter is limiter:
-            self.lease = lease
-
-    def state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The limiter's counters if one is held, else the committed ones (`saved`)."""
-        if self.limiter is not None:
-            return self.limiter.state()
-        return None if saved is None else dict(saved)
-
-    def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
-        """Wait for `n` samples, then run the body (count given back if it raises)."""
-        limiter = self.limiter
-        if limiter is None:
-            return _NOTHING
-        return _Admitted(limiter.await_sample, limiter.cancel_sample, n)
-
-    def close(self) -> None:
-        """Close the held limiter, waking its waiters."""
-        if self.limiter is not None:
-            self.limiter.close()
-
-
-class _Admitted:
-    """`wait(n)` on entering; `cancel(n)` if the body raises (it was never counted). A
-    plain class, not a generator context manager: this is on every `sample`."""
-
-    __slots__ = ("cancel", "n", "wait")
-
-    def __init__(self, wait: Callable[[int], None], cancel: Callable[[int], None],
-                 n: int) -> None:
-        self.wait, self.cancel, self.n = wait, cancel, n
-
-    def __enter__(self) -> None:
-        self.wait(self.n)
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        if kind is not None:
-            self.cancel(self.n)
-        return False
-
-
-_NOTHING = contextlib.nullcontext()  # stateless: one for every call without a limiter
