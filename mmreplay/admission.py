@@ -168,9 +168,9 @@ class LimiterSlot:
         self.limiter: Limiter | None = None
         self.lease: StepLease | None = None  # the holder's: under `lock` only
 
-    def insert(self, record: Callable[..., None], args: tuple[Any, ...], env_ids: Any,
-               autoreset: Any) -> None:
-        """``record(*args)`` under the lock once admitted: the steps of an ``add`` of
+    def insert(self, record: Callable[[tuple[Any, ...]], None], step: tuple[Any, ...],
+               env_ids: Any, autoreset: Any) -> None:
+        """``record(step)`` under the lock once admitted: the steps of an ``add`` of
         `env_ids` (None: every env) less its `autoreset` rows are inserts, counted once
         recorded (a refused record never is). The hot path: no calls besides `record`."""
         steps = self.num_envs
@@ -180,12 +180,12 @@ class LimiterSlot:
         with self.lock:
             lease = self.lease
             if lease is None:  # no rate limiter
-                record(*args)
+                record(step)
                 return
             lease.busy = True
             if lease.used + steps <= lease.limit:  # admitted without the limiter's lock
                 try:
-                    record(*args)
+                    record(step)
                     lease.used += steps
                 finally:
                     lease.busy = False
@@ -195,10 +195,10 @@ class LimiterSlot:
             lease.busy = False  # spent or revoked: the limiter's lock decides
             limiter = self.limiter  # held with the lease (both set under the lock)
         assert limiter is not None
-        self._insert_waited(limiter, steps, record, args)
+        self._insert_waited(limiter, steps, record, step)
 
-    def _insert_waited(self, limiter: Limiter, steps: int, record: Callable[..., None],
-                       args: tuple[Any, ...]) -> None:
+    def _insert_waited(self, limiter: Limiter, steps: int,
+                       record: Callable[[tuple[Any, ...]], None], step: tuple[Any, ...]) -> None:
         """`insert` once `limiter` let these steps in under its lock (counted there, taken
         back if the store refuses them); the holder uses a new lease from then on."""
         limiter.await_insert(steps)
@@ -207,7 +207,7 @@ class LimiterSlot:
             with self.lock:
                 if self.limiter is limiter:  # else unused: the limiter drops it on revoke
                     self.lease = lease
-                record(*args)
+                record(step)
         except BaseException:
             limiter.cancel_insert(steps)  # refused: these steps were never inserts
             raise

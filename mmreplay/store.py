@@ -212,7 +212,7 @@ class ReplayStore(BucketMethods):
         self._limits.insert(self._record, (action, reward, next_obs, terminated, truncated,
                                            autoreset, env_ids, extras), env_ids, autoreset)
 
-    def _record(self, *step: Any) -> None:
+    def _record(self, step: tuple[Any, ...]) -> None:
         """`add`'s recording, under the lock once the rate limiter (if any) admitted it."""
         _check_writable(self, "add")
         self._recorder.add(*step)
