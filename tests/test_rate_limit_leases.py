@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from mmreplay import InvalidInputError, ReplayStore, rate_limit
+from mmreplay import InvalidInputError, ReplayStore
 from mmreplay.admission import NO_LEASE, REVOKED, LimiterSlot, StepLease
 from mmreplay.errors import RateLimiterClosedError, RateLimitTimeoutError
 from mmreplay.rate_limit import RateLimiter
@@ -406,13 +406,13 @@ def test_a_lease_insert_counted_while_a_sample_starts_waiting_is_seen(
     holder = Holder(lim)
     holder.insert(1)  # diff 1, a lease of 99 steps
     lim.await_sample(1)  # diff 0
-    wait = rate_limit._wait  # noqa: SLF001 - the window is inside the locked path
+    wait = lim._wait  # noqa: SLF001 - the window is inside the locked path
 
     def racing_wait(*args: object) -> None:
         assert holder.insert(1) == "lease" and not holder.lease.wake
         wait(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(rate_limit, "_wait", racing_wait)
+    monkeypatch.setattr(lim, "_wait", racing_wait)
     lim.await_sample(1)  # else it sleeps its 5 s (nothing wakes it) and counts as blocked
     assert lim.state()["samples"] == 2 and lim.state()["samples_blocked"] == 0
 
