@@ -16,7 +16,7 @@ import numpy as np
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing, id_map, spilled
+from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
 from mmreplay.index.sequences import sequence_priority
 from mmreplay.spec import StoreSpec
@@ -86,10 +86,10 @@ class Priorities:
             validate.priority_values(values)
             flat, found = ring.flat_of_ids(ids)
             return self.set(flat[found], values[found])
-        where = id_map(ring)
+        where = ring.id_map()
         applied = sampler.set_id_priorities(ids, values, where, marks=self.marks)
         if applied is None:  # some ids live in the ring's spill table
-            applied = sampler.set_id_priorities(ids, values, where, spilled(ring, ids),
+            applied = sampler.set_id_priorities(ids, values, where, ring.spilled(ids),
                                                 marks=self.marks)
         assert applied is not None  # their slots given: nothing is missed
         for listener in self.listeners:

@@ -26,10 +26,10 @@ ale_py = pytest.importorskip("ale_py", reason='pip install "mmreplay[atari]"')
 import gymnasium as gym  # noqa: E402
 from gymnasium import spaces  # noqa: E402
 from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation, TimeLimit  # noqa: E402
+from mmreplay.sb3 import FrameOnceReplayBuffer  # noqa: E402
 from stable_baselines3.common.buffers import ReplayBuffer  # noqa: E402
 
 from mmreplay import ReplayStore  # noqa: E402
-from mmreplay.sb3 import FrameOnceReplayBuffer  # noqa: E402
 
 gym.register_envs(ale_py)
 SAME, NEXT = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.NEXT_STEP
