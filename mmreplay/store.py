@@ -13,9 +13,11 @@ Directory layout (a zarr v3 group; see README "On-disk format")::
 Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
 policy in `samplers`, commits and loading in `commit`, open-time checks in
 `manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`. The store's own
-collaborators: `recorder` (reset/add), `reader` (transition reads beside a writer),
-`sequence_reader` (the sequence API), `priorities` (the priority column); opening in
-`opening`; with ``device=``, `device_reader` (every kept frame once in a device's memory).
+collaborators: `recorder` (reset/add), `batching` (every batch: sample, batches, sequences,
+get), `reader` (transition reads beside a writer), `sequence_reader` (the sequence API),
+`priorities` (the priority column), `admission` (a rate limiter's admission of each add and
+sample), `persistence` (load, commit, close); opening in `opening`; with ``device=``,
+`device_reader` (every kept frame once in a device's memory).
 
 Tools read a store through its public methods and its read-only views (``store.views``,
 see `views`) only.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +143,7 @@ class ReplayStore(BucketMethods):
             spec, self._lock, self._reader, self._sequences, self._limits,
             self._files.open_device(device, spec, self._sequences, self._recorder),
             np.random.default_rng() if rng is None else rng,
-            refuse_closed=functools.partial(_refuse_closed, self),
+            refuse_closed=functools.partial(_refuse_closed, weakref.proxy(self)),  # no cycle
             open_view=None if writable else functools.partial(_open_view, type(self), root))
 
     @classmethod
