@@ -269,10 +269,9 @@ class _Admitted:
     def __enter__(self) -> None:
         self.wait(self.n)
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if kind is not None:
-            self.cancel(self.n)
-        return False
+            self.cancel(self.n)  # and the exception goes on
 
 
 _NOTHING = contextlib.nullcontext()  # stateless: one for every call without a limiter

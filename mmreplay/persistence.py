@@ -14,6 +14,7 @@ batches or rate limiting (it is handed the limiter's counters to commit).
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,7 @@ class StoreFiles:
             self.close()
             raise
 
-    def commit(self, rng_state: dict[str, Any], rate_limiter: dict[str, Any] | None) -> None:
+    def commit(self, rng_state: Mapping[str, Any], rate_limiter: dict[str, Any] | None) -> None:
         """One generation (see the module doc): frames on disk first, then steps,
         priorities, RNG and limiter counters named by a new manifest. Under the store's
         lock."""

@@ -249,8 +249,8 @@ class RateLimiter:
         close (`Waits.wait`)."""
         self._waits.wait(kind, n, self._fold, lambda: not self._enabled or can(),
                          self.timeout_s if timeout is _DEFAULT else timeout,
-                         lambda *wait: _timeout_message(self, *wait, self._inserts,
-                                                        self._samples, self._diff()))
+                         lambda kind, n, limit: _timeout_message(
+                             self, kind, n, limit, self._inserts, self._samples, self._diff()))
 
     def _lease_limit(self) -> int:
         """How many steps a lease may admit (see `lease`; under the lock, the live lease

@@ -244,7 +244,7 @@ class ReplayStore(BucketMethods):
     @property
     def rate_limiter(self) -> RateLimiter | None:
         """The rate limiter in use, if any (see `set_rate_limiter`)."""
-        return self._limits.limiter
+        return cast(RateLimiter | None, self._limits.limiter)
 
     def rate_limiter_state(self) -> dict[str, Any] | None:
         """The limiter's counters: live if one is attached, else as last committed."""

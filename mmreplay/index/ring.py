@@ -270,11 +270,11 @@ class StepRing:
             np.minimum(lo, touched, out=lo)
         block, spe = self.spec.block_slots, self.slots_per_env
         for e in np.flatnonzero(touched < self.written).tolist():
-            lo, hi = int(touched[e]), int(self.written[e])
-            if hi - lo >= spe:
+            low, high = int(touched[e]), int(self.written[e])
+            if high - low >= spe:
                 self.dirty_blocks.update(range(-(-spe // block)))
                 continue
-            first, last = lo % spe // block, (hi - 1) % spe // block
+            first, last = low % spe // block, (high - 1) % spe // block
             if first <= last:
                 self.dirty_blocks.update(range(first, last + 1))
             else:  # the frames wrap around the ring's end
