@@ -20,8 +20,9 @@ import numpy as np
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing, id_map, spilled
+from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import PrioritizedSampler, PrioritySampler, Sampler, SlotMarks
+from mmreplay.index.sequences import sequence_priority
 from mmreplay.late_priorities import LatePriorities, wants_late
 from mmreplay.spec import StoreSpec
 
@@ -71,6 +72,18 @@ class Priorities:
         self._written(flat, values)
         return int(flat.size)
 
+    def set_sequences(self, ids: Any, td_errors: Any, eta: float,
+                      starts_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> int:
+        """`ReplayStore.update_sequence_priorities`: R2D2's priority of each sequence (rows
+        of `ids`, -1 padding) from its steps' `td_errors`, set at its start's flat slot
+        (`starts_of`: flat slots and found mask of start ids); returns how many applied."""
+        rows, errors = validate.sequence_priorities(ids, td_errors)
+        eta = validate.unit_interval("eta", eta)
+        self.require("update_sequence_priorities", ("prioritized",))
+        flat, found = starts_of(rows[:, 0])
+        values = sequence_priority(rows, errors, eta)
+        return self.set(flat[found], values[found])
+
     def set_ids(self, ids: np.ndarray, values: np.ndarray, ring: StepRing) -> int:
         """The priorities of transition `ids` found sampleable in `ring` (others ignored; the
         last value of a slot wins); returns how many slots were set. NaN, inf or negative
@@ -116,10 +129,10 @@ class Priorities:
             validate.priority_values(values)
             flat, found = ring.flat_of_ids(ids)
             return self.set(flat[found], values[found])
-        where = id_map(ring)
+        where = ring.id_map()
         applied = sampler.set_id_priorities(ids, values, where, marks=self.marks)
         if applied is None:  # some ids live in the ring's spill table
-            applied = sampler.set_id_priorities(ids, values, where, spilled(ring, ids),
+            applied = sampler.set_id_priorities(ids, values, where, ring.spilled(ids),
                                                 marks=self.marks)
         assert applied is not None  # their slots given: nothing is missed
         for listener in self.listeners:

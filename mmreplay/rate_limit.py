@@ -33,8 +33,9 @@ surely fit below the upper edge, which it inserts and counts without the lock; e
 locked operation folds their counts in first (`_fold`). Samples only lower `diff`, so they
 leave the lease alone; whatever may raise it or change the rules (an insert on the locked
 path, a cancel, `restore`, the switches, `close`) revokes it. With no upper edge
-(`min_size`) or limiting off, a lease is endless. This module knows no store, frames or
-files.
+(`min_size`) or limiting off, a lease is endless. Waiting itself (the condition, timeouts,
+close, wait statistics) is `rate_waits.Waits`; a store's side of the protocol is
+`admission.LimiterSlot`. This module knows no store, frames or files.
 """
 
 from __future__ import annotations
@@ -43,15 +44,13 @@ import contextlib
 import math
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
-
-from mmreplay.admission import ENDLESS, NO_LEASE, REVOKED, Leases, StepLease
-from mmreplay.errors import InvalidInputError, RateLimiterClosedError, RateLimitTimeoutError
+from mmreplay.admission import ENDLESS, REVOKED, Leases, StepLease
+from mmreplay.errors import InvalidInputError
+from mmreplay.rate_waits import Waits
 
 CONFIG_KEYS = ("samples_per_insert", "min_size_to_sample", "min_diff", "max_diff")
 COUNTER_KEYS = ("inserts", "samples", "offset", "insert_wait_s", "sample_wait_s",
@@ -92,14 +91,12 @@ class RateLimiter:
         _check_band(self.samples_per_insert, self.min_diff, self.max_diff)
         self.timeout_s = None if timeout_s is None else _number("timeout_s", timeout_s, low=0)
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._inserts = self._samples = 0
         self._offset = 0.0
-        self._wait_s = {"insert": 0.0, "sample": 0.0}
-        self._blocked = {"insert": 0, "sample": 0}
-        self._waiters = 0
-        self._enabled, self._closed = True, False
+        self._enabled = True
         self._leases = Leases()  # inserts admitted without the lock, not yet counted
+        self._waits = Waits(self._lock, self._leases)  # who waits, how long; closed
+        self._cond = self._waits.cond
         # the lowest and highest diff after any admission while limiting past min size
         # (what "the error stayed in its band at every moment" checks; see stats)
         self._low, self._high = math.inf, -math.inf
@@ -148,13 +145,13 @@ class RateLimiter:
         with self._lock:  # no Condition, no call unless it waits
             self._leases.revoke()  # this raises diff: the lease's steps may no longer fit
             self._fold()
-            if n > 0 and (self._closed or self._enabled and not self._can_insert()):
-                _wait(self, "insert", n, self._can_insert, timeout)
+            if n > 0 and (self._waits.closed or self._enabled and not self._can_insert()):
+                self._wait("insert", n, self._can_insert, timeout)
             inserts = self._inserts = self._inserts + n
             if self._enabled and inserts >= self.min_size_to_sample:
                 diff = self._diff()
                 self._high, self._low = max(self._high, diff), min(self._low, diff)
-            if self._waiters:
+            if self._waits.waiters:
                 self._cond.notify_all()
 
     def lease(self, cap: int) -> StepLease:
@@ -168,17 +165,17 @@ class RateLimiter:
         with self._lock:
             self._leases.revoke()
             self._fold()
-            return self._leases.issue(_lease_limit(self), max(1, cap), self._waiters > 0)
+            return self._leases.issue(self._lease_limit(), max(1, cap), self._waits.waiters > 0)
 
     def await_sample(self, n: int = 1, timeout: float | None = _DEFAULT) -> None:
         """Wait until a sample may go, then count `n` samples (`cancel_sample` undoes)."""
         with self._lock:  # self._can_sample() written out: this is on every batch
             self._fold()
             inserts, spi = self._inserts, self.samples_per_insert
-            if n > 0 and (self._closed or self._enabled and not (
+            if n > 0 and (self._waits.closed or self._enabled and not (
                     inserts >= self.min_size_to_sample
                     and inserts * spi - self._samples - self._offset - 1 >= self.min_diff)):
-                _wait(self, "sample", n, self._can_sample, timeout)
+                self._wait("sample", n, self._can_sample, timeout)
             samples = self._samples = self._samples + n
             inserts = self._inserts
             if self._enabled and inserts >= self.min_size_to_sample:
@@ -187,7 +184,7 @@ class RateLimiter:
                     self._low = diff
                 if diff > self._high:
                     self._high = diff
-            if self._waiters:
+            if self._waits.waiters:
                 self._cond.notify_all()
 
     def cancel_insert(self, n: int) -> None:
@@ -205,7 +202,7 @@ class RateLimiter:
         lease's holder calls after an insert while its lease says `wake`."""
         with self._cond:
             self._fold()
-            self._wake()
+            self._waits.wake()
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -215,7 +212,7 @@ class RateLimiter:
             self._leases.revoke()
             self._fold()
             yield
-            self._wake()
+            self._waits.wake()
 
     def _fits(self, more: int) -> bool:
         """Would one insert go (past min size) after `more` inserts besides the counted?"""
@@ -247,9 +244,30 @@ class RateLimiter:
     def _can_sample(self) -> bool:
         return self._inserts >= self.min_size_to_sample and self._diff() - 1 >= self.min_diff
 
-    def _wake(self) -> None:
-        if self._waiters:
-            self._cond.notify_all()
+    def _wait(self, kind: str, n: int, can: Callable[[], bool], timeout: float | None) -> None:
+        """Under the lock: return once `can()` (or limiting is off); raise on timeout or
+        close (`Waits.wait`)."""
+        self._waits.wait(kind, n, self._fold, lambda: not self._enabled or can(),
+                         self.timeout_s if timeout is _DEFAULT else timeout,
+                         lambda kind, n, limit: _timeout_message(
+                             self, kind, n, limit, self._inserts, self._samples, self._diff()))
+
+    def _lease_limit(self) -> int:
+        """How many steps a lease may admit (see `lease`; under the lock, the live lease
+        revoked and folded): every insert it admits starts at a count Reverb's rule admits,
+        besides what revoked leases may still add."""
+        if self._waits.closed:
+            return REVOKED
+        if not self._enabled:
+            return ENDLESS
+        reserved = self._leases.reserved_steps()
+        below = self.min_size_to_sample - self._inserts - reserved - 1
+        if below >= 0 or self._inserts < self.min_size_to_sample:
+            return max(below, REVOKED)  # the insert that reaches min size takes the lock
+        diff = self._diff()
+        if diff < self._low:
+            return REVOKED  # the next insert may set the lowest error: the lock records it
+        return _steps_below(self.max_diff, self.samples_per_insert, diff, reserved, self._fits)
 
     # -- switches -----------------------------------------------------------------------
     def disable(self) -> None:
@@ -279,24 +297,25 @@ class RateLimiter:
     def close(self) -> None:
         """Shut down: every waiter, now and later, raises `RateLimiterClosedError`."""
         with self._changing():
-            self._closed = True
+            self._waits.closed = True
             self._cond.notify_all()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._waits.closed
 
     # -- counters -----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Config and counters as a flat dict of JSON numbers (what a store commits)."""
         with self._cond:
             self._fold()
+            waits = self._waits
             return {**{k: v for k, v in self.config().items() if k != "timeout_s"},
                     "inserts": self._inserts, "samples": self._samples,
-                    "offset": self._offset, "insert_wait_s": self._wait_s["insert"],
-                    "sample_wait_s": self._wait_s["sample"],
-                    "inserts_blocked": self._blocked["insert"],
-                    "samples_blocked": self._blocked["sample"], "enabled": self._enabled}
+                    "offset": self._offset, "insert_wait_s": waits.seconds["insert"],
+                    "sample_wait_s": waits.seconds["sample"],
+                    "inserts_blocked": waits.blocked["insert"],
+                    "samples_blocked": waits.blocked["sample"], "enabled": self._enabled}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take counters back from a `state` dict (not ``enabled``: this limiter's own switch
@@ -306,11 +325,11 @@ class RateLimiter:
         with self._changing():  # folded inserts are replaced with the rest
             self._inserts = counts.get("inserts", 0)
             self._samples = counts.get("samples", 0)
-            self._blocked = {"insert": counts.get("inserts_blocked", 0),
-                             "sample": counts.get("samples_blocked", 0)}
+            self._waits.blocked = {"insert": counts.get("inserts_blocked", 0),
+                                   "sample": counts.get("samples_blocked", 0)}
             self._offset = floats.get("offset", 0.0)
-            self._wait_s = {"insert": floats.get("insert_wait_s", 0.0),
-                            "sample": floats.get("sample_wait_s", 0.0)}
+            self._waits.seconds = {"insert": floats.get("insert_wait_s", 0.0),
+                                   "sample": floats.get("sample_wait_s", 0.0)}
             same = all(state.get(k) == v for k, v in self.config().items() if k != "timeout_s")
             if not same and self._enabled:
                 self._rebase()
@@ -343,9 +362,9 @@ class RateLimiter:
             self._fold()
             self._leases.check_valid()
             live = self._leases.live
-            assert not self._closed or live is None or live.limit == REVOKED
+            assert not self._waits.closed or live is None or live.limit == REVOKED
             assert self._inserts >= 0 and self._samples >= 0, (self._inserts, self._samples)
-            assert self._waiters >= 0 and min(self._wait_s.values()) >= 0
+            assert self._waits.waiters >= 0 and min(self._waits.seconds.values()) >= 0
 
     def __repr__(self) -> str:
         return (f"RateLimiter(samples_per_insert={self.samples_per_insert:g}, "
@@ -353,65 +372,21 @@ class RateLimiter:
                 f"max_diff={self.max_diff:g})")
 
 
-def _lease_limit(lim: RateLimiter) -> int:
-    """How many steps a lease may admit (see `RateLimiter.lease`; under the lock, the live
-    lease revoked and folded): every insert it admits starts at a count Reverb's rule
-    admits, besides what revoked leases may still add."""
-    if lim._closed:
-        return REVOKED
-    if not lim._enabled:
+def _steps_below(max_diff: float, spi: float, diff: float, reserved: int,
+                 fits: Callable[[int], bool]) -> int:
+    """Steps that surely fit between `diff` and `max_diff`, besides `reserved` ones: an
+    insert at `used` goes if one step fits after ``reserved + used``, so the last start is
+    ``limit - 1``, checked with `fits` (the locked path's own floats: the division may round
+    up)."""
+    if max_diff >= _NO_EDGE:
         return ENDLESS
-    reserved = lim._leases.reserved_steps()
-    below = lim.min_size_to_sample - lim._inserts - reserved - 1
-    if below >= 0 or lim._inserts < lim.min_size_to_sample:
-        return max(below, REVOKED)  # the insert that reaches min size takes the lock
-    if lim._diff() < lim._low:
-        return REVOKED  # the next insert may set the lowest error: the lock records it
-    if lim.max_diff >= _NO_EDGE:
-        return ENDLESS
-    spi = lim.samples_per_insert
-    steps = (lim.max_diff - lim._diff()) / spi - reserved
+    steps = (max_diff - diff) / spi - reserved
     limit = ENDLESS if steps >= ENDLESS else max(0, math.floor(steps))
-    # an insert at `used` goes if one step fits after `reserved + used`: the last start
-    # is `limit - 1`, checked in the locked path's floats (the division may round up)
-    if limit and not lim._fits(reserved + limit - 1):
+    if limit and not fits(reserved + limit - 1):
         limit -= 1
-    if limit and not lim._fits(reserved + limit - 1):
+    if limit and not fits(reserved + limit - 1):
         limit = 0  # too large for floats to tell: the locked path decides
     return limit
-
-
-def _wait(lim: RateLimiter, kind: str, n: int, can: Any, timeout: float | None) -> None:
-    """Under `lim`'s lock: return once `can()` (or limiting is off); raise on timeout/close."""
-    limit = lim.timeout_s if timeout is _DEFAULT else timeout
-    if lim._closed:
-        raise RateLimiterClosedError(f"{kind} of {n} on a rate limiter that was closed")
-    lim._waiters += 1  # before the fold: an insert of a lease from now on wakes us
-    lim._leases.set_wake(True)
-    try:
-        lim._fold()
-        if not lim._enabled or can():
-            return
-        start = time.monotonic()
-        lim._blocked[kind] += 1
-        try:
-            while True:
-                left = None if limit is None else start + limit - time.monotonic()
-                if left is not None and left <= 0:
-                    raise RateLimitTimeoutError(_timeout_message(lim, kind, n, limit))
-                lim._cond.wait(left)
-                if lim._closed:
-                    raise RateLimiterClosedError(f"the rate limiter was closed while a "
-                                                 f"{kind} of {n} waited")
-                lim._fold()
-                if not lim._enabled or can():
-                    return
-        finally:
-            lim._wait_s[kind] += time.monotonic() - start
-    finally:
-        lim._waiters -= 1
-        if not lim._waiters:
-            lim._leases.set_wake(False)
 
 
 def _check_band(spi: float, min_diff: float, max_diff: float) -> None:
@@ -456,13 +431,15 @@ def _counters(state: dict[str, Any]) -> tuple[dict[str, int], dict[str, float]]:
     return counts, floats
 
 
-def _timeout_message(lim: RateLimiter, kind: str, n: int, limit: float | None) -> str:
+def _timeout_message(lim: RateLimiter, kind: str, n: int, limit: float | None,
+                     inserts: int, samples: int, diff: float) -> str:
+    """What a wait that timed out says: `lim`'s band and its counts at that time."""
     other = "the learner is not sampling" if kind == "insert" else \
         "the writers are not inserting"
     article = "an" if kind == "insert" else "a"
     return (f"rate limiter: {article} {kind} of {n} waited {limit} s ({other}): inserts "
-            f"{lim._inserts}, samples {lim._samples}, samples_per_insert "
-            f"{lim.samples_per_insert:g}, diff {lim._diff():g} in band "
+            f"{inserts}, samples {samples}, samples_per_insert "
+            f"{lim.samples_per_insert:g}, diff {diff:g} in band "
             f"[{lim.min_diff:g}, {lim.max_diff:g}], min_size_to_sample "
             f"{lim.min_size_to_sample}; raise timeout_s or check the other side")
 
@@ -475,90 +452,3 @@ def summary(state: dict[str, Any]) -> dict[str, Any]:
     diff = state["inserts"] * spi - state["samples"] - state.get("offset", 0.0)
     return {**state, "achieved_samples_per_insert": state["samples"] / past if past > 0
             else None, "error": diff - spi * min_size}
-
-
-def steps_in_call(count: int, autoreset: Any) -> int:
-    """How many of `count` env rows of an ``add`` are steps (not autoreset rows); a value
-    the store's own checks will refuse counts as `count` (the refusal cancels it)."""
-    if autoreset is None:
-        return count
-    try:
-        resets = int(np.count_nonzero(np.asarray(autoreset)))
-    except (TypeError, ValueError, RuntimeError):
-        return count
-    return max(0, count - resets)
-
-
-class LimiterSlot:
-    """The rate limiter a store may hold, and the waits its calls make on it.
-
-    `sampling(n)` is a context manager: it waits until the limiter lets `n` samples
-    through, runs the body, and gives the count back if the body raises (a refused call was
-    never a sample). With no limiter it costs nothing. Inserts (`ReplayStore.add`, one per
-    env step) are the store's: it holds `lease` (None with no limiter) and follows the
-    protocol of `mmreplay.admission` under its own lock, written out in `add` (a call is a
-    measurable share of an `add`); `hold` takes a new one on its slow path.
-    """
-
-    def __init__(self) -> None:
-        self.limiter: RateLimiter | None = None
-        self.lease: StepLease | None = None  # the holder's: under the store's lock only
-
-    def attach(self, limiter: RateLimiter | None, saved: dict[str, Any] | None, *,
-               inserts: int, capacity: int) -> None:
-        """Hold `limiter` (None removes it), counting from a store's committed counters
-        `saved` and its `inserts` recorded steps; refused if samples could never start."""
-        if limiter is not None:
-            if limiter.min_size_to_sample > capacity:
-                raise InvalidInputError(
-                    f"rate limiter min_size_to_sample {limiter.min_size_to_sample} > store "
-                    f"capacity {capacity}: samples would wait forever")
-            limiter.attach(saved, inserts=inserts)
-        self.limiter = limiter
-        self.lease = None if limiter is None else NO_LEASE
-
-    def hold(self, limiter: RateLimiter, lease: StepLease) -> None:
-        """Under the holder's lock: use `lease` from now on if `limiter` is still the one
-        held (else it is left unused: the limiter drops it when it revokes it)."""
-        if self.limiter is limiter:
-            self.lease = lease
-
-    def state(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The limiter's counters if one is held, else the committed ones (`saved`)."""
-        if self.limiter is not None:
-            return self.limiter.state()
-        return None if saved is None else dict(saved)
-
-    def sampling(self, n: int) -> contextlib.AbstractContextManager[None]:
-        """Wait for `n` samples, then run the body (count given back if it raises)."""
-        limiter = self.limiter
-        if limiter is None:
-            return _NOTHING
-        return _Admitted(limiter.await_sample, limiter.cancel_sample, n)
-
-    def close(self) -> None:
-        """Close the held limiter, waking its waiters."""
-        if self.limiter is not None:
-            self.limiter.close()
-
-
-class _Admitted:
-    """`wait(n)` on entering; `cancel(n)` if the body raises (it was never counted). A
-    plain class, not a generator context manager: this is on every `sample`."""
-
-    __slots__ = ("cancel", "n", "wait")
-
-    def __init__(self, wait: Callable[[int], None], cancel: Callable[[int], None],
-                 n: int) -> None:
-        self.wait, self.cancel, self.n = wait, cancel, n
-
-    def __enter__(self) -> None:
-        self.wait(self.n)
-
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
-        if kind is not None:
-            self.cancel(self.n)
-        return False
-
-
-_NOTHING = contextlib.nullcontext()  # stateless: one for every call without a limiter

@@ -24,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 
 from mmreplay.errors import EmptyStoreError, InvalidStoreError, UnknownIdError
-from mmreplay.index.ring import StepRing, actions_at, lookup_out
+from mmreplay.index.ring import StepRing, lookup_out
 from mmreplay.index.samplers import Draw, Sampler
 from mmreplay.kernels.structs import SampleOut, TreeDraw
 from mmreplay.storage.frame_store import FrameStore
@@ -192,7 +192,7 @@ class Reader:
         frames = self.frames.read_drawn(draw, self.ring.lookup_columns, outs,
                                         self.pool(pin_memory).take(stacks.size * self.frame_nbytes))
         flat, look = outs.flat, outs.look
-        action = actions_at(self.ring, flat)
+        action = self.ring.actions_at(flat)
         extras = self.ring.extras_at(flat) if self.ring.spec.extras else {}
         return flat, ArrayBatch(
             frames=frames, action=native(action, action.dtype), reward=look.ret,

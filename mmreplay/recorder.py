@@ -18,7 +18,8 @@ import numpy as np
 
 from mmreplay import validate
 from mmreplay.errors import InvalidInputError
-from mmreplay.index.ring import StepRing, block_fits, record_block
+from mmreplay.index.blocks import block_fits, record_block
+from mmreplay.index.ring import StepRing
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.frame_store import FrameStore
 

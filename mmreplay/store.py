@@ -13,9 +13,11 @@ Directory layout (a zarr v3 group; see README "On-disk format")::
 Index arithmetic lives in `ring`, frame bytes in `frame_store`, sampling
 policy in `samplers`, commits and loading in `commit`, open-time checks in
 `manifest`/`layout`/`safe_io`, torch conversion in `torch_batch`. The store's own
-collaborators: `recorder` (reset/add), `reader` (transition reads beside a writer),
-`sequence_reader` (the sequence API), `priorities` (the priority column); opening in
-`opening`; with ``device=``, `device_reader` (every kept frame once in a device's memory).
+collaborators: `recorder` (reset/add), `batching` (every batch: sample, batches, sequences,
+get), `reader` (transition reads beside a writer), `sequence_reader` (the sequence API),
+`priorities` (the priority column), `admission` (a rate limiter's admission of each add and
+sample), `persistence` (load, commit, close); opening in `opening`; with ``device=``,
+`device_reader` (every kept frame once in a device's memory).
 
 Tools read a store through its public methods and its read-only views (``store.views``,
 see `views`) only.
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,37 +37,29 @@ from typing import Any, TypeVar, cast
 import numpy as np
 
 from mmreplay import lifecycle, validate
+from mmreplay.admission import LimiterSlot
+from mmreplay.batching import BatchMaker
 from mmreplay.device_frames import check_fits
-from mmreplay.device_reader import DeviceReader, open_device
 from mmreplay.errors import ClosedStoreError, InvalidInputError, ReadOnlyError
 from mmreplay.index.ring import StepRing
 from mmreplay.index.samplers import make_sampler
-from mmreplay.index.sequences import sequence_priority
-from mmreplay.mirror import Mirror
 from mmreplay.opening import open_store
-from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
+from mmreplay.persistence import StoreFiles
+from mmreplay.prefetch import BatchPrefetcher
 from mmreplay.priorities import Priorities
-from mmreplay.rate_limit import LimiterSlot, RateLimiter, steps_in_call
-from mmreplay.reader import Planned, Reader
+from mmreplay.rate_limit import RateLimiter
+from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
-from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
+from mmreplay.sequence_reader import SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
-from mmreplay.storage.commit import Committer, release_lock, rng_from_state, take_lock
+from mmreplay.storage.commit import Committer, take_lock
 from mmreplay.storage.frame_store import FrameStore, create_frames_array
 from mmreplay.storage.layout import store_dictionary
 from mmreplay.storage.manifest import MAX_RAM_BYTES
-from mmreplay.storage.remote_frames import RemoteChunks, fill_on_batches
-from mmreplay.storage.safe_io import TMP_DIR
+from mmreplay.storage.remote_frames import RemoteChunks
 from mmreplay.storage.zstd_dict import parse_dictionary
-from mmreplay.torch_batch import (
-    ArrayBatch,
-    Batch,
-    FrameSetBatch,
-    SequenceBatch,
-    make_batch,
-    make_sequence_batch,
-)
+from mmreplay.torch_batch import ArrayBatch, Batch, SequenceBatch
 from mmreplay.validate import CacheBytes
 from mmreplay.views import StoreViews
 
@@ -141,15 +134,17 @@ class ReplayStore(BucketMethods):
         self._sequences = _sequence_reader(spec, self._reader, self._priorities)
         self._lock = threading.RLock()
         self.views = StoreViews(self._lock, self._reader, self._priorities, self._sequences)
-        self._prefetchers: weakref.WeakSet[BatchPrefetcher] = weakref.WeakSet()
-        self._limits = LimiterSlot()
+        self._limits = LimiterSlot(self._lock, spec.num_envs)
         self._closed = False
-        rng = _start(manifest, writable, self._commits, self._ring, self._frames,
-                     self._priorities, self._reader)
-        self._rng = np.random.default_rng() if rng is None else rng
+        self._files = StoreFiles(self._commits, self._reader, self._priorities, durable=durable)
+        rng = self._files.start(manifest, writable)
         self._lock_fd = lock_fd
-        self._device = _open_device(device, spec, self._reader, self._sequences, self._recorder,
-                                    self._commits)
+        self._batches = BatchMaker(
+            spec, self._lock, self._reader, self._sequences, self._limits,
+            self._files.open_device(device, spec, self._sequences, self._recorder),
+            np.random.default_rng() if rng is None else rng,
+            refuse_closed=functools.partial(_refuse_closed, weakref.proxy(self)),  # no cycle
+            open_view=None if writable else functools.partial(_open_view, type(self), root))
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], *, capacity: int, obs_shape: Any,
@@ -217,32 +212,13 @@ class ReplayStore(BucketMethods):
         then has a leading ``len(env_ids)`` dimension, the other envs wait). Autoreset rule:
         README. `extras` (``{name: array}``, the declared ones) belong to this step, like
         `action`. With a rate limiter, waits first until the learners let these steps in."""
-        limits, steps = self._limits, self.spec.num_envs  # the hot path: no calls
-        if limits.limiter is not None and (env_ids is not None or autoreset is not None):
-            steps = _steps(steps, env_ids, autoreset)  # fewer steps than envs
-        with self._lock:
-            lease = limits.lease  # the rate limiter's lease (`mmreplay.admission`)
-            if lease is None:  # no rate limiter
-                _check_writable(self, "add")
-                self._recorder.add(action, reward, next_obs, terminated, truncated,
-                                   autoreset, env_ids, extras)
-                return
-            lease.busy = True
-            if lease.used + steps <= lease.limit:  # admitted without the limiter's lock
-                try:
-                    _check_writable(self, "add")
-                    self._recorder.add(action, reward, next_obs, terminated, truncated,
-                                       autoreset, env_ids, extras)
-                    lease.used += steps  # counted once recorded: a refused add never is
-                finally:
-                    lease.busy = False
-                if lease.wake:  # someone waits on the limiter
-                    limits.limiter.settle()
-                return
-            lease.busy = False  # spent or revoked: the limiter's lock decides
-            limiter = limits.limiter  # held with the lease (both set under this lock)
-        step = (action, reward, next_obs, terminated, truncated, autoreset, env_ids, extras)
-        _add_waited(self, limiter, steps, step)
+        self._limits.insert(self._record, (action, reward, next_obs, terminated, truncated,
+                                           autoreset, env_ids, extras), env_ids, autoreset)
+
+    def _record(self, step: tuple[Any, ...]) -> None:
+        """`add`'s recording, under the lock once the rate limiter (if any) admitted it."""
+        _check_writable(self, "add")
+        self._recorder.add(*step)
 
     @_locked
     def add_rows(self, rows: StepRows) -> None:
@@ -259,12 +235,16 @@ class ReplayStore(BucketMethods):
         store committed (so a resumed run keeps its ratio) and counts this store's steps as inserts;
         every flush commits its counters (``mmreplay info`` shows them). Only a writable store takes
         one, and `close` closes it (waiters wake with `RateLimiterClosedError`)."""
-        _set_rate_limiter(self, limiter)
+        if limiter is not None:
+            _check_writable(self, "set_rate_limiter")
+        with self._lock:
+            self._limits.attach(limiter, self._commits.committed.get("rate_limiter"),
+                                inserts=self._ring.next_id, capacity=self.spec.capacity)
 
     @property
     def rate_limiter(self) -> RateLimiter | None:
         """The rate limiter in use, if any (see `set_rate_limiter`)."""
-        return self._limits.limiter
+        return cast(RateLimiter | None, self._limits.limiter)
 
     def rate_limiter_state(self) -> dict[str, Any] | None:
         """The limiter's counters: live if one is attached, else as last committed."""
@@ -276,12 +256,12 @@ class ReplayStore(BucketMethods):
         ``sampler="prioritized"``/``"rank"`` the draw follows the priorities and
         ``batch.weights`` are importance weights with exponent `beta`. With a rate limiter,
         waits first until the writers let `batch_size` samples out."""
-        return _sample(self, batch_size, beta)
+        return self._batches.sample(batch_size, beta)
 
     def sample_arrays(self, batch_size: int, beta: float = 0.4, *,
                       pin_memory: bool = False) -> ArrayBatch:
         """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`)."""
-        return _sample_arrays(self, batch_size, beta, pin_memory)
+        return self._batches.sample_arrays(batch_size, beta, pin_memory)
 
     def batches(self, batch_size: int, *, prefetch: int = 2, beta: float = 0.4,
                 pin_memory: bool = False, device: Any = None, workers: int = 1
@@ -295,9 +275,8 @@ class ReplayStore(BucketMethods):
         ``pin_memory``, ``device``, ``workers``: see docs/guides/gpu.md."""
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
-        it = _prefetcher(self, batch_size, prefetch, beta, pin_memory, device, workers)
-        self._prefetchers.add(it)
-        return it
+        return self._batches.prefetcher(batch_size, prefetch, beta, pin_memory, device,
+                                        workers, self.remote)
 
     @_locked
     def update_priorities(self, ids: Any, priorities: Any, *, late: bool | None = None
@@ -313,8 +292,7 @@ class ReplayStore(BucketMethods):
     @_reading
     def get(self, ids: Any) -> Batch:
         """The transitions with these ids; raises `UnknownIdError` if any is not sampleable."""
-        ids = validate.transition_ids(ids)
-        return self._device.get(ids) if self._device else make_batch(self._reader.get(ids))
+        return self._batches.get(ids)
 
     def sample_sequences(self, batch_size: int, length: int, *, cross_episodes: bool = False,
                          period: int = 1, beta: float = 0.4) -> SequenceBatch:
@@ -327,17 +305,14 @@ class ReplayStore(BucketMethods):
         episode, never padded. See README "Sequences". With a rate limiter, waits first
         until the writers let ``batch_size * length`` samples (steps) out.
         """
-        return _sample_sequences(self, batch_size, length, cross_episodes, period, beta)
+        return self._batches.sample_sequences(batch_size, length, cross_episodes, period, beta)
 
     @_reading
     def get_sequences(self, ids: Any, length: int, *, cross_episodes: bool = False,
                       period: int = 1) -> SequenceBatch:
         """The sequences starting at these transition ids (each a valid start, see
         `sequence_starts`), with weights 1; raises `UnknownIdError` otherwise."""
-        key = sequence_key(self.spec, length, cross_episodes, period)
-        if self._device is not None:
-            return self._device.get_sequences(key, validate.transition_ids(ids))
-        return _sequence_batch(self._sequences.get(key, validate.transition_ids(ids)))
+        return self._batches.get_sequences(length, cross_episodes, period, ids)
 
     @_locked
     def sequence_starts(self, length: int, *, cross_episodes: bool = False,
@@ -359,7 +334,7 @@ class ReplayStore(BucketMethods):
         the last value wins; NaN or inf TD errors raise and change nothing.
         """
         _check_writable(self, "update_sequence_priorities")
-        return _set_sequence_priorities(self, ids, td_errors, eta)
+        return self._priorities.set_sequences(ids, td_errors, eta, self._sequences.starts_of)
 
     @_locked
     def valid_ids(self) -> np.ndarray:
@@ -382,7 +357,7 @@ class ReplayStore(BucketMethods):
     @_locked
     def reseed(self, seed: int | None) -> None:
         """Restart the store's random generator from `seed` (saved by the next flush)."""
-        self._rng = np.random.default_rng(seed)
+        self._batches.rng = np.random.default_rng(seed)
 
     @property
     def format_version(self) -> int:
@@ -397,12 +372,27 @@ class ReplayStore(BucketMethods):
 
     def flush(self, *, wait_mirror: bool = False) -> None:
         """Commit what changed since the last flush; a mirror pushes it (`wait_mirror`: now)."""
-        _flush(self, wait_mirror)
+        with self._lock:
+            _check_writable(self, "flush")
+            self._files.commit(self._batches.rng.bit_generator.state, self.rate_limiter_state())
+        if self.mirror is not None:
+            self.mirror.notify(self.generation, wait=wait_mirror)
+        self._priorities.report_late()  # a late update dropped at this commit
 
     def close(self) -> None:
         """Stop prefetchers, flush (if writable) and release the writer lock. Idempotent."""
-        _close(self)
-
+        self._batches.stop()  # before taking the lock: their threads may be waiting for it
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                if self.writable:
+                    self.flush()
+            finally:
+                self._closed = True
+                self._batches.device = None  # its memory goes back to the device
+                lock_fd, self._lock_fd = self._lock_fd, None
+                self._files.close(lock_fd, self.remote, self.mirror)
     @property
     def closed(self) -> bool:
         """True once `close` ran: every later read or write raises `ClosedStoreError`."""
@@ -461,31 +451,6 @@ def _create(cls: type[ReplayStore], root: Path, spec: StoreSpec, durable: bool,
     return store
 
 
-def _set_sequence_priorities(store: ReplayStore, ids: Any, td_errors: Any, eta: float) -> int:
-    rows, errors = validate.sequence_priorities(ids, td_errors)
-    eta = validate.unit_interval("eta", eta)
-    store._priorities.require("update_sequence_priorities", ("prioritized",))
-    flat, found = store._sequences.starts_of(rows[:, 0])
-    values = sequence_priority(rows, errors, eta)
-    return store._priorities.set(flat[found], values[found])
-
-
-def _commit(store: ReplayStore) -> None:
-    """One generation: frames on disk first, then steps, priorities, RNG and limiter counters
-    named by a new manifest (`Committer.commit`). Under the store's lock."""
-    store._reader.refresh()  # new transitions get their priorities before they are saved
-    if store.durable:
-        store._frames.sync()
-    else:
-        store._frames.drain()  # the manifest may only name chunks that are on disk
-    store._commits.commit(store._ring, store._frames.tail_frames(),
-                          store._rng.bit_generator.state, **store._priorities.commit_fields(),
-                          rate_limiter=store.rate_limiter_state(),
-                          dictionary=store._frames.dictionary_record())
-    store._ring.dirty_blocks.clear()
-    store._priorities.dirty.clear()
-
-
 def _counts(ring: StepRing, sampleable: int) -> StoreCounts:
     return StoreCounts(frames_written=int(ring.written.sum()),
                        frames_kept=int((ring.written - ring.oldest).sum()),
@@ -493,278 +458,10 @@ def _counts(ring: StepRing, sampleable: int) -> StoreCounts:
                        sampleable=sampleable)
 
 
-def _flush(store: ReplayStore, wait_mirror: bool) -> None:
-    with store._lock:
-        _check_writable(store, "flush")
-        _commit(store)
-    if store.mirror is not None:
-        store.mirror.notify(store.generation, wait=wait_mirror)
-    store._priorities.report_late()  # a late update dropped at this commit
-
-
-def _close(store: ReplayStore) -> None:
-    store._limits.close()  # wakes prefetch threads waiting on it
-    for it in list(store._prefetchers):
-        it.close()  # before taking the lock: their threads may be waiting for it
-    with store._lock:
-        if store._closed:
-            return
-        try:
-            if store.writable:
-                store.flush()
-        finally:
-            store._closed = True
-            store._device = None  # its memory goes back to the device
-            lock_fd, store._lock_fd = store._lock_fd, None
-            _close_parts(store._frames, store._commits, lock_fd, store.remote, store.mirror)
-
-
-def _pipeline(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
-              finish: Callable[[ArrayBatch], Any], receive: Receive | None) -> BatchPipeline:
-    """`batches` of a store read from a bucket: up to `prefetch` batches' chunks fetched at
-    once, drawn and assembled in order under the lock (`BatchPipeline`)."""
-    remote = store.remote
-    assert remote is not None
-    fill_on_batches(remote)  # ``cache_fill=None``: the filler, if the store fits the cache
-
-    def draw(size: int, b: float) -> Planned:
-        with store._lock:
-            _refuse_closed(store, "batches")
-            return store._reader.plan(store._rng, size, b)
-
-    def assemble(planned: Planned, size: int, b: float) -> Any:
-        with store._lock:
-            _refuse_closed(store, "batches")
-            arrays = store._reader.assemble(planned, store._rng, size, b)
-        return finish(arrays)
-
-    return BatchPipeline(draw, lambda planned: remote.prefetch(planned.chunks), assemble,
-                         batch_size, prefetch=prefetch, beta=beta, receive=receive)
-
-
-def _prefetcher(store: ReplayStore, batch_size: int, prefetch: int, beta: float,
-                pin_memory: bool, device: Any, workers: int) -> BatchPrefetcher:
-    """What `batches` iterates: a prefetch thread, or for a bucket store the pipeline;
-    with a `device`, each batch copied there by the thread (`DeviceMover`); for a ``device=``
-    store, its own batches, gathered on its device."""
-    if store._device is not None:
-        _refuse_device_options(pin_memory, device, workers)
-        return BatchPrefetcher(store.sample, batch_size, prefetch=prefetch, beta=beta)
-    finish: Callable[[Any], Any] = make_batch
-    receive: Receive | None = None
-    if device is not None:
-        from mmreplay.device_batches import DeviceMover  # imports torch
-
-        mover = DeviceMover(device)
-        finish, receive, pin_memory = mover.upload, mover.receive, mover.pin_memory
-    if store.remote is not None:
-        if workers != 1:
-            raise InvalidInputError(f"batches(workers={workers!r}) is for local stores; a "
-                                    f"bucket store's pipeline fetches `prefetch` batches at once")
-        if pin_memory and device is None:
-            raise InvalidInputError("batches(pin_memory=True) is for local stores; a bucket "
-                                    "store's pipeline assembles into pageable memory")
-        return _pipeline(store, batch_size, prefetch, beta, finish, receive)
-
-    draw = _sample_frame_set if device is not None else _sample_arrays  # frame set: each
-    views = _read_only_views(store, workers)  # distinct frame read and copied once
-
-    def sampler(source: ReplayStore) -> Callable[[int, float], Any]:
-        return lambda size, b: finish(draw(source, size, b, pin_memory))
-
-    try:
-        return BatchPrefetcher([sampler(view) for view in views] or sampler(store), batch_size,
-                               prefetch=prefetch, beta=beta, workers=workers, receive=receive,
-                               on_close=functools.partial(_close_all, views))
-    except BaseException:
-        _close_all(views)
-        raise
-
-
-def _refuse_device_options(pin_memory: bool, device: Any, workers: int) -> None:
-    """A ``device=`` store gathers its batches on its device: copying options do not apply."""
-    if pin_memory or device is not None or workers != 1:
-        raise InvalidInputError(
-            f"batches(pin_memory={pin_memory!r}, device={device!r}, workers={workers!r}): "
-            f"this store keeps its frames on its device and gathers batches there; expected "
-            f"the defaults (pin_memory=False, device=None, workers=1)")
-
-
-def _close_all(stores: list[ReplayStore]) -> None:
-    for each in stores:
-        each.close()
-
-
-def _read_only_views(store: ReplayStore, workers: int) -> list[ReplayStore]:
-    """For `workers` threads sampling a read-only store: one read-only view of its directory
-    each (its own lock, index and RNG, seeded from the store's; no frame cache: the views
-    share the OS page cache), so their compiled reads run at once. None for one worker or a
-    writable store (a view sees only what the writer committed)."""
-    if not isinstance(workers, int) or workers <= 1 or store.writable:
-        return []  # (`BatchPrefetcher` refuses a bad `workers`)
-    with store._lock:
-        seeds = store._rng.integers(0, 1 << 63, size=workers).tolist()
-    views: list[ReplayStore] = []
-    try:
-        for seed in seeds:
-            views.append(ReplayStore.open(store.path, mode="r", cache_bytes=0))
-            views[-1].reseed(seed)
-    except BaseException:
-        for view in views:
-            view.close()
-        raise
-    return views
-
-
-def _sample(store: ReplayStore, batch_size: int, beta: float) -> Batch:
-    """`sample`: read from the frame store, or for a ``device=`` store planned on the CPU
-    and gathered on its device."""
-    device = store._device
-    if device is None:
-        return make_batch(_sample_arrays(store, batch_size, beta, False))
-    with store._limits.sampling(_items(batch_size)), store._lock:
-        _refuse_closed(store, "sample")
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        return device.sample(store._rng, size, beta)
-
-
-def _sample_arrays(store: ReplayStore, batch_size: int, beta: float,
-                   pin_memory: bool) -> ArrayBatch:
-    with store._limits.sampling(_items(batch_size)), store._lock:
-        _refuse_closed(store, "sample")
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        return store._reader.sample(store._rng, size, beta, pin_memory=bool(pin_memory))
-
-
-def _sample_frame_set(store: ReplayStore, batch_size: int, beta: float,
-                      pin_memory: bool) -> FrameSetBatch:
-    with store._limits.sampling(_items(batch_size)), store._lock:
-        _refuse_closed(store, "sample")
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        return store._reader.sample_frame_set(store._rng, size, beta, pin_memory=pin_memory)
-
-
-def _steps(num_envs: int, env_ids: Any, autoreset: Any) -> int:
-    """How many steps one `add` brings (what the rate limiter counts as inserts, and what
-    `cancel_insert` takes back if the add is refused): its env rows less autoreset rows."""
-    return steps_in_call(num_envs if env_ids is None else int(np.size(env_ids)), autoreset)
-
-
-def _add_waited(store: ReplayStore, limiter: RateLimiter, steps: int,
-                step: tuple[Any, ...]) -> None:
-    """`add` once `limiter` let these steps in under its lock (counted there, taken back
-    if the store refuses them); the store holds a new lease from then on."""
-    limiter.await_insert(steps)
-    try:
-        lease = limiter.lease(store.spec.num_envs)
-        with store._lock:
-            store._limits.hold(limiter, lease)
-            _check_writable(store, "add")
-            store._recorder.add(*step)
-    except BaseException:
-        limiter.cancel_insert(steps)  # refused: these steps were never inserts
-        raise
-
-
-def _set_rate_limiter(store: ReplayStore, limiter: RateLimiter | None) -> None:
-    if limiter is not None:
-        _check_writable(store, "set_rate_limiter")
-    with store._lock:
-        store._limits.attach(limiter, store._commits.committed.get("rate_limiter"),
-                             inserts=store._ring.next_id, capacity=store.spec.capacity)
-
-
-def _sample_sequences(store: ReplayStore, batch_size: int, length: int, cross_episodes: bool,
-                      period: int, beta: float) -> SequenceBatch:
-    with store._limits.sampling(_items(batch_size) * _items(length)), store._lock:
-        _refuse_closed(store, "sample_sequences")
-        size, beta = validate.batch_size(batch_size), validate.beta(beta)
-        key = sequence_key(store.spec, length, cross_episodes, period)
-        if store._device is not None:
-            return store._device.sample_sequences(key, store._rng, size, beta)
-        return _sequence_batch(store._sequences.sample_batch(key, store._rng, size, beta))
-
-
-def _items(value: Any) -> int:
-    """A count the rate limiter can take (0 for what the argument checks will refuse)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
-
-
-def _sequence_batch(arrays: SequenceArrays) -> SequenceBatch:
-    win = arrays.windows
-    return make_sequence_batch(
-        obs=arrays.obs, next_obs=arrays.next_obs, action=win.action, reward=win.reward,
-        terminated=win.terminated, truncated=win.truncated, is_first=win.is_first,
-        mask=win.mask, ids=win.ids, weights=arrays.weights, extras=win.extras)
-
-
-def _start(manifest: dict[str, Any] | None, writable: bool, commits: Committer,
-           ring: StepRing, frames: FrameStore, priorities: Priorities,
-           reader: Reader) -> np.random.Generator | None:
-    """Load `manifest` (if any; returns its RNG); a writer then opens the readers lock and
-    sweeps. On failure, closes what the store opened."""
-    try:
-        rng = None if manifest is None else _load(manifest, commits, ring, frames, priorities,
-                                                  reader)
-        if writable:
-            (commits.root / TMP_DIR).mkdir(exist_ok=True)
-            commits.open_readers()
-            if manifest is not None:
-                commits.sweep()
-        return rng
-    except BaseException:
-        _close_parts(frames, commits)
-        raise
-
-
-def _open_device(device: Any, spec: StoreSpec, reader: Reader, sequences: SequenceReader,
-                 recorder: Recorder, commits: Committer) -> DeviceReader | None:
-    """`open_device` (None without a `device`); on failure, closes what the store opened."""
-    try:
-        return open_device(device, spec, reader, sequences, recorder)
-    except BaseException:
-        _close_parts(reader.frames, commits)
-        raise
-
-
-def _close_parts(frames: FrameStore, commits: Committer, lock_fd: int | None = None,
-                 remote: RemoteChunks | None = None, mirror: Mirror | None = None) -> None:
-    """Close the mirror (pushing the last generation), the frame store, the committer (it
-    may fail to delete retired files: they are swept later), the writer lock and a bucket
-    store's cache, whatever the one before raised."""
-    try:
-        if mirror is not None:
-            mirror.close()
-    finally:
-        _close_files(frames, commits, lock_fd, remote)
-
-
-def _close_files(frames: FrameStore, commits: Committer, lock_fd: int | None,
-                 remote: RemoteChunks | None) -> None:
-    try:
-        frames.close()
-    finally:
-        try:
-            commits.close()
-        finally:
-            if lock_fd is not None:
-                release_lock(lock_fd)
-            if remote is not None:  # a store read from a bucket: its cache goes
-                remote.close()
-                shutil.rmtree(commits.root, ignore_errors=True)
-
-
-def _load(manifest: dict[str, Any], commits: Committer, ring: StepRing, frames: FrameStore,
-          priorities: Priorities, reader: Reader) -> np.random.Generator:
-    """Fill the RAM parts from a manifest that passed `check_manifest`; returns the RNG."""
-    commits.load_ring(manifest, ring)
-    tail = commits.load_tail(manifest, frames.tail)
-    frames.load_tail(tail, ring.written % ring.slots_per_env)
-    sampler = priorities.sampler
-    if sampler is None:
-        reader.update_all_slots()
-    else:
-        sampler.load(commits.load_priorities(manifest), ring.steps["id"].reshape(-1),
-                     float(manifest["max_priority"]), ring.valid)
-    commits.committed = manifest
-    return rng_from_state(manifest["rng"])
+def _open_view(cls: type[ReplayStore], root: Path,
+               seed: int) -> tuple[BatchMaker, Callable[[], None]]:
+    """A read-only view of the store at `root` for one prefetch worker, seeded with `seed`
+    (`BatchMaker.prefetcher`): its batch maker, and how to close it."""
+    view = cls.open(root, mode="r", cache_bytes=0)
+    view.reseed(seed)
+    return view._batches, view.close

@@ -273,7 +273,7 @@ def _record(side: str, position: int, generation: int) -> None:
 
 def _record_rng(side: str, position: int, store: ReplayStore) -> None:
     """No fsync: only a power cut, not SIGKILL, loses what `write` handed the kernel."""
-    state = json.dumps(store._rng.bit_generator.state, separators=(",", ":"))
+    state = json.dumps(store._batches.rng.bit_generator.state, separators=(",", ":"))
     _append(side, f"flushing {position} {state}\t\n", sync=False)
 
 

@@ -249,7 +249,7 @@ def verify_after_crash(trial: Trial) -> None:
         trial.bound = ref.bound(position)
         lost = assert_matches(view, ref, trial.bound)
         # the writer logged its RNG state as each flush began: that state is what it commits
-        assert view._rng.bit_generator.state == read_rng_states(trial.side)[position], (
+        assert view._batches.rng.bit_generator.state == read_rng_states(trial.side)[position], (
             "reopened store's RNG is not the one the writer committed with this state")
         if trial.lossless and not lost:
             assert_same_rng(view, ref)

@@ -77,7 +77,7 @@ def assert_same(a: ReplayStore, b: ReplayStore) -> None:
         np.testing.assert_array_equal(np.asarray(getattr(ba, field)),
                                       np.asarray(getattr(bb, field)), err_msg=field)
     assert a.counts == b.counts
-    assert a._rng.bit_generator.state == b._rng.bit_generator.state  # noqa: SLF001
+    assert a._batches.rng.bit_generator.state == b._batches.rng.bit_generator.state  # noqa: SLF001
     np.testing.assert_array_equal(a._sampler.priorities(), b._sampler.priorities())  # noqa: SLF001
 
 

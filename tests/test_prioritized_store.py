@@ -8,7 +8,6 @@ from conftest import frame
 from scipy import stats
 
 from mmreplay import InvalidInputError, ReplayStore
-from mmreplay.index.ring import id_map
 
 OBS = (2, 2)
 
@@ -164,7 +163,7 @@ def test_compiled_updates_match_a_dict_of_last_values(tmp_path, seed):
         live = store.valid_ids()
         if live.size == 0 or step % 3:
             continue
-        spilled += id_map(store._ring).spills
+        spilled += store._ring.id_map().spills
         ids = np.concatenate([rng.choice(live, 6), rng.integers(0, store.counts.transitions + 5,
                                                                 4)])
         values = rng.random(ids.size) * 5

@@ -17,13 +17,14 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from mmreplay.admission import steps_in_call
 from mmreplay.errors import (
     InvalidInputError,
     MmreplayError,
     RateLimiterClosedError,
     RateLimitTimeoutError,
 )
-from mmreplay.rate_limit import RateLimiter, steps_in_call
+from mmreplay.rate_limit import RateLimiter
 
 
 def test_parameter_checks_say_why() -> None:

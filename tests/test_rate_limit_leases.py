@@ -25,20 +25,22 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from mmreplay import InvalidInputError, ReplayStore, rate_limit
-from mmreplay.admission import NO_LEASE, REVOKED, StepLease
+from mmreplay import InvalidInputError, ReplayStore
+from mmreplay.admission import NO_LEASE, REVOKED, LimiterSlot, StepLease
 from mmreplay.errors import RateLimiterClosedError, RateLimitTimeoutError
-from mmreplay.rate_limit import LimiterSlot, RateLimiter
+from mmreplay.rate_limit import RateLimiter
 
 BIG = sys.float_info.max
 
 
 class Holder:
     """A writer of `lim` that follows the lease protocol (mmreplay/admission.py) as
-    `ReplayStore.add` does, without frames; `stall` runs between its check and its count."""
+    `LimiterSlot.insert` does, without frames, telling which path an insert took and with its
+    own wait `timeout`; `stall` runs between its check and its count."""
 
     def __init__(self, lim: RateLimiter, cap: int = 1, timeout: float | None = 0) -> None:
-        self.lock, self.slot, self.cap, self.timeout = threading.Lock(), LimiterSlot(), cap, timeout
+        self.lock, self.cap, self.timeout = threading.RLock(), cap, timeout
+        self.slot = LimiterSlot(self.lock, cap)
         self.slot.limiter, self.slot.lease = lim, NO_LEASE
         self.lim = lim
 
@@ -65,7 +67,8 @@ class Holder:
             return "waits"
         lease = self.lim.lease(self.cap)
         with self.lock:
-            self.slot.hold(self.lim, lease)
+            if self.slot.limiter is self.lim:
+                self.slot.lease = lease
         return "lock"
 
     @property
@@ -242,7 +245,7 @@ def test_an_insert_that_waited_counts_a_lease_issued_meanwhile() -> None:
         lim._samples += 1  # noqa: SLF001
     lease = lim.lease(1)  # A still asleep: the holder gets a lease of 1 step...
     assert lease.limit == 1
-    holder.slot.hold(lim, lease)
+    holder.slot.lease = lease
 
     def wake_a() -> None:  # ...and is in flight when A wakes: A revokes the lease, and
         with lim._cond:  # noqa: SLF001 - reserves its 1 step (9 + 1 + 1 > 10): no room
@@ -403,13 +406,13 @@ def test_a_lease_insert_counted_while_a_sample_starts_waiting_is_seen(
     holder = Holder(lim)
     holder.insert(1)  # diff 1, a lease of 99 steps
     lim.await_sample(1)  # diff 0
-    wait = rate_limit._wait  # noqa: SLF001 - the window is inside the locked path
+    wait = lim._wait  # noqa: SLF001 - the window is inside the locked path
 
     def racing_wait(*args: object) -> None:
         assert holder.insert(1) == "lease" and not holder.lease.wake
         wait(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(rate_limit, "_wait", racing_wait)
+    monkeypatch.setattr(lim, "_wait", racing_wait)
     lim.await_sample(1)  # else it sleeps its 5 s (nothing wakes it) and counts as blocked
     assert lim.state()["samples"] == 2 and lim.state()["samples_blocked"] == 0
 

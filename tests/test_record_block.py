@@ -1,4 +1,4 @@
-"""Blocks of steps recorded in one call (`ReplayStore.add_rows` -> `StepRing.record_block`,
+"""Blocks of steps recorded in one call (`ReplayStore.add_rows` -> `index.blocks.record_block`,
 `FrameStore.append_run`) against the same steps added one ``add`` at a time."""
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def test_starts_are_uniform_over_valid_starts(tmp_path: Path, cross: bool, perio
 
 def _snapshot(store: ReplayStore) -> tuple[Any, ...]:
     return (store.counts, store.valid_ids().tolist(), store._ring.steps.tobytes(),
-            store._rng.bit_generator.state)
+            store._batches.rng.bit_generator.state)
 
 
 BAD_EXTRAS = [

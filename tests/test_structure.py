@@ -9,7 +9,8 @@ depth of a module, lazy ones included) has no cycle::
     2  mmreplay.index                               step ring, samplers, sum tree, sequences
     3  mmreplay.storage                             the on-disk format
     4  mmreplay (package), .store, .torch_batch, .prefetch, .reader, .recorder,
-       .priorities, .sequence_reader, .views        the facade and its collaborators
+       .priorities, .sequence_reader, .views, .batching, .persistence, .admission,
+       .rate_limit, .rate_waits                     the facade and its collaborators
     5  mmreplay.integrations                        SB3, gymnasium, Ray
     6  mmreplay.datasets                            Dopamine, Minari, episodes, staging
     7  mmreplay.tools (and mmreplay.__main__)       the command line, inspection, verify
@@ -246,12 +247,12 @@ def test_size_check_finds_a_long_function_and_a_long_class():
 
 # -- (d) methods moved out of their class, and module sizes ------------------------------------
 # A module-level function that reads a parameter's private field (``def f(store): store._x``)
-# is that object's method kept out of sight. The target is none; the ceiling is the count
-# when this check came (35) and may only go down: lower it as they become methods.
-MAX_REACH_IN_FUNCTIONS = 35
+# is that object's method kept out of sight. There are none (35 when this check came); keep
+# it so.
+MAX_REACH_IN_FUNCTIONS = 0
 # The target is 500 lines a module (split by concern); the ceiling is today's longest module
-# (store.py) and may only go down.
-MAX_MODULE_LINES = 806
+# (tools/inspection.py) and may only go down.
+MAX_MODULE_LINES = 521
 
 
 def reach_in_functions(source: str, where: str) -> list[str]:

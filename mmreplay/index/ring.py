@@ -30,15 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from mmreplay.kernels import compiled, entry, records
-from mmreplay.kernels.structs import (
-    IdMap,
-    LookupOut,
-    RecordColumns,
-    RecordOut,
-    RingColumns,
-    StepEvents,
-)
+from mmreplay.index.ids import IdIndex
+from mmreplay.kernels import compiled, entry
+from mmreplay.kernels.structs import IdMap, LookupOut, RingColumns
 from mmreplay.spec import StoreSpec
 
 
@@ -149,11 +143,7 @@ class StepRing:
         self.next_id = 0
         self.next_episode = 0
         self.valid = np.zeros(self.num_envs * self.slots_per_env, bool)
-        # id -> flat slot: `_id_loc[id % E*S]`, plus `_id_spill` for live ids whose entry a
-        # newer id took (envs that advance independently keep old ids for long).
-        self._id_loc = np.full(self.num_envs * self.slots_per_env, -1, np.int64)
-        self._id_spill: dict[int, int] = {}
-        self._spill_prune_at = 1024
+        self.ids = IdIndex(self._flat_cols["id"])  # id -> flat slot
         self._dirty_lo = np.zeros(self.num_envs, np.int64)   # first frame touched since refresh
         self._refreshed_key = (b"", b"")  # (written, kept_from) at the last refresh
         self.dirty_blocks: set[int] = set()
@@ -194,7 +184,7 @@ class StepRing:
 
     def index_nbytes(self) -> int:
         """Bytes of the RAM index besides the step columns (mask, id map, cursors)."""
-        arrays = (self.valid, self._id_loc, self.written, self.kept_from, self.running,
+        arrays = (self.valid, self.ids.loc, self.written, self.kept_from, self.running,
                   self._dirty_lo, self.ord_of_frame, self.frame_of_ord,
                   self.step_count)
         return sum(a.nbytes for a in arrays)
@@ -254,33 +244,13 @@ class StepRing:
         prev["reward"], prev["action"] = reward, action
         self.frame_of_ord[env, self.step_count[env] % self.slots_per_env] = t
         self.step_count[env] += 1
-        self._map_id(self.next_id, env * self.slots_per_env + t % self.slots_per_env)
+        self.ids.point(self.next_id, env * self.slots_per_env + t % self.slots_per_env)
         self.next_id += 1
         self._touch(env, t)
         rec, slot = self._new_frame(env)
         rec["pos"], rec["episode"] = prev["pos"] + 1, prev["episode"]
         self.running[env] = not (terminated or truncated)
         return slot
-
-    def _map_id(self, new_id: int, flat: int) -> None:
-        """Point `new_id` at `flat`; an id still held whose entry it takes spills over."""
-        key = new_id % self._id_loc.size
-        old = int(self._id_loc[key])
-        if old >= 0:
-            held = int(self.steps["id"][divmod(old, self.slots_per_env)])
-            if held >= 0 and held % self._id_loc.size == key and held != new_id:
-                self._id_spill[held] = old
-                if len(self._id_spill) >= self._spill_prune_at:
-                    self._prune_spill()
-        self._id_loc[key] = flat
-
-    def _prune_spill(self) -> None:
-        """Forget spilled ids whose slot now holds another id (amortized O(1) per id)."""
-        ids = np.fromiter(self._id_spill.keys(), np.int64, len(self._id_spill))
-        flat = np.fromiter(self._id_spill.values(), np.int64, len(self._id_spill))
-        keep = self.steps["id"].reshape(-1)[flat] == ids
-        self._id_spill = dict(zip(ids[keep].tolist(), flat[keep].tolist(), strict=True))
-        self._spill_prune_at = max(1024, 2 * len(self._id_spill))
 
     def _new_frame(self, env: int) -> tuple[np.void, int]:
         """Claim the env's next slot for a new frame; returns its (blank) record and slot."""
@@ -291,6 +261,25 @@ class StepRing:
         self._touch(env, frame)
         self.written[env] = frame + 1
         return self.steps[env, slot], slot
+
+    def touch_frames(self, touched: np.ndarray) -> None:
+        """`_touch` of every frame from ``touched[e]`` to the last written, per env (after a
+        compiled recording, `blocks.record_block`)."""
+        np.minimum(self._dirty_lo, touched, out=self._dirty_lo)
+        for lo in self.watchers:
+            np.minimum(lo, touched, out=lo)
+        block, spe = self.spec.block_slots, self.slots_per_env
+        for e in np.flatnonzero(touched < self.written).tolist():
+            low, high = int(touched[e]), int(self.written[e])
+            if high - low >= spe:
+                self.dirty_blocks.update(range(-(-spe // block)))
+                continue
+            first, last = low % spe // block, (high - 1) % spe // block
+            if first <= last:
+                self.dirty_blocks.update(range(first, last + 1))
+            else:  # the frames wrap around the ring's end
+                self.dirty_blocks.update(range(first, -(-spe // block)))
+                self.dirty_blocks.update(range(0, last + 1))
 
     def _touch(self, env: int, frame: int) -> None:
         if frame < self._dirty_lo[env]:
@@ -334,14 +323,8 @@ class StepRing:
         self.valid[flat[kept]] = self.transition_valid(env[kept], frames[kept])
         ids = self.steps["id"].reshape(-1)
         live = kept & (ids >= 0)
-        self._id_loc[:] = -1
         order = np.argsort(ids[live], kind="stable")  # the newest id takes a shared entry
-        live_ids, live_flat = ids[live][order], flat[live][order]
-        self._id_loc[live_ids % self._id_loc.size] = live_flat
-        spilled = self._id_loc[live_ids % self._id_loc.size] != live_flat
-        self._id_spill = dict(zip(live_ids[spilled].tolist(), live_flat[spilled].tolist(),
-                                  strict=True))
-        self._spill_prune_at = max(1024, 2 * len(self._id_spill))
+        self.ids.rebuild(ids[live][order], flat[live][order])
         self._dirty_lo[:] = self.written
         self._refreshed_key = (self.written.tobytes(), self.kept_from.tobytes())
         self._rebuild_ordinals()
@@ -379,20 +362,23 @@ class StepRing:
                     valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(flat slots, found mask) for transition ids; found = id is sampleable now
         (valid in `valid` instead, e.g. a sequence index's starts, when given)."""
-        known = (ids >= 0) & (ids < self.next_id)
-        flat = np.where(known, self._id_loc[ids % self._id_loc.size], -1)
-        slot_ids = self.steps["id"].reshape(-1)
-        missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
-        if missed.size and self._id_spill:
-            flat[missed] = [self._id_spill.get(i, -1) for i in ids[missed].tolist()]
-        found = known & (flat >= 0)
+        flat = self.ids.locate(ids, self.next_id)
+        found = flat >= 0
         flat = np.where(found, flat, 0)
-        found &= slot_ids[flat] == ids
+        found &= self.ids.slot_ids[flat] == ids
         found &= (self.valid if valid is None else valid)[flat]
         return flat, found
 
     def valid_flat(self) -> np.ndarray:
         return np.flatnonzero(self.valid)
+
+    def id_map(self) -> IdMap:
+        """The id -> flat slot map and validity mask as plain arrays (see `IdMap`)."""
+        return self.ids.as_map(self.valid, self.next_id)
+
+    def spilled(self, ids: np.ndarray) -> np.ndarray:
+        """Flat slot of each id (`IdIndex.locate`), -1 for ids held nowhere."""
+        return self.ids.locate(ids, self.next_id)
 
     # -- lookups ----------------------------------------------------------------
     def lookup(self, flat: np.ndarray) -> Lookup:
@@ -403,9 +389,13 @@ class StepRing:
         out = lookup_out(both)
         entry(compiled().lookup)(flat, self.lookup_columns, out)
         return Lookup(obs_slots=both[0], next_obs_slots=both[1],
-                      action=actions_at(self, flat), reward=out.ret, terminated=out.term,
+                      action=self.actions_at(flat), reward=out.ret, terminated=out.term,
                       truncated=out.trunc, discount=out.discount, steps=out.steps, ids=out.ids,
                       extras=self.extras_at(flat) if self.spec.extras else {}, slots=both)
+
+    def actions_at(self, flat: np.ndarray) -> np.ndarray:
+        """The actions of the steps at these flat slots (any shape), as `lookup` has them."""
+        return self._flat_cols["action"][flat]
 
     def extras_at(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The extras recorded with the steps at these flat slots (any shape), by name."""
@@ -438,11 +428,6 @@ def lookup_out(stacks: np.ndarray) -> LookupOut:
                      ids=np.empty(size, np.int64))
 
 
-def actions_at(ring: StepRing, flat: np.ndarray) -> np.ndarray:
-    """The actions of the steps at these flat slots (any shape), as `StepRing.lookup` has them."""
-    return ring._flat_cols["action"][flat]
-
-
 def _ring_columns(spec: StoreSpec, written: np.ndarray, cols: dict[str, np.ndarray],
                   gamma_pow: np.ndarray) -> RingColumns:
     """What `StepRing.lookup` passes its kernel (the ring's arrays, written in place)."""
@@ -451,92 +436,3 @@ def _ring_columns(spec: StoreSpec, written: np.ndarray, cols: dict[str, np.ndarr
                        gamma_pow=gamma_pow, pos=cols["pos"], reward=cols["reward"],
                        terminated=cols["terminated"], truncated=cols["truncated"],
                        step_id=cols["id"])
-
-
-# -- blocks of events: what many begin_episodes / record_step calls do, in one call ------------
-def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: np.ndarray,
-                 reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-                 extras: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """Record events in order, as `StepRing.begin_episodes` (``auto[j]``) or `StepRing.record_step`
-    one by one would, in one compiled call; returns each event's new frame slot.
-
-    Every step's env must be running when its turn comes (the caller checked), and no
-    env may have `slots_per_env` events or more (`block_fits`). Rows of `action`,
-    `reward`, ... of auto events are ignored.
-    """
-    S, size = ring.slots_per_env, env_of.size
-    out = RecordOut(new_flat=np.empty(size, np.int64), step_flat=np.empty(size, np.int64),
-                    touched=ring.written.copy(), spill_ids=np.empty(size, np.int64),
-                    spill_flat=np.empty(size, np.int64))
-    counters = np.array([ring.next_id, ring.next_episode], np.int64)
-    flat = ring.steps.reshape(-1)
-    events = StepEvents(env_of=env_of, auto=auto, term=terminated, trunc=truncated,
-                        reward=reward.astype(np.float32, copy=False))
-    cols = RecordColumns(
-        slots=S, pos=flat["pos"], episode=flat["episode"], ids=flat["id"],
-        has_step=flat["has_step"], terminated=flat["terminated"], truncated=flat["truncated"],
-        rewards=flat["reward"], written=ring.written, running=ring.running,
-        step_count=ring.step_count, ord_of_frame=ring.ord_of_frame.reshape(-1),
-        frame_of_ord=ring.frame_of_ord.reshape(-1), id_loc=ring._id_loc, counters=counters)
-    spills = entry(records().record_events)(events, cols, out)
-    ring.next_id, ring.next_episode = int(counters[0]), int(counters[1])
-    _write_block_records(flat, out.new_flat, out.step_flat, action, extras or {})
-    _touch_block(ring, out.touched)
-    if spills:
-        ring._id_spill.update(zip(out.spill_ids[:spills].tolist(),
-                                  out.spill_flat[:spills].tolist(), strict=True))
-        if len(ring._id_spill) >= ring._spill_prune_at:
-            ring._prune_spill()
-    return out.new_flat - env_of * S
-
-def block_fits(ring: StepRing, env_of: np.ndarray) -> bool:
-    """Whether `record_block` takes these events: fewer than `slots_per_env` per env."""
-    return int(np.bincount(env_of, minlength=1).max()) < ring.slots_per_env
-
-def _write_block_records(flat: np.ndarray, new_flat: np.ndarray,
-                         step_flat: np.ndarray, action: np.ndarray,
-                         extras: dict[str, np.ndarray]) -> None:
-    """The sub-array fields the kernel leaves: blank new frames, then the steps' rows."""
-    steps = step_flat >= 0
-    where = step_flat[steps]
-    flat["action"][new_flat] = 0
-    flat["action"][where] = action[steps]
-    for name, rows in extras.items():
-        flat[EXTRA_PREFIX + name][new_flat] = 0
-        flat[EXTRA_PREFIX + name][where] = rows[steps]
-
-def _touch_block(ring: StepRing, touched: np.ndarray) -> None:
-    """`_touch` of every frame from ``touched[e]`` to the last written, per env."""
-    np.minimum(ring._dirty_lo, touched, out=ring._dirty_lo)
-    for lo in ring.watchers:
-        np.minimum(lo, touched, out=lo)
-    block = ring.spec.block_slots
-    for e in np.flatnonzero(touched < ring.written).tolist():
-        lo, hi = int(touched[e]), int(ring.written[e])
-        if hi - lo >= ring.slots_per_env:
-            ring.dirty_blocks.update(range(-(-ring.slots_per_env // block)))
-            continue
-        first, last = lo % ring.slots_per_env // block, (hi - 1) % ring.slots_per_env // block
-        if first <= last:
-            ring.dirty_blocks.update(range(first, last + 1))
-        else:  # the frames wrap around the ring's end
-            ring.dirty_blocks.update(range(first, -(-ring.slots_per_env // block)))
-            ring.dirty_blocks.update(range(0, last + 1))
-
-
-def id_map(ring: StepRing) -> IdMap:
-    """The ring's id -> flat slot map and validity mask as plain arrays (see `IdMap`)."""
-    return IdMap(ring._id_loc, ring._flat_cols["id"], ring.valid, ring.next_id,
-                 bool(ring._id_spill))
-
-
-def spilled(ring: StepRing, ids: np.ndarray) -> np.ndarray:
-    """Flat slot of each id by the ring's map or, where a newer id took its entry, its spill
-    table; -1 for ids held nowhere (no validity check)."""
-    known = (ids >= 0) & (ids < ring.next_id)
-    flat = np.where(known, ring._id_loc[ids % ring._id_loc.size], -1)
-    slot_ids = ring._flat_cols["id"]
-    missed = np.flatnonzero(known & ((flat < 0) | (slot_ids[np.maximum(flat, 0)] != ids)))
-    if missed.size:
-        flat[missed] = [ring._id_spill.get(i, -1) for i in ids[missed].tolist()]
-    return flat

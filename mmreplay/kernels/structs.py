@@ -171,7 +171,7 @@ class SampleOut(NamedTuple):
 
 class IdMap(NamedTuple):
     """Where transition ids live, for compiled callers: id ``i`` in ``[0, next_id)`` is at flat
-    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `ring.spilled`.
+    slot ``loc[i % loc.size]`` if ``slot_ids`` there is ``i``; otherwise see `StepRing.spilled`.
     Views of the ring's arrays: valid until the ring next changes. A named tuple: one is
     made per priority update, and it costs a third of a frozen dataclass."""
 
@@ -204,7 +204,7 @@ class Written(NamedTuple):
     top: np.ndarray
 
 
-# -- recording (`index.ring.record_block`, `kernels.record_kernels`) ---------------------------
+# -- recording (`index.blocks.record_block`, `kernels.record_kernels`) -------------------------
 
 
 class StepEvents(NamedTuple):

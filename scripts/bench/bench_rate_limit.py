@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from mmreplay import ReplayStore
-from mmreplay.rate_limit import LimiterSlot, RateLimiter
+from mmreplay.admission import LimiterSlot
+from mmreplay.rate_limit import RateLimiter
 
 OBS = (84, 84)
 
@@ -262,9 +263,9 @@ def call_costs(args: Args, rates: dict[str, Any]) -> dict[str, float]:
     """What admitting a sample costs per batch with a limiter that admits at once, less
     what it costs without one (best of 15 repeats: steadier than the rates above on a
     shared machine), against the time of one `sample`: the `LimiterSlot.sampling` context
-    manager that `sample` enters. (An insert's admission is the store's own lease check
-    inside `add`: `per_call` times it there.)"""
-    with_limiter, without = LimiterSlot(), LimiterSlot()
+    manager that `sample` enters. (An insert's admission is the slot's lease check in
+    `LimiterSlot.insert`, which `add` calls: `per_call` times it there.)"""
+    with_limiter, without = LimiterSlot(threading.RLock(), 1), LimiterSlot(threading.RLock(), 1)
     with_limiter.limiter = RateLimiter.min_size(1)
     with_limiter.limiter.await_insert(1)  # min size: samples go from here
 
