@@ -250,9 +250,9 @@ def test_size_check_finds_a_long_function_and_a_long_class():
 # is that object's method kept out of sight. There are none (35 when this check came); keep
 # it so.
 MAX_REACH_IN_FUNCTIONS = 0
-# The target is 500 lines a module (split by concern); the ceiling is today's longest module
-# (tools/inspection.py) and may only go down.
-MAX_MODULE_LINES = 521
+# No module over 500 lines (split by concern, not by line count); the longest today is
+# store.py at 467.
+MAX_MODULE_LINES = 500
 
 
 def reach_in_functions(source: str, where: str) -> list[str]:
