@@ -77,6 +77,8 @@ def is_device_tensor(value: Any) -> bool:
 def wants_late(ids: Any, values: Any, late: Any) -> bool:
     """`update_priorities`' ``late`` argument: None means late for CUDA tensors only."""
     if late is None:
+        if type(ids) is np.ndarray and type(values) is np.ndarray:  # the usual call, at once
+            return False
         return is_device_tensor(ids) or is_device_tensor(values)
     if not isinstance(late, bool | np.bool_):
         raise InvalidInputError(f"late must be None, True or False, got {late!r}")

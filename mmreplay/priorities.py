@@ -89,7 +89,8 @@ class Priorities:
         last value of a slot wins); returns how many slots were set. NaN, inf or negative
         values raise and change nothing. Proportional stores do it in one compiled call,
         from ids to tree leaves (values checked there). Late updates are applied first."""
-        self.late.apply_all()
+        if self.late.queued:  # (`apply_all` of nothing, without the call)
+            self.late.apply_all()
         return self._set_ids(ids, values, ring)
 
     def update(self, ids: Any, values: Any, late: Any = None) -> int | None:

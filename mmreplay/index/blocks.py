@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from mmreplay.index.ring import EXTRA_PREFIX, StepRing
-from mmreplay.kernels import entry, records
+from mmreplay.kernels import lazy_entry, records
 from mmreplay.kernels.structs import RecordColumns, RecordOut, StepEvents
+
+_RECORD_EVENTS = lazy_entry(records, "record_events")  # found without a look-up
 
 
 def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: np.ndarray,
@@ -40,7 +42,7 @@ def record_block(ring: StepRing, env_of: np.ndarray, auto: np.ndarray, action: n
         rewards=flat["reward"], written=ring.written, running=ring.running,
         step_count=ring.step_count, ord_of_frame=ring.ord_of_frame.reshape(-1),
         frame_of_ord=ring.frame_of_ord.reshape(-1), id_loc=ring.ids.loc, counters=counters)
-    spills = entry(records().record_events)(events, cols, out)
+    spills = _RECORD_EVENTS(events, cols, out)
     ring.next_id, ring.next_episode = int(counters[0]), int(counters[1])
     _write_block_records(flat, out.new_flat, out.step_flat, action, extras or {})
     ring.touch_frames(out.touched)

@@ -31,9 +31,11 @@ from typing import Any
 import numpy as np
 
 from mmreplay.index.ids import IdIndex
-from mmreplay.kernels import compiled, entry
+from mmreplay.kernels import compiled, lazy_entry
 from mmreplay.kernels.structs import IdMap, LookupOut, RingColumns
 from mmreplay.spec import StoreSpec
+
+_LOOKUP = lazy_entry(compiled, "lookup")  # found without a look-up
 
 
 def step_dtype(spec: StoreSpec) -> np.dtype:
@@ -387,7 +389,7 @@ class StepRing:
         size = flat.size
         both = np.empty((2, size, self.spec.frame_stack), np.int64)  # obs and next_obs stacks
         out = lookup_out(both)
-        entry(compiled().lookup)(flat, self.lookup_columns, out)
+        _LOOKUP(flat, self.lookup_columns, out)
         return Lookup(obs_slots=both[0], next_obs_slots=both[1],
                       action=self.actions_at(flat), reward=out.ret, terminated=out.term,
                       truncated=out.trunc, discount=out.discount, steps=out.steps, ids=out.ids,

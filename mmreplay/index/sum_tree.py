@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from mmreplay.kernels import entry, trees
+from mmreplay.kernels import lazy_entry, trees
 from mmreplay.kernels.structs import TreeArrays
 
 __all__ = ["SumTree", "TreeArrays"]
@@ -33,6 +33,9 @@ _FLOAT_MAX = float(np.finfo(np.float64).max)
 _ROOT_BITS = 10
 _STEP_BITS = 5
 _MIN_LEVELS = 3
+
+# the compiled kernels called here, each found without a look-up (`kernels.lazy_entry`)
+_TREE_DRAW, _TREE_SET = lazy_entry(trees, "tree_draw"), lazy_entry(trees, "tree_set")
 
 
 def _level_bits(depth: int) -> tuple[int, ...]:
@@ -207,7 +210,7 @@ class SumTree:
                            beta: float) -> tuple[IntArray, npt.NDArray[np.float32]]:
         """`stratified` of float64 `u` and a float `beta` on a tree the caller knows has
         mass (no checks): one compiled call."""
-        return entry(trees().tree_draw)(self._arrays, u, beta)  # type: ignore[no-any-return]
+        return _TREE_DRAW(self._arrays, u, beta)  # type: ignore[no-any-return]
 
     # ----------------------------------------------------------------------------- updates
 
@@ -228,7 +231,7 @@ class SumTree:
             for level in reversed(self._levels):
                 self._rebuild(level)
             return
-        entry(trees().tree_set)(self._arrays, idx, np.ascontiguousarray(vals, dtype=np.float64))
+        _TREE_SET(self._arrays, idx, np.ascontiguousarray(vals, dtype=np.float64))
 
     def set_all(self, values: npt.ArrayLike) -> None:
         """Replace every leaf (``len(values) == capacity``) and rebuild bottom-up in O(N)."""

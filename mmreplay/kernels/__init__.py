@@ -71,10 +71,13 @@ class Entry:
     def __call__(self, *args: Any) -> Any:
         run = self._compiled
         if run is not None:
-            for i, dtype, ndim, flags in self._arrays:  # `_look`, inline: this is per call
+            # `_look`, inline: this is per call. A dtype equal to the bound one is not always
+            # the same object (numba's returned arrays, ``astype``): identity first, then ==
+            for i, dtype, ndim, flags in self._arrays:
                 a = args[i]
-                if type(a) is not np.ndarray or a.dtype is not dtype or a.ndim != ndim \
-                        or a.flags.num & _LAYOUT != flags:  # (a builtin dtype is a singleton)
+                if type(a) is not np.ndarray or a.ndim != ndim \
+                        or a.flags.num & _LAYOUT != flags \
+                        or (a.dtype is not dtype and a.dtype != dtype):
                     return self._kernel(*args)
             return run(*args)
         result = self._kernel(*args)
@@ -114,3 +117,19 @@ def entry(kernel: Any, check: tuple[int, ...] | None = None) -> Entry:
     if found is None:
         found = _ENTRIES[key] = Entry(kernel, check)
     return found
+
+
+def lazy_entry(load: Callable[[], ModuleType], name: str,
+               check: tuple[int, ...] | None = None) -> Entry:
+    """The `Entry` of kernel `name` of the module `load` imports, that import left to its
+    first call: what a module keeps as a constant, so that a call finds its `Entry` without
+    `entry`'s look-up and importing the module imports no kernels."""
+    found = Entry(None, check)
+
+    def first_call(*args: Any) -> Any:  # replaced by the kernel, then called once
+        found._kernel = kernel = getattr(load(), name)
+        return kernel(*args)
+
+    found._kernel = first_call
+    return found
+

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmreplay.kernels import entry, tables
+from mmreplay.kernels import lazy_entry, tables
 from mmreplay.kernels.structs import TableArrays
+
+# the compiled kernels called here, each found without a look-up (`kernels.lazy_entry`)
+_CLAIM_ROW, _DROP_ROWS = lazy_entry(tables, "claim_row"), lazy_entry(tables, "drop_rows")
 
 HAND, EPOCH, HELD = 0, 1, 2  # positions in `state`
 
@@ -84,12 +87,12 @@ class ChunkTable:
     def put(self, key: int, frames: np.ndarray) -> None:
         """Chunk `key` = these decoded frames (a whole chunk, any dtype), in its row or in a
         row taken from another chunk."""
-        row = entry(tables().claim_row)(key, self.arrays(), True)
+        row = _CLAIM_ROW(key, self.arrays(), True)
         self.rows[row] = np.ascontiguousarray(frames).reshape(-1).view(np.uint8)
 
     def drop(self, keys: np.ndarray) -> None:
         """Forget chunks `keys` (claimed by a read whose load failed): their rows are free."""
-        entry(tables().drop_rows)(keys, self.arrays())
+        _DROP_ROWS(keys, self.arrays())
 
     def clear(self) -> None:
         """Forget every chunk."""

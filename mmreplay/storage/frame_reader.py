@@ -31,7 +31,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from mmreplay.errors import InvalidStoreError
-from mmreplay.kernels import compiled, entry, samples, tables
+from mmreplay.kernels import compiled, lazy_entry, samples, tables
 from mmreplay.kernels.structs import (
     ChunkBytes,
     FrameLayout,
@@ -48,6 +48,15 @@ from mmreplay.storage.shards import ShardFiles
 
 LZ4_SHARDS_TABLE = "lz4_shards_table"  # `table_read` (and `read_frames` for a wide read)
 LZ4_SHARDS_ONE_PASS = "lz4_shards_one_pass"  # `read_frames`
+
+# the compiled kernels called here, each found without a look-up (`kernels.lazy_entry`)
+# (plans check only `flat`: the other arrays are allocated here)
+_TABLE_PLAN = lazy_entry(tables, "table_plan", check=(0,))
+_SCRATCH_PLAN = lazy_entry(tables, "scratch_plan", check=(0,))
+_TABLE_READ = lazy_entry(tables, "table_read")
+_READ_FRAMES = lazy_entry(compiled, "read_frames")
+_SAMPLE_ONE_PASS = lazy_entry(samples, "sample_one_pass")
+_SAMPLE_TABLE = lazy_entry(samples, "sample_table")
 
 
 class ChunkSource(Protocol):
@@ -141,17 +150,16 @@ class FrameReader:
     def _plan(self, flat: np.ndarray) -> _Plan:
         """Sources in the cache's rows, with a row claimed for each chunk it lacks; or, with
         no cache or a read touching more chunks than it has rows, in a scratch table."""
-        kernels, size = tables(), flat.size
+        size = flat.size
         sources, keys, rows = (np.empty(size, np.int64), np.empty(size, np.int64),
                                np.empty(size, np.int64))
         table = self._table
         if table is not None:
-            plan = entry(kernels.table_plan, check=(0,))  # the rest: allocated here
-            count, wide = plan(flat, self._layout, table.arrays(), sources, keys, rows)
+            count, wide = _TABLE_PLAN(flat, self._layout, table.arrays(), sources, keys, rows)
             if not wide:
                 return _Plan(table.rows, sources, keys[:count], rows[:count], table)
             table.drop(keys[:count])
-        count = entry(kernels.scratch_plan, check=(0,))(flat, self._layout, keys, sources)
+        count = _SCRATCH_PLAN(flat, self._layout, keys, sources)
         scratch = np.empty((count, self._codec.nbytes), np.uint8)
         return _Plan(scratch, sources, keys[:count], np.arange(count), None)
 
@@ -204,8 +212,7 @@ class FrameReader:
         what a store read from a bucket fetches ahead."""
         flat = np.asarray(flat_slots, dtype=np.int64).reshape(-1)
         keys = np.empty(flat.size, np.int64)
-        count = entry(tables().scratch_plan, check=(0,))(flat, self._layout, keys,
-                                                        np.empty(flat.size, np.int64))
+        count = _SCRATCH_PLAN(flat, self._layout, keys, np.empty(flat.size, np.int64))
         return keys[:count]
 
     # -- the fast paths of lz4 shard stores ---------------------------------------
@@ -217,8 +224,7 @@ class FrameReader:
         assert self._shards is not None
         missing, scratch = np.empty(flat.size, np.int64), np.empty(self._codec.nbytes, np.uint8)
         while True:
-            status = entry(compiled().read_frames)(flat,
-                                                   self._one_pass_read(scratch, dest, missing))
+            status = _READ_FRAMES(flat, self._one_pass_read(scratch, dest, missing))
             if status <= 0:
                 break
             self._shards.addresses(missing[:status])  # maps their files, or raises if absent
@@ -234,7 +240,7 @@ class FrameReader:
         sources, missing = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
         kernels = tables()
         while True:
-            status = entry(kernels.table_read)(flat, self._table_read(sources, dest, missing), 0)
+            status = _TABLE_READ(flat, self._table_read(sources, dest, missing), 0)
             if status <= 0:
                 break
             self._shards.addresses(missing[:status])  # maps their files, or raises if absent
@@ -256,15 +262,14 @@ class FrameReader:
         stacks = outs.stacks
         flat = stacks.reshape(-1)
         dest = self._destination(flat, out)
-        missing, kernels = np.empty(flat.size, np.int64), samples()
+        missing = np.empty(flat.size, np.int64)
         if self._table is None:
             scratch = np.empty(self._codec.nbytes, np.uint8)
-            status = entry(kernels.sample_one_pass)(draw, ring, outs,
-                                             self._one_pass_read(scratch, dest, missing))
+            status = _SAMPLE_ONE_PASS(draw, ring, outs,
+                                      self._one_pass_read(scratch, dest, missing))
         else:
             sources = np.empty(flat.size, np.int64)
-            status = entry(kernels.sample_table)(draw, ring, outs,
-                                          self._table_read(sources, dest, missing))
+            status = _SAMPLE_TABLE(draw, ring, outs, self._table_read(sources, dest, missing))
         if status != 0:
             return self.read(stacks, out)
         return dest.view(self.spec.obs_dtype).reshape(*stacks.shape, *self.spec.obs_shape)

@@ -10,13 +10,16 @@ from mmreplay import validate
 from mmreplay.errors import InvalidInputError
 from mmreplay.index.samplers.priority import TreePrioritySampler, as_priorities, as_slots
 from mmreplay.index.samplers.protocol import Applied, BoolArray, FloatArray, IntArray, SlotMarks
-from mmreplay.kernels import entry
+from mmreplay.kernels import lazy_entry
 from mmreplay.kernels import priorities as priority_kernels
 from mmreplay.kernels.structs import IdMap, Priorities, Written
 
 _NO_SLOTS = np.empty(0, np.int64)
 _NO_MASSES = np.empty(0, np.float64)
 _NO_MARKS = SlotMarks(np.empty(0, np.bool_), 1, 1)
+# the compiled kernels called here, each found without a look-up (`kernels.lazy_entry`)
+_APPLY_SLOTS = lazy_entry(priority_kernels, "apply_slot_priorities", check=(0, 1))
+_APPLY_IDS = lazy_entry(priority_kernels, "apply_priorities", check=(0, 1))
 
 
 class PrioritizedSampler(TreePrioritySampler):
@@ -52,11 +55,9 @@ class PrioritizedSampler(TreePrioritySampler):
         change nothing."""
         idx = as_slots(slots)
         p = as_priorities(priorities, idx.size, check=False)  # the kernel checks the values
-        kernels = priority_kernels()
-        out = self._written(idx.size)
-        apply = entry(kernels.apply_slot_priorities, check=(0, 1))  # the rest: made here
-        count = apply(idx, p, self._update_masses(p), self._table.valid, self._dest(_NO_MARKS),
-                      out)
+        out = self._written(idx.size)  # the arrays the rest holds: made here
+        count = _APPLY_SLOTS(idx, p, self._update_masses(p), self._table.valid,
+                             self._dest(_NO_MARKS), out)
         self._check_status(count, idx, p)
         self._raise_max(self._top[0])
 
@@ -70,7 +71,7 @@ class PrioritizedSampler(TreePrioritySampler):
         (NaN, inf, negative) raise and change nothing."""
         kernels = priority_kernels()
         out = self._written(ids.size)
-        count = entry(kernels.apply_priorities, check=(0, 1))(  # the rest: made here
+        count = _APPLY_IDS(  # the arrays the rest holds: made here
             ids, priorities, self._update_masses(priorities), _NO_SLOTS if pre is None else pre,
             where, self._dest(_NO_MARKS if marks is None else marks), out)
         if count < 0:
