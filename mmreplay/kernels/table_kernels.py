@@ -84,7 +84,7 @@ def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     chunk = layout.chunk
     if f < 0:
         return -1, -1 - layout.next_slot.size * chunk
-    key, offset, in_tail = chunk_of(f, layout)
+    key, offset, in_tail = chunk_of(f, layout)  # inlined (a cached caller: edit to recompile)
     if in_tail:
         return -1, -1 - (key // layout.num_chunks * chunk + offset)
     return key, offset
