@@ -70,8 +70,8 @@ class Pending:
 
 def is_device_tensor(value: Any) -> bool:
     """A torch tensor on a device other than the CPU (without importing torch)."""
-    device = getattr(value, "device", None)
-    return hasattr(value, "detach") and getattr(device, "type", "cpu") != "cpu"
+    device = getattr(value, "device", None)  # the device first: a CPU tensor stops there
+    return getattr(device, "type", "cpu") != "cpu" and hasattr(value, "detach")
 
 
 def wants_late(ids: Any, values: Any, late: Any) -> bool:
