@@ -52,11 +52,16 @@ def array_fields(batch: ArrayBatch, layout: StackLayout, obs_shape: tuple[int, .
                  gamma: float | None, device: torch.device) -> Fields:
     """The fields of an `ArrayBatch`, each handed to torch without a copy (``obs``,
     ``next_obs``: views of one tensor of frames), then copied ``non_blocking``."""
-    both = frames_tensor(batch)  # pinned: the block's own tensor, so copies are tracked
+    frames = batch.frames
     if layout.frame_stack == 1:
-        both = both.reshape(2, both.shape[1], *obs_shape)
+        shape = (2, frames.shape[1], *obs_shape)
+        if batch.pinned is None:  # numpy's reshape: a few times cheaper than torch's
+            both = torch.from_numpy(frames.reshape(shape))
+        else:  # pinned: the block's own tensor, so copies are tracked
+            both = batch.pinned.reshape(shape)
         obs, next_obs = both[0], both[1]
     else:
+        both = frames_tensor(batch)
         obs, next_obs = layout.to_sb3(both[0]), layout.to_sb3(both[1])
     discounts = None
     if gamma is not None:
