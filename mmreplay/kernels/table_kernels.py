@@ -84,7 +84,9 @@ def source_of(f: int, layout: FrameLayout) -> tuple[int, int]:
     chunk = layout.chunk
     if f < 0:
         return -1, -1 - layout.next_slot.size * chunk
-    key, offset, in_tail = chunk_of(f, layout)  # inlined (a cached caller: edit to recompile)
+    # chunk_of is inlined here: numba's cache of this module is keyed by this file alone, so
+    # a change to chunk_of reaches these kernels once this file changes too
+    key, offset, in_tail = chunk_of(f, layout)
     if in_tail:
         return -1, -1 - (key // layout.num_chunks * chunk + offset)
     return key, offset
