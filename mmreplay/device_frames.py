@@ -28,6 +28,7 @@ import numpy as np
 
 from mmreplay.errors import DeviceMemoryError, InvalidInputError
 from mmreplay.spec import StoreSpec
+from mmreplay.torch_batch import native
 
 if TYPE_CHECKING:
     import torch
@@ -279,7 +280,7 @@ def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, 
     """The arrays as tensors on `device`, moved in one copy: packed into one host buffer
     (each at a multiple of `ALIGN` bytes), copied, split (one call) and viewed back per name
     in its dtype and shape. On the CPU the tensors view that buffer."""
-    arrays = {name: _native(a) for name, a in arrays.items()}
+    arrays = {name: native(a, a.dtype) for name, a in arrays.items()}
     sizes = [-(-a.nbytes // ALIGN) * ALIGN or ALIGN for a in arrays.values()]
     host = host_buffer(sum(sizes), device)
     packed, at = host.numpy(), 0
@@ -296,10 +297,3 @@ def _view(part: torch.Tensor, like: np.ndarray) -> torch.Tensor:
         part = part[:like.nbytes]
     part = part.view(torch_dtype(like.dtype))
     return part if like.ndim == 1 else part.view(like.shape)
-
-
-def _native(array: np.ndarray) -> np.ndarray:
-    """`array` C-contiguous in native byte order (itself when it is)."""
-    if array.dtype.isnative and array.flags.c_contiguous:
-        return array
-    return np.ascontiguousarray(array, array.dtype.newbyteorder("="))
