@@ -61,14 +61,21 @@ class Run:
     begins: bool  # an episode starts at `start` (else it continues the lane's)
 
 
+def padded_as(stack: np.ndarray, frame_stack: int, padding: str) -> bool:
+    """`stack` is an episode's first stack padded as `padding` says: "first", its newest
+    frame repeated (CatFrames' default); "zero", zeros before the newest frame."""
+    frames = stack.reshape(frame_stack, -1)
+    if padding == "first":
+        return bool((frames == frames[-1]).all())
+    return not frames[:-1].any()
+
+
 def detect_padding(stack: np.ndarray, frame_stack: int) -> str:
     """"first" if `stack` is its newest frame repeated (CatFrames' default), "zero" if the
     older frames are zeros; "first" when both hold (an all-zero first frame)."""
-    frames = stack.reshape(frame_stack, -1)
-    if (frames == frames[-1]).all():
-        return "first"
-    if not frames[:-1].any():
-        return "zero"
+    for padding in ("first", "zero"):
+        if padded_as(stack, frame_stack, padding):
+            return padding
     raise InvalidInputError(
         "the first stack of an episode is neither its first frame repeated (CatFrames' "
         "padding) nor zeros then the frame; pass stack_padding='first' or 'zero'")
@@ -97,10 +104,7 @@ class StreamRecorder:
         """`stack` is an episode's first stack under the layout's padding."""
         if not self.layout.stacked:
             return True
-        frames = stack.reshape(self.layout.frame_stack, -1)
-        if self.layout.stack_padding == "first":
-            return bool((frames == frames[-1]).all())
-        return not frames[:-1].any()
+        return padded_as(stack, self.layout.frame_stack, self.layout.stack_padding)
 
     # -- checks ----------------------------------------------------------------------
     def check(self, steps: Steps) -> np.ndarray:
