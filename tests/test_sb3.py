@@ -301,18 +301,24 @@ class CyclingEnv(gym.Env):
         return np.array([index + 1.0], np.float32), index + 1.0, self._t >= 100, False, {}
 
 
-def test_sample_normalizes_with_vecnormalize(tmp_path):
-    env = VecNormalize(make_vec_env(CyclingEnv))
-    buffer = FrameOnceReplayBuffer(100, env.observation_space, env.action_space, device="cpu",
-                                   path=tmp_path / "s")
+def add_unnormalized(buffer, env, steps):
+    """`steps` random steps of the VecNormalize `env` added to `buffer` as raw observations
+    and rewards (what SB3's algorithms store)."""
     env.reset()
     obs = env.get_original_obs()
-    for _ in range(100):
+    for _ in range(steps):
         action = env.action_space.sample()
         _, _, done, info = env.step(action)
         next_obs, reward = env.get_original_obs(), env.get_original_reward()
         buffer.add(obs, next_obs, action, reward, done, info)
         obs = next_obs
+
+
+def test_sample_normalizes_with_vecnormalize(tmp_path):
+    env = VecNormalize(make_vec_env(CyclingEnv))
+    buffer = FrameOnceReplayBuffer(100, env.observation_space, env.action_space, device="cpu",
+                                   path=tmp_path / "s")
+    add_unnormalized(buffer, env, 100)
     sample = buffer.sample(50, env)
     raw = buffer.sample(50)
     for observations in (sample.observations, sample.next_observations):

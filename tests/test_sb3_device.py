@@ -16,7 +16,7 @@ pytest.importorskip("stable_baselines3", reason='pip install "mmreplay[sb3]"')
 
 from stable_baselines3.common.env_util import make_vec_env  # noqa: E402
 from stable_baselines3.common.vec_env import VecNormalize  # noqa: E402
-from test_sb3 import CyclingEnv, drive  # noqa: E402
+from test_sb3 import CyclingEnv, add_unnormalized, drive  # noqa: E402
 
 from mmreplay import device_frames  # noqa: E402
 from mmreplay.integrations.sb3 import FrameOnceReplayBuffer  # noqa: E402
@@ -79,14 +79,7 @@ def test_vecnormalize_samples_come_back_from_the_device(tmp_path):
     env = VecNormalize(make_vec_env(CyclingEnv))
     ours = FrameOnceReplayBuffer(100, env.observation_space, env.action_space, device="cpu",
                                  path=tmp_path / "s", frames_on_device=True)
-    env.reset()
-    obs = env.get_original_obs()
-    for _ in range(60):
-        action = env.action_space.sample()
-        _, _, done, info = env.step(action)
-        next_obs, reward = env.get_original_obs(), env.get_original_reward()
-        ours.add(obs, next_obs, action, reward, done, info)
-        obs = next_obs
+    add_unnormalized(ours, env, 60)
     sample = ours.sample(40, env)
     assert torch.allclose(sample.observations.mean(0), torch.zeros(1), atol=1)
     assert ours.sample(8).observations.min() >= 1  # unnormalized without env
