@@ -16,6 +16,7 @@ The store holds the lock and checks arguments; this module owns no state but the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,18 +131,31 @@ def _extras(moved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name[len(EXTRA):]: t for name, t in moved.items() if name.startswith(EXTRA)}
 
 
+def fill_threads() -> int:
+    """Threads decoding a fill on open: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def open_device(device: object, spec: StoreSpec, reader: Reader,
                 sequences: SequenceReader | None, recorder: Recorder) -> DeviceReader | None:
     """A `DeviceReader` whose frame ring holds every kept frame of the store `reader` reads
     (None for no `device`): checked against the device's free memory, allocated, filled from
-    the frame store a block at a time, and written through by `recorder` from now on. A
-    read-only store beside a writer follows it after the fill, as after any read: frames the
-    writer gave up meanwhile are no longer sampleable (a fill that found a file gone raises
-    `InvalidStoreError`, and the read-only open starts again)."""
+    the frame store a block at a time (decoded by `fill_threads` threads), and written
+    through by `recorder` from now on. A read-only store beside a writer follows it after
+    the fill, as after any read: frames the writer gave up meanwhile are no longer
+    sampleable (a fill that found a file gone raises `InvalidStoreError`, and the read-only
+    open starts again)."""
     if device is None:
         return None
     frames = DeviceFrames(spec, check_fits(spec, device))
-    frames.fill(reader.kept_slots(), reader.frames.read)
+    release = reader.frames.reader.use_threads(fill_threads())  # decoding shared
+    try:
+        frames.fill(reader.kept_slots(), reader.frames.read)
+    finally:
+        release()
     reader.refresh()
     recorder.device = frames
     return DeviceReader(frames, reader, sequences)

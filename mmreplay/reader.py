@@ -127,7 +127,7 @@ class Reader:
         """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
         def attempt() -> ArrayBatch | None:
             self.ready(follow=False)  # `still_valid` follows the writer after the read
-            if self.frames.one_call_reads:
+            if self.frames.one_call_reads(2 * size * self.ring.spec.frame_stack):
                 flat, batch = self.drawn_batch(self.sampler.tree_draw(rng, size, beta),
                                                pin_memory)
             else:

@@ -74,7 +74,7 @@ def test_an_lz4hc_store_reads_what_an_lz4_store_reads_in_fewer_bytes(tmp_path: P
         store.reset(frames[0])
         for t in range(1, 301):
             store.add(t % 3, float(t), frames[t], False, False)  # transition t: frame t
-        assert store._frames.one_call_reads
+        assert store._frames.one_call_reads(256)
         stores[codec] = store
     for _ in range(3):
         a, b = stores["lz4"].sample(16), stores["lz4hc"].sample(16)

@@ -25,7 +25,7 @@ FIELDS = ("obs", "next_obs", "action", "reward", "terminated", "truncated", "dis
 def _three_calls(monkeypatch) -> Iterator[None]:
     """Stores sample as before inside: draw, `batch`, read."""
     with monkeypatch.context() as patch:
-        patch.setattr(FrameStore, "one_call_reads", property(lambda self: False))
+        patch.setattr(FrameStore, "one_call_reads", lambda self, frames: False)
         yield
 
 
@@ -79,7 +79,7 @@ def test_one_call_equals_three_calls_beside_a_live_writer(tmp_path, monkeypatch,
                 chunk_frames=4, shard_chunks=3, cache_bytes=cache) | case
     one = ReplayStore.create(tmp_path / "one", **opts)
     three = ReplayStore.create(tmp_path / "three", **opts)
-    assert one._frames.one_call_reads
+    assert one._frames.one_call_reads(256)
     rng = np.random.default_rng(0)
     for round_ in range(6):  # the ring laps twice; chunks in RAM, pending, written
         for store in (one, three):

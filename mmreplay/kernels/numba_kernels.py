@@ -376,24 +376,31 @@ def read_sources(raw: np.ndarray, order: np.ndarray, num_chunks: int, chunks: Ch
 
 @numba.njit(nogil=True, cache=True)
 def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, where: np.ndarray,
-                length: np.ndarray, read: OnePassRead) -> int:
+                length: np.ndarray, read: OnePassRead, part: int, parts: int) -> int:
     """``read.out[i]`` = frame ``i`` of a read planned by `read_keys`, `group_order` and
     `read_sources`: a chunk on disk is decoded (lz4, only up to the last frame the read
     takes from it, as `decode_prefixes`) into ``read.scratch`` and its frames copied out at
     once, while they are still in the CPU's cache; a tail's frames come from the layout's
-    ``tail_rows``, the zero frame is zeros. Returns 0, or a chunk's decode status with the
-    position of a frame of that chunk in ``read.missing[0]``."""
+    ``tail_rows``, the zero frame is zeros. Only the chunks (groups of ``order``) numbered
+    ``part``, ``part + parts``, ... are taken: `parts` threads calling it with parts
+    ``0 .. parts - 1`` share a read, each chunk decoded by one of them (``0, 1``: all).
+    Returns 0, or a chunk's decode status with the position of a frame of that chunk in
+    ``read.missing[0]``."""
     scratch, out, tail_rows = read.scratch, read.out, read.layout.tail_rows
     disk_keys = read.chunks.src.size
     fb = out.shape[1]
     chunk = read.layout.chunk
     envs = read.layout.next_slot.size
-    start = 0
+    start, group = 0, -1
     while start < order.size:
         key, last, stop = raw[order[start]], 0, start
         while stop < order.size and raw[order[stop]] == key:
             last = max(last, offset[order[stop]])
             stop += 1
+        group += 1
+        if group % parts != part:
+            start = stop
+            continue
         first = order[start]
         if key < disk_keys:
             status = decode_one(where[first], length[first], scratch.ctypes.data,
@@ -417,11 +424,13 @@ def read_gather(raw: np.ndarray, offset: np.ndarray, order: np.ndarray, where: n
 
 
 @numba.njit(nogil=True, cache=True)
-def read_frames(flat: np.ndarray, read: OnePassRead) -> int:
+def read_frames(flat: np.ndarray, read: OnePassRead, part: int, parts: int) -> int:
     """A whole read in one call: `read_keys`, `group_order`, `read_sources`, then
-    `read_gather`. Returns 0; or, gathering nothing, the count of chunks whose files are
-    not mapped (keys in ``read.missing[:count]``: map them and call again); or ``-status``
-    of a chunk that fails to decode, with a frame of it in ``read.missing[0]``."""
+    `read_gather` of share `part` of `parts` (``0, 1``: the whole read; threads sharing a
+    read each plan it whole, which costs little beside the decoding). Returns 0; or,
+    gathering nothing, the count of chunks whose files are not mapped (keys in
+    ``read.missing[:count]``: map them and call again); or ``-status`` of a chunk that fails
+    to decode, with a frame of it in ``read.missing[0]``."""
     n = flat.size
     raw, offset = np.empty(n, np.int64), np.empty(n, np.int64)
     read_keys(flat, read.layout, raw, offset)
@@ -431,4 +440,4 @@ def read_frames(flat: np.ndarray, read: OnePassRead) -> int:
                          read.missing)
     if count:
         return count
-    return -read_gather(raw, offset, order, where, length, read)
+    return -read_gather(raw, offset, order, where, length, read, part, parts)

@@ -101,7 +101,7 @@ def sample_one_pass(draw: TreeDraw, ring: RingColumns, outs: SampleOut,
     """Draw, look up and `read_frames` the stacks (``outs.stacks``, every frame once a row of
     ``read.out``) of a store without a decoded-chunk table; returns `read_frames`' status."""
     _draw_and_look(draw, ring, outs)
-    return read_frames(outs.stacks.reshape(-1), read)
+    return read_frames(outs.stacks.reshape(-1), read, 0, 1)
 
 
 @numba.njit(nogil=True, cache=True)

@@ -14,6 +14,11 @@ or the zero frame (slot -1)::
     lz4 shards, none    `read_frames`: each chunk decoded into a scratch buffer and its
                         frames copied out while they are in the CPU's cache, in one call
 
+With threads turned on (`use_threads`: ``batches(workers=N)`` of a writable store, the fill
+of a ``device=`` store), a read is shared by `ReadThreads`: the one-pass path's chunks are
+split among them, and every other store takes the general path with its decoding split
+(the table's claims stay in one thread).
+
 The fast paths serve lz4 shard stores whose chunks are local (no ``fetch``): their bytes are
 addresses in mapped files or in the writer's RAM, which compiled code can decode with no
 Python per chunk. `read_drawn` is the same two paths behind a draw and a ring lookup in the
@@ -26,7 +31,7 @@ in their file, a chunk's bytes on disk) it asks of its `ChunkSource`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -44,6 +49,7 @@ from mmreplay.kernels.structs import (
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.chunk_table import ChunkTable
 from mmreplay.storage.codec import ChunkCodec
+from mmreplay.storage.read_threads import ReadThreads
 from mmreplay.storage.shards import ShardFiles
 
 LZ4_SHARDS_TABLE = "lz4_shards_table"  # `table_read` (and `read_frames` for a wide read)
@@ -57,6 +63,7 @@ _TABLE_READ = lazy_entry(tables, "table_read")
 _READ_FRAMES = lazy_entry(compiled, "read_frames")
 _SAMPLE_ONE_PASS = lazy_entry(samples, "sample_one_pass")
 _SAMPLE_TABLE = lazy_entry(samples, "sample_table")
+T = TypeVar("T")
 
 
 class ChunkSource(Protocol):
@@ -105,6 +112,46 @@ class FrameReader:
         self.fast_path: str | None = None  # which fast path `read` takes, if any
         if shards is not None and codec.lz4 and local:
             self.fast_path = LZ4_SHARDS_ONE_PASS if table is None else LZ4_SHARDS_TABLE
+        self.threads: ReadThreads | None = None  # sharing each read (`use_threads`)
+        self._thread_counts: list[int] = []  # what each user of `use_threads` asked for
+
+    # -- threads sharing a read -------------------------------------------------
+    def use_threads(self, count: int) -> Callable[[], None]:
+        """Share every read among `count` threads (the most any user asks for) until the
+        returned function is called. Call both under the store's lock: no read is running
+        while the threads change."""
+        self._thread_counts.append(count)
+        self._resize_threads()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._thread_counts.remove(count)
+                self._resize_threads()
+
+        return release
+
+    def _resize_threads(self) -> None:
+        want = max(self._thread_counts, default=1)
+        if want == (self.threads.count if self.threads is not None else 1):
+            return
+        old, self.threads = self.threads, ReadThreads(want) if want > 1 else None
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Stop the threads sharing reads, if any."""
+        self._thread_counts.clear()
+        self._resize_threads()
+
+    def _shares(self, share: Callable[[int, int], T], frames: int) -> list[T]:
+        """``share(part, parts)`` of a read of `frames` frames, split among the threads
+        if there are any and the read is big enough (`ReadThreads.parts`)."""
+        threads = self.threads
+        parts = 1 if threads is None else threads.parts(frames)
+        return [share(0, 1)] if parts == 1 else threads.run(share, parts)  # type: ignore[union-attr]
 
     # -- the general path -------------------------------------------------------
     def read(self, flat_slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -120,7 +167,7 @@ class FrameReader:
             return np.zeros(shape, self.spec.obs_dtype)
         dest = self._destination(flat, out)
         path = self.fast_path
-        if path is None:
+        if path is None or (path == LZ4_SHARDS_TABLE and self.threads is not None):
             self._read_general(flat, dest)
         elif path == LZ4_SHARDS_ONE_PASS or not self._read_lz4_shards_table(flat, dest):
             self._read_lz4_shards_one_pass(flat, dest)  # also a read wider than the table
@@ -196,10 +243,17 @@ class FrameReader:
             keep = [self._chunk_bytes_on_disk(*divmod(k, num_chunks))[0] for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
-        if frame_rows is None:
-            status = self._codec.decode_many(src, size, rows, dest)
-        else:
-            status = self._codec.decode_prefixes(src, size, rows, dest, frame_rows)
+        def decode(part: int, parts: int) -> np.ndarray:
+            take = slice(part, None, parts)  # every parts-th chunk: contiguous copies
+            src_, size_, dest_ = (np.ascontiguousarray(a[take]) for a in (src, size, dest))
+            if frame_rows is None:
+                return self._codec.decode_many(src_, size_, rows, dest_)
+            return self._codec.decode_prefixes(src_, size_, rows, dest_, frame_rows)
+
+        shares = self._shares(decode, keys.size * self._layout.chunk)
+        status = np.empty(keys.size, np.int64)
+        for part, share in enumerate(shares):
+            status[part::len(shares)] = share
         if status.any():
             bad = int(np.argmax(status != 0))
             data, where = self._chunk_bytes_on_disk(*divmod(int(keys[bad]),
@@ -222,14 +276,23 @@ class FrameReader:
         again); one pass that decodes each chunk up to the last frame it gives into a
         scratch buffer and copies its frames out while they are in the CPU's cache."""
         assert self._shards is not None
-        missing, scratch = np.empty(flat.size, np.int64), np.empty(self._codec.nbytes, np.uint8)
         while True:
-            status = _READ_FRAMES(flat, self._one_pass_read(scratch, dest, missing))
-            if status <= 0:
+            chunks = self._chunk_bytes()
+
+            def share(part: int, parts: int) -> tuple[int, np.ndarray]:
+                missing = np.empty(flat.size, np.int64)
+                read = OnePassRead(self._layout, chunks, np.empty(self._codec.nbytes, np.uint8),
+                                   dest, missing)
+                return _READ_FRAMES(flat, read, part, parts), missing
+
+            shares = self._shares(share, flat.size)
+            unmapped = [missing[:status] for status, missing in shares if status > 0]
+            if not unmapped:
                 break
-            self._shards.addresses(missing[:status])  # maps their files, or raises if absent
-        if status:
-            self._raise_damaged(int(flat[missing[0]]), -int(status))
+            self._shards.addresses(np.unique(np.concatenate(unmapped)))  # maps, or raises
+        for status, missing in shares:
+            if status:
+                self._raise_damaged(int(flat[missing[0]]), -int(status))
 
     def _read_lz4_shards_table(self, flat: np.ndarray, dest: np.ndarray) -> bool:
         """`table_read`: each frame's source; the chunks the table lacks decoded whole from
@@ -264,9 +327,9 @@ class FrameReader:
         dest = self._destination(flat, out)
         missing = np.empty(flat.size, np.int64)
         if self._table is None:
-            scratch = np.empty(self._codec.nbytes, np.uint8)
-            status = _SAMPLE_ONE_PASS(draw, ring, outs,
-                                      self._one_pass_read(scratch, dest, missing))
+            read = OnePassRead(self._layout, self._chunk_bytes(),
+                               np.empty(self._codec.nbytes, np.uint8), dest, missing)
+            status = _SAMPLE_ONE_PASS(draw, ring, outs, read)
         else:
             sources = np.empty(flat.size, np.int64)
             status = _SAMPLE_TABLE(draw, ring, outs, self._table_read(sources, dest, missing))
@@ -282,10 +345,6 @@ class FrameReader:
         ram_src, ram_size = self._source.writer_ram()
         return ChunkBytes(src=mapped.src, size=mapped.size, ram_src=ram_src, ram_size=ram_size,
                           used=mapped.used, tick=mapped.tick, shard_chunks=mapped.shard_chunks)
-
-    def _one_pass_read(self, scratch: np.ndarray, dest: np.ndarray,
-                       missing: np.ndarray) -> OnePassRead:
-        return OnePassRead(self._layout, self._chunk_bytes(), scratch, dest, missing)
 
     def _table_read(self, sources: np.ndarray, dest: np.ndarray,
                     missing: np.ndarray) -> TableRead:

@@ -241,6 +241,7 @@ class FrameStore:
     def close(self) -> None:
         """Stop writing (`FinishedChunks.close`) and unmap the shard files."""
         self.finished.close()
+        self.reader.close()
         if self._shards is not None:
             self._shards.close()
 
@@ -264,11 +265,13 @@ class FrameStore:
         a C-contiguous uint8 buffer the result is written into (`FrameReader.read`)."""
         return self.reader.read(flat_slots, out)
 
-    @property
-    def one_call_reads(self) -> bool:
-        """Whether `read_drawn` draws, looks up and reads a batch in one compiled call (lz4
-        shard stores whose chunks are local; else it would read as `read` does)."""
-        return self.reader.fast_path is not None
+    def one_call_reads(self, frames: int) -> bool:
+        """Whether `read_drawn` draws, looks up and reads a batch of `frames` frames in one
+        compiled call (lz4 shard stores whose chunks are local, unless threads would share
+        that read: `FrameReader.use_threads`; else it would read as `read` does)."""
+        threads = self.reader.threads
+        return self.reader.fast_path is not None and (threads is None
+                                                      or threads.parts(frames) == 1)
 
     def read_drawn(self, draw: TreeDraw, ring: RingColumns, outs: SampleOut,
                    out: np.ndarray | None = None) -> np.ndarray:
