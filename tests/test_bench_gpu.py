@@ -22,12 +22,19 @@ def test_bench_gpu_without_cuda_says_so_and_exits_0():
 def test_bench_gpu_runs_its_feeds_on_the_cpu(tmp_path):
     outcome = run_here("bench/bench_gpu.py", "--device", "cpu", "--quick", "--games", "",
                        "--batch-sizes", "4", "--steps", "2", "--warmup", "1", "--frames",
-                       "1200", "--distinct-frames", "600", "--out-dir", str(tmp_path))
+                       "1200", "--distinct-frames", "600", "--workers", "2",
+                       "--out-dir", str(tmp_path))
     assert outcome.returncode == 0, outcome.stderr
     result = json.loads((tmp_path / "gpu.json").read_text())
     feeds = {(a["sampler"], a["feed"]) for a in result["arms"]}
     assert {("uniform", "ceiling"), ("uniform", "store_sample"), ("uniform", "prefetch"),
-            ("uniform", "device_batches"), ("prioritized", "device_batches"),
+            ("uniform", "device_batches"), ("uniform", "device_batches_shared"),
+            ("prioritized", "device_batches"),
             ("prioritized", "device_store"), ("prioritized", "device_store_late")} <= feeds
     assert all(a["updates_per_s"] > 0 for a in result["arms"])
+    scaling = result["sampling_batches_per_s_by_workers"]
+    for kind in ("read_only", "writable"):  # a view a worker; reads shared by the workers
+        assert set(scaling[kind]) == {"32", "256"}
+        assert all(set(by) == {"1", "2"} and min(by.values()) > 0
+                   for by in scaling[kind].values())
     assert result["wrong_batches"] == {}  # the check needs CUDA

@@ -17,17 +17,21 @@ step, which brings |td| back to the host):
     pinned           ``store.batches(prefetch=4, pin_memory=True)`` + ``non_blocking`` copy
     device_batches   ``store.batches(prefetch=4, device=...)``: copied by the prefetch thread
     device_batches_workers  the same from a read-only view, ``workers=--workers``
+    device_batches_shared   the same from the writable store, ``workers=--workers``: one
+                     prefetch thread, each read shared by the workers
     device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it;
                      prioritized: |td| brought to the host every step (the learner waits)
     device_store_late  the same store, prioritized, ``update_priorities(batch.ids, |td|)``
                      with the device tensors: queued without a wait, applied by a later
                      draw (at most 2 late; docs/guides/device_frames.md)
 
-Sampling throughput alone (no learner): ``batches(32)`` of a read-only view with 1, 2, 4,
-... up to `--workers` threads. Then the wrong-batch check: batches copied ``non_blocking``
+Sampling throughput alone (no learner): ``batches(32)`` and ``batches(256)`` of a read-only
+view and of the writable store with 1, 2, 4, ... up to `--workers` threads. Then the wrong-batch check: batches copied ``non_blocking``
 (or delivered on the device) with the GPU kept behind (``torch.cuda._sleep``) and never
 synchronized; each batch's bytes on the GPU compared with its CPU copy at the end.
-Writes ``gpu.json`` under `--out-dir`. Frames: real ALE frames of `--games` (recorded
+`--sections` picks among the learner arms, the sampling throughput and the wrong-batch
+check (``--device cpu --sections scaling``: the throughput on any machine). Writes
+``gpu.json`` (`--out-name`) under `--out-dir`. Frames: real ALE frames of `--games` (recorded
 once, cached), or synthetic ones.
 """
 
@@ -58,7 +62,7 @@ from common import run_main
 from mmreplay import InvalidInputError, ReplayStore
 
 FEEDS = ("ceiling", "cpprb", "store_sample", "prefetch", "pinned", "device_batches",
-         "device_batches_workers", "device_store")
+         "device_batches_workers", "device_batches_shared", "device_store")
 PRIORITIZED_FEEDS = ("cpprb", "store_sample", "prefetch", "pinned", "device_batches",
                      "device_store", "device_store_late")
 
@@ -84,11 +88,15 @@ class Args:
     check_batches: int = 400
     """batches of the wrong-batch check, per path"""
     workers: int = 16
-    """most sampling threads (a read-only view of the store)"""
+    """most sampling threads"""
+    sections: str = "learner,scaling,wrong"
+    """what to run: the learner arms, the sampling throughput, the wrong-batch check"""
     seed: int = 0
     """seed of the stores, cpprb and the networks"""
     out_dir: str = "data/bench"
-    """directory of gpu.json"""
+    """directory of the result"""
+    out_name: str = "gpu.json"
+    """file name of the result"""
 
 
 # -- frames and buffers ----------------------------------------------------------------------
@@ -241,9 +249,10 @@ def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: to
             yield None
         elif name == "store_sample":
             yield store_feed(lambda: store.sample(size), store, device)
-        elif name == "device_batches_workers":
-            it = stack.enter_context(bufs.reader.batches(size, prefetch=2 * workers,
-                                                         device=device, workers=workers))
+        elif name in ("device_batches_workers", "device_batches_shared"):
+            source = bufs.reader if name == "device_batches_workers" else store
+            it = stack.enter_context(source.batches(size, prefetch=2 * workers, device=device,
+                                                    workers=workers))
             yield store_feed(lambda: next(it), store, device)
         else:
             kw = {"prefetch": {}, "pinned": {"pin_memory": True},
@@ -340,20 +349,28 @@ def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device,
 
 
 # -- sampling throughput ---------------------------------------------------------------------
-def worker_scaling(reader: ReplayStore, most: int, batches: int = 600) -> dict[str, float]:
-    """``batches(32)`` a second from a read-only view with 1, 2, 4, ... `most` workers."""
+def worker_scaling(bufs: Buffers, most: int, frames: int = 20_000
+                   ) -> dict[str, dict[str, dict[str, float]]]:
+    """Batches a second of ``batches(32)`` and ``batches(256)`` with 1, 2, 4, ... `most`
+    workers: from a read-only view (a view a worker) and from the writable store (reads
+    shared), ~`frames` batches' frames timed each."""
     counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
-    rates: dict[str, float] = {}
-    for workers in counts:
-        with reader.batches(32, prefetch=2 * workers, workers=workers) as it:
-            for _ in range(20):
-                next(it)
-            start = time.perf_counter()
-            for _ in range(batches):
-                next(it)
-            rates[str(workers)] = round(batches / (time.perf_counter() - start), 1)
-        print(f"sampling, {workers:2d} workers: {rates[str(workers)]:8.1f} batches/s "
-              f"({rates[str(workers)] / rates['1']:.2f}x one)", flush=True)
+    rates: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, store in (("read_only", bufs.reader), ("writable", bufs.store)):
+        for size in (32, 256):
+            by = rates.setdefault(kind, {}).setdefault(str(size), {})
+            batches = max(50, frames // size)
+            for workers in counts:
+                with store.batches(size, prefetch=2 * workers, workers=workers) as it:
+                    for _ in range(10):
+                        next(it)
+                    start = time.perf_counter()
+                    for _ in range(batches):
+                        next(it)
+                    by[str(workers)] = round(batches / (time.perf_counter() - start), 1)
+                print(f"sampling {kind:9s} batch {size:3d}, {workers:2d} workers: "
+                      f"{by[str(workers)]:8.1f} batches/s ({by[str(workers)] / by['1']:.2f}x "
+                      f"one)", flush=True)
     return rates
 
 
@@ -428,10 +445,12 @@ def main() -> int:
     stream = load_stream(args)
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
         bufs = make_buffers(Path(tmp), stream, args.frames, device)
+        sections = set(args.sections.split(","))
         try:
-            arms = learner_arms(bufs, args, device)
-            scaling = worker_scaling(bufs.reader, args.workers)
-            wrong = wrong_batch_check(bufs, args.check_batches) if device.type == "cuda" else {}
+            arms = learner_arms(bufs, args, device) if "learner" in sections else []
+            scaling = worker_scaling(bufs, args.workers) if "scaling" in sections else {}
+            wrong = (wrong_batch_check(bufs, args.check_batches)
+                     if device.type == "cuda" and "wrong" in sections else {})
         finally:
             for store in (bufs.reader, bufs.store, bufs.pstore, bufs.device_store,
                           bufs.pdevice_store):
@@ -441,14 +460,14 @@ def main() -> int:
     return 0
 
 
-def write_result(args: Args, arms: list[dict[str, Any]], scaling: dict[str, float],
+def write_result(args: Args, arms: list[dict[str, Any]], scaling: dict[str, Any],
                  wrong: dict[str, Any]) -> None:
     from benchlib.harness import machine_info, write_json
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     result = dict(args=asdict(args), machine={**machine_info(), "gpu": gpu}, arms=arms,
                   sampling_batches_per_s_by_workers=scaling, wrong_batches=wrong)
-    print(f"wrote {write_json(result, Path(args.out_dir), 'gpu.json')}")
+    print(f"wrote {write_json(result, Path(args.out_dir), args.out_name)}")
 
 
 if __name__ == "__main__":
