@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mmreplay.errors import DeviceMemoryError, InvalidInputError
 from mmreplay.spec import StoreSpec
-from mmreplay.torch_batch import native
 
 if TYPE_CHECKING:
     import torch
@@ -225,17 +225,28 @@ class DeviceFrames:
     # -- reading -----------------------------------------------------------------------
     def gather_batch(self, arrays: dict[str, np.ndarray]
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A batch on the device: `arrays` (its ``"plan"``, from `plan_rows`, and its small
-        fields) moved in one copy (`to_device`), then the plan's frames gathered (`gather`).
-        Returns the frames and the other arrays as tensors."""
+        """A batch on the device: `arrays` (its ``"plan"``, flat slots, and its small fields)
+        packed (`Packing.pack`), then as `gather_packed`."""
+        packing = Packing.like(arrays)
+        return self.gather_packed(packing, packing.pack(arrays, self.device))
+
+    def gather_packed(self, packing: Packing, buffer: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A batch on the device from `buffer`, laid out by `packing` with a ``"plan"`` field
+        of flat slots (`Packing.host`): the plan made rows (`plan_rows`, in place), the
+        buffer moved in one copy, then the plan's frames gathered (`gather`). Returns the
+        frames and the other fields as tensors."""
+        plan = packing.field(buffer, "plan")
+        self.plan_rows(plan, out=plan)
         with self._on_ring():
-            moved = to_device(arrays, self.device)
+            moved = packing.moved(buffer, self.device)
         return self.gather(moved.pop("plan")), moved
 
-    def plan_rows(self, flat: np.ndarray) -> np.ndarray:
+    def plan_rows(self, flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Flat slots as rows of the ring (the host side of a plan): ``-1`` (zero padding)
-        becomes the zero row, so `gather` needs no negative index."""
-        return np.where(flat < 0, self.frames.shape[0] - 1, flat)
+        becomes the zero row, the last (``-1`` modulo the row count), so `gather` needs no
+        negative index. Into `out` (may be `flat`) if given."""
+        return np.remainder(flat, self.frames.shape[0], out=out)
 
     def gather(self, plan: torch.Tensor) -> torch.Tensor:
         """The frames at the rows of `plan` (an int64 tensor on the device, any shape, from
@@ -277,23 +288,68 @@ class DeviceFrames:
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """The arrays as tensors on `device`, moved in one copy: packed into one host buffer
-    (each at a multiple of `ALIGN` bytes), copied, split (one call) and viewed back per name
-    in its dtype and shape. On the CPU the tensors view that buffer."""
-    arrays = {name: native(a, a.dtype) for name, a in arrays.items()}
-    sizes = [-(-a.nbytes // ALIGN) * ALIGN or ALIGN for a in arrays.values()]
-    host = host_buffer(sum(sizes), device)
-    packed, at = host.numpy(), 0
-    for array, size in zip(arrays.values(), sizes, strict=True):
-        packed[at:at + array.nbytes] = array.reshape(-1).view(np.uint8)
-        at += size
-    parts = host.to(device, non_blocking=True).split(sizes)
-    return {name: _view(part, a) for (name, a), part in zip(arrays.items(), parts, strict=True)}
+    """The arrays as tensors on `device`, moved in one copy (`Packing`). On the CPU the
+    tensors view one buffer."""
+    packing = Packing.like(arrays)
+    return packing.moved(packing.pack(arrays, device), device)
 
 
-def _view(part: torch.Tensor, like: np.ndarray) -> torch.Tensor:
-    """The bytes of `part` (at least ``like.nbytes``) seen as an array like `like`."""
-    if part.numel() != like.nbytes:
-        part = part[:like.nbytes]
-    part = part.view(torch_dtype(like.dtype))
-    return part if like.ndim == 1 else part.view(like.shape)
+class Packing:
+    """Where named arrays sit in one host buffer that one copy moves to a device: each field
+    (name, shape, dtype, in native byte order) at a multiple of `ALIGN` bytes, in order.
+
+    `pack` copies arrays made elsewhere into a fresh buffer; `host` hands out a fresh buffer
+    and a numpy view of each field, for code that computes a batch straight into it (a
+    device store's `sample`: its compiled lookup writes there, nothing is packed after).
+    `moved` copies a buffer to the device and splits it into the fields as tensors."""
+
+    def __init__(self, fields: Iterable[tuple[str, tuple[int, ...], Any]]) -> None:
+        self.names: list[str] = []
+        self.sizes: list[int] = []  # bytes each field takes in the buffer (padded)
+        # (name, start, bytes, numpy dtype, torch dtype, shape) per field
+        self._layout: list[tuple[str, int, int, np.dtype[Any], Any, tuple[int, ...]]] = []
+        start = 0
+        for name, shape, dtype in fields:
+            dt = np.dtype(dtype).newbyteorder("=")
+            nbytes = math.prod(shape) * dt.itemsize
+            self.names.append(name)
+            self.sizes.append(-(-nbytes // ALIGN) * ALIGN or ALIGN)
+            self._layout.append((name, start, nbytes, dt, torch_dtype(dt), tuple(shape)))
+            start += self.sizes[-1]
+        self.nbytes = start
+
+    @classmethod
+    def like(cls, arrays: dict[str, np.ndarray]) -> Packing:
+        """The packing of arrays shaped and typed as `arrays`."""
+        return cls((name, a.shape, a.dtype) for name, a in arrays.items())
+
+    def host(self, device: torch.device) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """A fresh host buffer for `device` (`host_buffer`) and a view of each field in it."""
+        buffer = host_buffer(self.nbytes, device)
+        raw = buffer.numpy()
+        return buffer, {name: raw[start:start + nbytes].view(dt).reshape(shape)
+                        for name, start, nbytes, dt, _, shape in self._layout}
+
+    def field(self, buffer: torch.Tensor, name: str) -> np.ndarray:
+        """The numpy view of field `name` in `buffer`."""
+        _, start, nbytes, dt, _, shape = self._layout[self.names.index(name)]
+        return buffer.numpy()[start:start + nbytes].view(dt).reshape(shape)
+
+    def pack(self, arrays: dict[str, np.ndarray], device: torch.device) -> torch.Tensor:
+        """A fresh host buffer holding `arrays` (named as the fields)."""
+        buffer, views = self.host(device)
+        for name, view in views.items():
+            view[...] = arrays[name]
+        return buffer
+
+    def moved(self, buffer: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        """`buffer` copied to `device` (``non_blocking``: `host_buffer` says why that is
+        safe) and split (one call) into its fields as tensors, by name."""
+        parts = buffer.to(device, non_blocking=True).split(self.sizes)
+        out = {}
+        for (name, _, nbytes, _, tdt, shape), part in zip(self._layout, parts, strict=True):
+            if part.numel() != nbytes:
+                part = part[:nbytes]
+            part = part.view(tdt)
+            out[name] = part if len(shape) == 1 else part.view(shape)
+        return out

@@ -7,9 +7,10 @@ obs and next-obs stack, ``-1`` for zero padding, the first frame's slot for ``"f
 padding, the n-step window's next stack), so a device batch equals the plain store's batch of
 the same draw field by field. The plan and the small fields (action, reward, flags, discount,
 weights, ids, steps, extras) travel in one host-to-device copy (a few KB); then one gather
-builds ``obs`` and ``next_obs`` on the device (`DeviceFrames.gather_batch`: on the ring's
-stream, which the caller's current stream waits for). Sequences are the same with
-`sequences.windows` as the plan.
+builds ``obs`` and ``next_obs`` on the device (`DeviceFrames.gather_packed`: on the ring's
+stream, which the caller's current stream waits for). A sampled batch is drawn and looked up
+by one compiled call straight into the buffer that copy moves (`Packing.host`): nothing is
+packed after it. Sequences are the same with `sequences.windows` as the plan.
 
 The store holds the lock and checks arguments; this module owns no state but the frames.
 """
@@ -22,9 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmreplay.device_frames import DeviceFrames, check_fits
+from mmreplay.device_frames import DeviceFrames, Packing, check_fits
 from mmreplay.index.ring import Lookup
 from mmreplay.index.sequences import SequenceKey, windows
+from mmreplay.kernels import lazy_entry, samples
+from mmreplay.kernels.structs import LookupOut, SampleOut
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder
 from mmreplay.sequence_reader import SequenceReader
@@ -34,7 +37,8 @@ from mmreplay.torch_batch import Batch, SequenceBatch
 if TYPE_CHECKING:
     import torch
 
-EXTRA = "extra:"  # the key of an extra among the arrays `to_device` moves
+EXTRA = "extra:"  # the key of an extra among the fields of a batch's `Packing`
+_DRAW_AND_LOOK = lazy_entry(samples, "draw_and_look")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class DeviceReader:
         self.frames = frames
         self.reader = reader
         self.sequences = sequences
+        self._packings: dict[int, Packing] = {}  # a transition batch's, by batch size
 
     @property
     def device(self) -> torch.device:
@@ -64,13 +69,24 @@ class DeviceReader:
         `Reader.sample` draws them: beside a writer, from the give-ups seen last, drawn again
         if the writer gave one up since (so the draws equal a plain reader's)."""
         reader = self.reader
+        ring = reader.ring
 
         def attempt() -> Batch | None:
             reader.ready(follow=False)
-            draw = reader.sampler.sample(rng, size, beta)
-            if not reader.still_valid(draw.slots):
+            packing = self.packing(size)
+            buffer, out = packing.host(self.device)
+            flat, plan = np.empty(size, np.int64), out["plan"]
+            _DRAW_AND_LOOK(reader.sampler.tree_draw(rng, size, beta), ring.lookup_columns,
+                           SampleOut(flat, out["weights"], plan, LookupOut(
+                               obs=plan[0], next_obs=plan[1], ret=out["reward"],
+                               term=out["terminated"], trunc=out["truncated"],
+                               discount=out["discount"], steps=out["steps"], ids=out["ids"])))
+            if not reader.still_valid(flat):
                 return None
-            return self.batch(reader.ring.lookup(draw.slots), draw.weights)
+            out["action"][...] = ring.actions_at(flat)
+            for name, values in ring.extras_at(flat).items():
+                out[EXTRA + name][...] = values
+            return self.on_device(packing, buffer)
 
         return reader.consistent(attempt)
 
@@ -79,14 +95,35 @@ class DeviceReader:
         flat = self.reader.locate(wanted)
         return self.batch(self.reader.ring.lookup(flat), np.ones(flat.size, np.float32))
 
+    def packing(self, size: int) -> Packing:
+        """Where each field of a batch of `size` transitions sits in the buffer copied to the
+        device: the plan (flat slots of the stacks), then the small fields."""
+        packing = self._packings.get(size)
+        if packing is None:
+            spec = self.reader.ring.spec
+            one = [("ids", (), np.int64), ("steps", (), np.int64), ("reward", (), np.float32),
+                   ("discount", (), np.float32), ("weights", (), np.float32),
+                   ("terminated", (), np.bool_), ("truncated", (), np.bool_),
+                   ("action", spec.action_shape, spec.action_dtype),
+                   *((EXTRA + name, shape, dtype) for name, shape, dtype in spec.extras)]
+            packing = self._packings[size] = Packing([
+                ("plan", (2, size, spec.frame_stack), np.int64),
+                *((name, (size, *shape), dtype) for name, shape, dtype in one)])
+        return packing
+
     def batch(self, look: Lookup, weights: np.ndarray) -> Batch:
-        """The `Batch` of a plan: its arrays moved in one copy, its stacks gathered."""
-        both, moved = self.frames.gather_batch({
-            "plan": self.frames.plan_rows(look.slots), "action": look.action, "reward": look.reward,
+        """The `Batch` of a lookup (and its draw's weights), packed and moved in one copy,
+        its stacks gathered."""
+        packing = self.packing(look.ids.size)
+        return self.on_device(packing, packing.pack({
+            "plan": look.slots, "action": look.action, "reward": look.reward,
             "terminated": look.terminated, "truncated": look.truncated,
-            "discount": look.discount, "weights": np.asarray(weights, np.float32),
-            "ids": look.ids, "steps": look.steps,
-            **{EXTRA + name: a for name, a in look.extras.items()}})
+            "discount": look.discount, "weights": weights, "ids": look.ids, "steps": look.steps,
+            **{EXTRA + name: a for name, a in look.extras.items()}}, self.device))
+
+    def on_device(self, packing: Packing, buffer: torch.Tensor) -> Batch:
+        """The `Batch` of a buffer laid out by `packing`: moved, its stacks gathered."""
+        both, moved = self.frames.gather_packed(packing, buffer)
         return Batch(obs=both[0], next_obs=both[1], action=moved["action"],
                      reward=moved["reward"], terminated=moved["terminated"],
                      truncated=moved["truncated"], discount=moved["discount"],
@@ -111,8 +148,7 @@ class DeviceReader:
         win = windows(self.reader.ring, starts, key)
         size, length, k = win.obs_slots.shape
         frames, moved = self.frames.gather_batch({
-            "plan": self.frames.plan_rows(
-                np.concatenate([win.obs_slots.reshape(size, -1), win.next_obs_slots], 1)),
+            "plan": np.concatenate([win.obs_slots.reshape(size, -1), win.next_obs_slots], 1),
             "action": win.action, "reward": np.asarray(win.reward, np.float32),
             "terminated": win.terminated, "truncated": win.truncated,
             "is_first": win.is_first, "mask": win.mask, "ids": np.asarray(win.ids, np.int64),

@@ -386,7 +386,9 @@ def test_bench_writes_its_figures(tmp_path):
     report = json.loads((tmp_path / "device_frames.json").read_text())
     for sampler in ("uniform", "prioritized"):
         run = report["runs"][sampler]
-        assert run["batch_device"] == "cpu" and len(run["open_fill_s"]) == 1
+        assert run["batch_device"] == "cpu" and set(run["open_fill_s"]) == {"1", "cores"}
+        assert all(len(times) == 1 for times in run["open_fill_s"].values())
+        assert run["fill_cores"] >= 1
         assert 0 < run["sample_us"]["median"] <= run["sample_us"]["p90"]
         assert run["plain_sample_us"]["median"] > 0
 

@@ -89,8 +89,9 @@ def draw_slots(draw: TreeDraw, flat: np.ndarray, weights: np.ndarray) -> None:
 
 
 @numba.njit(nogil=True, cache=True)
-def _draw_and_look(draw: TreeDraw, ring: RingColumns, outs: SampleOut) -> None:
-    """`draw_slots`, then the ring's `lookup` of the slots drawn, into ``outs``."""
+def draw_and_look(draw: TreeDraw, ring: RingColumns, outs: SampleOut) -> None:
+    """`draw_slots`, then the ring's `lookup` of the slots drawn, into ``outs`` (alone: a
+    ``device=`` store's sample, whose frames are gathered on its device)."""
     draw_slots(draw, outs.flat, outs.weights)
     lookup(outs.flat, ring, outs.look)
 
@@ -100,7 +101,7 @@ def sample_one_pass(draw: TreeDraw, ring: RingColumns, outs: SampleOut,
                     read: OnePassRead) -> int:
     """Draw, look up and `read_frames` the stacks (``outs.stacks``, every frame once a row of
     ``read.out``) of a store without a decoded-chunk table; returns `read_frames`' status."""
-    _draw_and_look(draw, ring, outs)
+    draw_and_look(draw, ring, outs)
     return read_frames(outs.stacks.reshape(-1), read, 0, 1)
 
 
@@ -108,6 +109,6 @@ def sample_one_pass(draw: TreeDraw, ring: RingColumns, outs: SampleOut,
 def sample_table(draw: TreeDraw, ring: RingColumns, outs: SampleOut, read: TableRead) -> int:
     """Draw, look up and `table_read` the stacks through a decoded-chunk table; returns
     `table_read`'s status."""
-    _draw_and_look(draw, ring, outs)
+    draw_and_look(draw, ring, outs)
     stacks = outs.stacks
     return table_read(stacks.reshape(-1), read, stacks.shape[2])

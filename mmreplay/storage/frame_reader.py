@@ -30,6 +30,7 @@ in their file, a chunk's bytes on disk) it asks of its `ChunkSource`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple, Protocol, TypeVar
 
@@ -277,14 +278,7 @@ class FrameReader:
         scratch buffer and copies its frames out while they are in the CPU's cache."""
         assert self._shards is not None
         while True:
-            chunks = self._chunk_bytes()
-
-            def share(part: int, parts: int) -> tuple[int, np.ndarray]:
-                missing = np.empty(flat.size, np.int64)
-                read = OnePassRead(self._layout, chunks, np.empty(self._codec.nbytes, np.uint8),
-                                   dest, missing)
-                return _READ_FRAMES(flat, read, part, parts), missing
-
+            share = functools.partial(self._one_pass_share, flat, dest, self._chunk_bytes())
             shares = self._shares(share, flat.size)
             unmapped = [missing[:status] for status, missing in shares if status > 0]
             if not unmapped:
@@ -293,6 +287,15 @@ class FrameReader:
         for status, missing in shares:
             if status:
                 self._raise_damaged(int(flat[missing[0]]), -int(status))
+
+    def _one_pass_share(self, flat: np.ndarray, dest: np.ndarray, chunks: ChunkBytes, part: int,
+                        parts: int) -> tuple[int, np.ndarray]:
+        """Share `part` of `parts` of a one-pass read: its status and where the chunks it
+        could not take are named (`read_frames`)."""
+        missing = np.empty(flat.size, np.int64)
+        read = OnePassRead(self._layout, chunks, np.empty(self._codec.nbytes, np.uint8), dest,
+                           missing)
+        return _READ_FRAMES(flat, read, part, parts), missing
 
     def _read_lz4_shards_table(self, flat: np.ndarray, dest: np.ndarray) -> bool:
         """`table_read`: each frame's source; the chunks the table lacks decoded whole from

@@ -6,7 +6,9 @@
 For each sampler (``--samplers``), a store of ``--frames`` 84x84 uint8 frames (Atari-like:
 flat blocks of a few colours, each frame stamped with its number, so they compress as real
 frames do) is built without a device, closed, then opened with ``device=--device`` (timed:
-the open and the fill of the device ring from disk, ``--repeats`` times). On that open store:
+the open and the fill of the device ring from disk, ``--repeats`` times, with the fill decoded
+by each count of ``--fill-threads``: ``open_fill_s`` by count, the default count, every core
+this process may use, as ``"cores"``). On that open store:
 
 - ``sample_us``: ``store.sample(--batch)`` per call, batch on the device, the device
   synchronized after each call (on CUDA: the time until the batch is usable);
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 import tyro
 
-from mmreplay import ReplayStore, StepRows
+from mmreplay import ReplayStore, StepRows, device_reader
 
 OBS = (84, 84)
 ROWS = 4096  # steps recorded per add_rows call while building
@@ -63,6 +65,8 @@ class Args:
     """frames per stack"""
     threads: int = 1
     """torch intra-op threads (a CPU device's gather runs in them; 0: torch's default)"""
+    fill_threads: str = "1,cores"
+    """comma-separated thread counts decoding the fill on open ("cores": the default)"""
     dir: str = ""
     """where the stores are built (default: a temp directory, removed after)"""
     out_dir: str = "data/bench"
@@ -125,21 +129,27 @@ def summary(times: list[float]) -> dict[str, float]:
 
 def measure(path: Path, args: Args) -> dict[str, Any]:
     """Open + fill times with the device, then the sample arms (see the module doc)."""
-    opens = []
+    opens: dict[str, list[float]] = {}
+    cores = device_reader.fill_threads
     for _ in range(args.repeats):
-        start = time.perf_counter()
-        store = ReplayStore.open(path, device=args.device)
-        synchronize(args.device)
-        opens.append(time.perf_counter() - start)
-        store.close()
-        del store
+        for count in args.fill_threads.split(","):
+            device_reader.fill_threads = cores if count == "cores" else lambda c=int(count): c
+            try:
+                start = time.perf_counter()
+                store = ReplayStore.open(path, device=args.device)
+                synchronize(args.device)
+                opens.setdefault(count, []).append(round(time.perf_counter() - start, 3))
+            finally:
+                device_reader.fill_threads = cores
+            store.close()
+            del store
     with ReplayStore.open(path, device=args.device) as store:
         sample = summary(time_calls(lambda: store.sample(args.batch), args, args.device))
         issue = summary(time_calls(lambda: store.sample(args.batch), args, None))
         on = str(store.sample(1).obs.device)
     with ReplayStore.open(path) as plain:
         plain_us = summary(time_calls(lambda: plain.sample(args.batch), args, None))
-    return {"open_fill_s": [round(s, 3) for s in opens], "sample_us": sample,
+    return {"open_fill_s": opens, "fill_cores": cores(), "sample_us": sample,
             "issue_us": issue, "plain_sample_us": plain_us, "batch_device": on}
 
 

@@ -26,9 +26,10 @@ step, which brings |td| back to the host):
                      draw (at most 2 late; docs/guides/device_frames.md)
 
 Sampling throughput alone (no learner): ``batches(32)`` and ``batches(256)`` of a read-only
-view and of the writable store with 1, 2, 4, ... up to `--workers` threads. Then the wrong-batch check: batches copied ``non_blocking``
-(or delivered on the device) with the GPU kept behind (``torch.cuda._sleep``) and never
-synchronized; each batch's bytes on the GPU compared with its CPU copy at the end.
+view and of the writable store with 1, 2, 4, ... up to `--workers` threads. Then the
+wrong-batch check: batches copied ``non_blocking`` (or delivered on the device) with the GPU
+kept behind (``torch.cuda._sleep``) and never synchronized; each batch's bytes on the GPU
+compared with its CPU copy at the end.
 `--sections` picks among the learner arms, the sampling throughput and the wrong-batch
 check (``--device cpu --sections scaling``: the throughput on any machine). Writes
 ``gpu.json`` (`--out-name`) under `--out-dir`. Frames: real ALE frames of `--games` (recorded
