@@ -5,13 +5,17 @@ The prefetch thread copies each batch to the device on a side stream; the learne
 
     prefetch thread                              learner thread, ``next()``
     sample into a page-locked block (`PinnedBlocks`)
-    on the side stream: x.to(device, non_blocking)
+    on the side stream: the frames, then every
+      small field packed in one buffer (`to_device`),
+      each in one non_blocking copy
     event.record(side stream)    --- queue --->  current stream waits on the event
-                                                 x.record_stream(current stream), each x
-                                                 x is usable at once on the current stream
+                                                 record_stream(current stream), both copies
+                                                 the batch is usable at once there
 
 - The copies overlap the learner's kernels: they run on a stream of their own, queued by
-  another thread.
+  another thread. Two copies a batch, both from page-locked memory (a copy from pageable
+  memory would stage through the driver, holding the GIL meanwhile); ``next()`` records
+  two storages.
 - ``wait_event`` orders the learner's later work after the copies, on the GPU: the CPU
   never waits.
 - The device tensors were allocated on the side stream, so PyTorch's caching allocator
@@ -33,22 +37,25 @@ are gathered on the device, on the side stream. A bucket store's pipeline hands 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mmreplay.device_frames import parse_device
+from mmreplay.device_frames import parse_device, to_device
 from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, frames_tensor
+
+EXTRA = "extra:"  # the key of an extra among the small fields packed for one copy
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A batch whose copies are queued on the side stream, and the event that ends them."""
+    """A batch whose copies are queued on the side stream, the event that ends them, and
+    the device tensors whose storages hold the batch (its frames, its small fields)."""
 
     batch: Batch
     event: torch.cuda.Event | None  # None on the CPU
+    storages: tuple[torch.Tensor, ...] = ()
 
 
 class DeviceMover:
@@ -69,15 +76,12 @@ class DeviceMover:
         """Queue the copies of `arrays` to the device (a `FrameSetBatch`: its distinct
         frames, then its stacks gathered there); on the CPU, the batch itself."""
         if self.stream is None:
-            return Staged(_batch_of(arrays, _on_cpu), None)
+            return Staged(_batch_of(arrays, self.device), None)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            batch = _batch_of(arrays, self._copy)
+            batch = _batch_of(arrays, self.device)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return Staged(batch, event)
-
-    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+        return Staged(batch, event, (batch.obs, batch.ids))
 
     def receive(self, staged: Any) -> Batch:
         """The batch of `staged`, usable at once on this thread's current stream."""
@@ -88,36 +92,31 @@ class DeviceMover:
             return staged.batch
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(staged.event)
-        for tensor in _tensors(staged.batch):
+        for tensor in staged.storages:  # per storage: one tensor of each is enough
             tensor.record_stream(stream)
         return staged.batch
 
 
-def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _batch_of(arrays: ArrayBatch | FrameSetBatch,
-              move: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-    """A `Batch` of `arrays` with each tensor passed through `move`: the frames as one
-    tensor (a single copy; a frame set's stacks gathered after it), ``obs`` and
-    ``next_obs`` its halves."""
-    tensor = torch.from_numpy
-    frames = move(frames_tensor(arrays))
+def _batch_of(arrays: ArrayBatch | FrameSetBatch, device: torch.device) -> Batch:
+    """A `Batch` of `arrays` on `device`: the frames in one copy (a frame set's stacks then
+    gathered there, one ``index_select``), every small field (and a frame set's index) in
+    one more (`to_device`); ``obs`` and ``next_obs`` are the halves of one tensor, the small
+    fields views of one buffer. On the CPU the frames are not copied."""
+    small = {"action": arrays.action, "reward": arrays.reward,
+             "terminated": arrays.terminated, "truncated": arrays.truncated,
+             "discount": arrays.discount, "weights": arrays.weights, "ids": arrays.ids,
+             "steps": arrays.steps, **{EXTRA + name: a for name, a in arrays.extras.items()}}
     if isinstance(arrays, FrameSetBatch):
-        frames = frames[move(tensor(arrays.index))]  # (2, B, stack, *obs): one gather
+        small["index"] = arrays.index
+    frames = frames_tensor(arrays).to(device, non_blocking=True)
+    moved = to_device(small, device)
+    if isinstance(arrays, FrameSetBatch):
+        index = moved.pop("index")  # (2, B, stack)
+        frames = frames.index_select(0, index.reshape(-1)).view(*index.shape,
+                                                                  *frames.shape[1:])
     return Batch(
-        obs=frames[0], next_obs=frames[1], action=move(tensor(arrays.action)),
-        reward=move(tensor(arrays.reward)), terminated=move(tensor(arrays.terminated)),
-        truncated=move(tensor(arrays.truncated)), discount=move(tensor(arrays.discount)),
-        weights=move(tensor(arrays.weights)), ids=move(tensor(arrays.ids)),
-        extras={name: move(tensor(a)) for name, a in arrays.extras.items()},
-        steps=move(tensor(arrays.steps)))
-
-
-def _tensors(batch: Batch) -> list[torch.Tensor]:
-    """Every tensor of `batch` (``obs`` and ``next_obs`` share one storage: once is enough
-    for ``record_stream``, which is per storage)."""
-    found = [batch.obs, batch.action, batch.reward, batch.terminated, batch.truncated,
-             batch.discount, batch.weights, batch.ids, *batch.extras.values()]
-    return found if batch.steps is None else [*found, batch.steps]
+        obs=frames[0], next_obs=frames[1], action=moved["action"], reward=moved["reward"],
+        terminated=moved["terminated"], truncated=moved["truncated"],
+        discount=moved["discount"], weights=moved["weights"], ids=moved["ids"],
+        extras={name[len(EXTRA):]: t for name, t in moved.items() if name.startswith(EXTRA)},
+        steps=moved["steps"])
