@@ -11,11 +11,11 @@ imports mmreplay from that tree and measures, in that one process:
             ``add`` and ``sample(64)`` against SB3's own ``ReplayBuffer`` (same stream, calls
             interleaved block by block), and `ReplayStore` ``add``/``sample(64)`` directly;
             ``add`` also timed per block of 512 calls, staged steps' recording included
-    per     a prioritized store of `--frames` real Breakout frames (84x84, 4-stacks + next
+    per     a prioritized store of `--frames` real frames of `--games` (84x84, 4-stacks + next
             stacks): ``sample(32)`` + ``update_priorities`` of the 32 ids, ``sample(32)``
             alone, and the update alone, against cpprb's ``PrioritizedReplayBuffer``
             (next_of + stack_compress) filled with the same stream
-    uniform a uniform store of `--frames` real Breakout frames: ``sample(32)`` against cpprb's
+    uniform a uniform store of `--frames` real frames of `--games`: ``sample(32)`` against cpprb's
             ``ReplayBuffer`` (next_of + stack_compress), then against the floor: numpy's fancy
             index of 32 five-frame windows from an in-RAM array of the same frames
             (per and uniform, unless ``--no-numpy-rows``: also ``sample_arrays(32)``, numpy out
@@ -94,6 +94,10 @@ class Args:
     lz4hc: bool = False
     """per, uniform: also time a store filled from the same stream with ``codec="lz4hc"``
     (``mmreplay_lz4hc``; the same seed, so the same draws as the default store)"""
+    games: str = "ALE/Breakout-v5,ALE/Pong-v5,ALE/Seaquest-v5"
+    """per, uniform: the real frames recorded, `--distinct-frames` of each game, cycled"""
+    distinct_frames: int = 1500
+    """per, uniform: frames recorded per game (cached under data/cache)"""
     seed: int = 0
     """seed of the streams and of every buffer's sampling"""
     out: str = "data/bench/overhead.json"
@@ -297,16 +301,28 @@ def add_blocks(args: Args, space: Any, act: Any, obs: np.ndarray, actions: np.nd
     return {"block": block, "figures": with_ratios(figures, "sb3_ReplayBuffer")}
 
 
+# -- real frames -------------------------------------------------------------------------------
+def recording(args: Args) -> Any:
+    """`--distinct-frames` recorded frames of each of `--games`, one stream after another."""
+    sys.path.insert(0, str(SCRIPTS))
+    from ale_frames import AleFrames, record_frames
+
+    recs = [record_frames(game, args.distinct_frames, seed=args.seed)
+            for game in args.games.split(",") if game]
+    return AleFrames(args.games, args.seed, *(
+        np.concatenate([getattr(r, name) for r in recs])
+        for name in ("frames", "is_first", "actions", "rewards", "terminated", "truncated")))
+
+
 # -- per: prioritized sample + update with frames ----------------------------------------------
 def per_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
-    from ale_frames import record_frames
     from benchlib.baselines import stacked_steps
     from cpprb import PrioritizedReplayBuffer
 
     from mmreplay import ReplayStore
 
-    rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
+    rec = recording(args)
     rng = np.random.default_rng(args.seed)
     path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/per"
     filled_store(args, rec, path, sampler="prioritized", alpha=0.6)
@@ -374,12 +390,11 @@ def sampler(store: Any, beta: float | None = None) -> Callable[[int], object]:
 # -- uniform: uniform sample with frames, and the numpy floor -----------------------------------
 def uniform_section(args: Args) -> dict[str, Any]:
     sys.path.insert(0, str(SCRIPTS))
-    from ale_frames import record_frames
     from benchlib.harness import numpy_gather
 
     from mmreplay import ReplayStore
 
-    rec = record_frames("ALE/Breakout-v5", 1500, seed=args.seed)
+    rec = recording(args)
     path = tempfile.mkdtemp(prefix="mmreplay-overhead-") + "/uniform"
     filled_store(args, rec, path)
     cached, cached_info = cached_copies(args, path)
