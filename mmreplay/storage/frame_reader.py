@@ -151,8 +151,9 @@ class FrameReader:
         """``share(part, parts)`` of a read of `frames` frames, split among the threads
         if there are any and the read is big enough (`ReadThreads.parts`)."""
         threads = self.threads
-        parts = 1 if threads is None else threads.parts(frames)
-        return [share(0, 1)] if parts == 1 else threads.run(share, parts)  # type: ignore[union-attr]
+        if threads is None or (parts := threads.parts(frames)) == 1:
+            return [share(0, 1)]
+        return threads.run(share, parts)
 
     # -- the general path -------------------------------------------------------
     def read(self, flat_slots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -244,6 +245,7 @@ class FrameReader:
             keep = [self._chunk_bytes_on_disk(*divmod(k, num_chunks))[0] for k in keys.tolist()]
             src = np.array([_address(b) for b in keep], np.int64)
             size = np.array([len(b) for b in keep], np.int64)
+
         def decode(part: int, parts: int) -> np.ndarray:
             take = slice(part, None, parts)  # every parts-th chunk: contiguous copies
             src_, size_, dest_ = (np.ascontiguousarray(a[take]) for a in (src, size, dest))
