@@ -30,6 +30,7 @@ from mmreplay.device_reader import DeviceReader
 from mmreplay.errors import InvalidInputError
 from mmreplay.prefetch import BatchPipeline, BatchPrefetcher, Receive
 from mmreplay.reader import Planned, Reader
+from mmreplay.sampling_processes import SamplingProcesses
 from mmreplay.sequence_reader import SequenceArrays, SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec
 from mmreplay.storage.remote_frames import RemoteChunks, fill_on_batches
@@ -61,7 +62,8 @@ class BatchMaker:
         self.device = device  # None once the store is closed: its memory goes back
         self.rng = rng
         self.refuse_closed, self.open_view = refuse_closed, open_view
-        self.prefetchers: weakref.WeakSet[BatchPrefetcher | BatchPipeline] = weakref.WeakSet()
+        self.prefetchers: weakref.WeakSet[BatchPrefetcher | SamplingProcesses] = \
+            weakref.WeakSet()
 
     def stop(self) -> None:
         """Close the rate limiter (waking prefetch threads waiting on it) and every
@@ -82,11 +84,16 @@ class BatchMaker:
             size, beta = validate.batch_size(batch_size), validate.beta(beta)
             return device.sample(self.rng, size, beta)
 
-    def sample_arrays(self, batch_size: int, beta: float, pin_memory: bool) -> ArrayBatch:
+    def sample_arrays(self, batch_size: int, beta: float, pin_memory: bool,
+                      out: np.ndarray | None = None) -> ArrayBatch:
         with self.limits.sampling(_items(batch_size)), self.lock:
             self.refuse_closed("sample")
             size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            return self.reader.sample(self.rng, size, beta, pin_memory=bool(pin_memory))
+            if out is not None:
+                validate.frames_out(out, 2 * size * self.spec.frame_stack
+                                    * self.spec.frame_bytes, bool(pin_memory))
+            return self.reader.sample(self.rng, size, beta, pin_memory=bool(pin_memory),
+                                      out=out)
 
     def sample_frame_set(self, batch_size: int, beta: float,
                          pin_memory: bool) -> FrameSetBatch:
@@ -123,11 +130,34 @@ class BatchMaker:
 
     # -- batches drawn ahead ----------------------------------------------------------
     def prefetcher(self, batch_size: int, prefetch: int, beta: float, pin_memory: bool,
-                   device: Any, workers: int, remote: RemoteChunks | None) -> BatchPrefetcher:
-        """`_prefetcher`, which `stop` closes."""
-        it = self._prefetcher(batch_size, prefetch, beta, pin_memory, device, workers, remote)
+                   device: Any, workers: int, remote: RemoteChunks | None,
+                   processes: bool = False) -> BatchPrefetcher | SamplingProcesses:
+        """`_prefetcher`, or with `processes` `_processes`; `stop` closes either."""
+        it = (self._processes(batch_size, prefetch, beta, pin_memory, device, workers, remote)
+              if processes else
+              self._prefetcher(batch_size, prefetch, beta, pin_memory, device, workers, remote))
         self.prefetchers.add(it)
         return it
+
+    def _processes(self, batch_size: int, prefetch: int, beta: float, pin_memory: bool,
+                   device: Any, workers: int, remote: RemoteChunks | None) -> SamplingProcesses:
+        """``batches(..., processes=True)``: `workers` sampling processes, each with a
+        read-only view of the store's directory (`sampling_processes`)."""
+        if self.open_view is None or remote is not None or self.device is not None:
+            raise InvalidInputError(
+                "batches(processes=True) needs a local store opened read-only "
+                "(ReplayStore.open(path, mode='r')) with no device=; a writable store shares "
+                "each read among `workers` threads instead (processes=False)")
+        if pin_memory or device is not None:
+            raise InvalidInputError(
+                f"batches(processes=True) hands out CPU tensors in shared memory; expected "
+                f"pin_memory=False and device=None, got pin_memory={pin_memory!r}, "
+                f"device={device!r}")
+        with self.lock:
+            self.refuse_closed("batches")
+            seeds = self.rng.integers(0, 1 << 63, size=max(1, _items(workers))).tolist()
+        return SamplingProcesses(self.open_view, self.spec, batch_size, workers=workers,
+                                 prefetch=prefetch, beta=beta, seeds=seeds)
 
     def _prefetcher(self, batch_size: int, prefetch: int, beta: float, pin_memory: bool,
                     device: Any, workers: int, remote: RemoteChunks | None) -> BatchPrefetcher:

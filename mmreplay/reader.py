@@ -123,17 +123,18 @@ class Reader:
         return bool((self.ring.valid if valid is None else valid)[flat].all())
 
     def sample(self, rng: np.random.Generator, size: int, beta: float, *,
-               pin_memory: bool = False) -> ArrayBatch:
-        """`size` transitions drawn by the sampler (see `ReplayStore.sample`)."""
+               pin_memory: bool = False, out: np.ndarray | None = None) -> ArrayBatch:
+        """`size` transitions drawn by the sampler (see `ReplayStore.sample`); their frames
+        written into `out` if given (a checked uint8 buffer: `ReplayStore.sample_arrays`)."""
         def attempt() -> ArrayBatch | None:
             self.ready(follow=False)  # `still_valid` follows the writer after the read
             if self.frames.one_call_reads(2 * size * self.ring.spec.frame_stack):
                 flat, batch = self.drawn_batch(self.sampler.tree_draw(rng, size, beta),
-                                               pin_memory)
+                                               pin_memory, out)
             else:
                 draw = self.sampler.sample(rng, size, beta)
                 flat, batch = draw.slots, self.batch(draw.slots, draw.weights,
-                                                     pin_memory=pin_memory)
+                                                     pin_memory=pin_memory, out=out)
             return batch if self.still_valid(flat) else None
 
         return self.consistent(attempt)
@@ -182,7 +183,8 @@ class Reader:
         self.ready()
         return self.sampler.sample(rng, size, beta)
 
-    def drawn_batch(self, draw: TreeDraw, pin_memory: bool) -> tuple[np.ndarray, ArrayBatch]:
+    def drawn_batch(self, draw: TreeDraw, pin_memory: bool,
+                    out: np.ndarray | None = None) -> tuple[np.ndarray, ArrayBatch]:
         """The flat slots and the batch of `draw`, drawn, looked up and read in one compiled
         call (`FrameStore.read_drawn`): what `batch` of the sampler's `sample` gives."""
         size, stack = draw.values.size, self.ring.spec.frame_stack
@@ -190,7 +192,8 @@ class Reader:
         outs = SampleOut(flat=np.empty(size, np.int64), weights=np.empty(size, np.float32),
                          stacks=stacks, look=lookup_out(stacks))
         frames = self.frames.read_drawn(draw, self.ring.lookup_columns, outs,
-                                        self.pool(pin_memory).take(stacks.size * self.frame_nbytes))
+                                        self.destination(pin_memory, out,
+                                                         stacks.size * self.frame_nbytes))
         flat, look = outs.flat, outs.look
         action = self.ring.actions_at(flat)
         extras = self.ring.extras_at(flat) if self.ring.spec.extras else {}
@@ -241,19 +244,25 @@ class Reader:
         return env * self.ring.slots_per_env + frames % self.ring.slots_per_env
 
     def batch(self, flat: np.ndarray, weights: np.ndarray, *,
-              pin_memory: bool = False) -> ArrayBatch:
+              pin_memory: bool = False, out: np.ndarray | None = None) -> ArrayBatch:
         """The transitions at valid flat slots, frames read in one call into a buffer of
         the pool (`OutputBuffers`) when it has one for their size."""
         look = self.ring.lookup(flat)  # every field but the frames, in its batch dtype
         slots = look.slots
-        frames = self.frames.read(slots, out=self.pool(pin_memory).take(
-            slots.size * self.frame_nbytes))
+        frames = self.frames.read(slots, out=self.destination(pin_memory, out,
+                                                              slots.size * self.frame_nbytes))
         return ArrayBatch(frames=frames, action=native(look.action, look.action.dtype),
                           reward=look.reward, terminated=look.terminated,
                           truncated=look.truncated, discount=look.discount,
                           weights=native(weights, np.float32), ids=look.ids, steps=look.steps,
                           extras={k: native(a, a.dtype) for k, a in look.extras.items()},
                           pinned=pinned_frames(frames) if pin_memory else None)
+
+    def destination(self, pin_memory: bool, out: np.ndarray | None,
+                    nbytes: int) -> np.ndarray | None:
+        """Where a batch's `nbytes` of frames go: `out` if given, else a buffer of the
+        `pool`."""
+        return out if out is not None else self.pool(pin_memory).take(nbytes)
 
     def pool(self, pin_memory: bool) -> OutputBuffers | PinnedBlocks:
         """Where the frames of a batch go: reused pageable buffers, or with `pin_memory` a

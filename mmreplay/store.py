@@ -51,6 +51,7 @@ from mmreplay.rate_limit import RateLimiter
 from mmreplay.reader import Reader
 from mmreplay.recorder import Recorder, StepRows
 from mmreplay.remote import BucketMethods
+from mmreplay.sampling_processes import SamplingProcesses
 from mmreplay.sequence_reader import SequenceReader, sequence_key
 from mmreplay.spec import StoreSpec, make_spec
 from mmreplay.storage.commit import Committer, take_lock
@@ -258,25 +259,29 @@ class ReplayStore(BucketMethods):
         waits first until the writers let `batch_size` samples out."""
         return self._batches.sample(batch_size, beta)
 
-    def sample_arrays(self, batch_size: int, beta: float = 0.4, *,
-                      pin_memory: bool = False) -> ArrayBatch:
-        """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`)."""
-        return self._batches.sample_arrays(batch_size, beta, pin_memory)
+    def sample_arrays(self, batch_size: int, beta: float = 0.4, *, pin_memory: bool = False,
+                      out: np.ndarray | None = None) -> ArrayBatch:
+        """`sample` as numpy arrays (see docs/guides/performance.md: reuse, `pin_memory`).
+        `out`: a C-contiguous, writable 1-D uint8 array of at least the batch's frame bytes
+        (``2 * batch_size * frame_stack * frame_bytes``) that the frames are written into
+        (the batch's ``frames`` view it)."""
+        return self._batches.sample_arrays(batch_size, beta, pin_memory, out)
 
     def batches(self, batch_size: int, *, prefetch: int = 2, beta: float = 0.4,
-                pin_memory: bool = False, device: Any = None, workers: int = 1
-                ) -> BatchPrefetcher:
+                pin_memory: bool = False, device: Any = None, workers: int = 1,
+                processes: bool = False) -> BatchPrefetcher | SamplingProcesses:
         """An endless iterator of ``sample(batch_size, beta)`` batches drawn ahead.
 
         A thread keeps `prefetch` batches ready (a bucket store: `prefetch` more in flight,
         fetched at once), overlapping the learner's work. Set ``it.beta`` to anneal. Draws
         happen in order when the thread makes them, so with concurrent ``add`` calls the
         sequence depends on timing (use plain ``sample`` where bit-exact replays matter).
-        ``pin_memory``, ``device``, ``workers``: see docs/guides/gpu.md."""
+        ``pin_memory``, ``device``, ``workers``, ``processes`` (a read-only store sampled by
+        `workers` processes): see docs/guides/gpu.md."""
         _refuse_closed(self, "batches")
         validate.batch_size(batch_size), validate.beta(beta)
         return self._batches.prefetcher(batch_size, prefetch, beta, pin_memory, device,
-                                        workers, self.remote)
+                                        workers, self.remote, bool(processes))
 
     @_locked
     def update_priorities(self, ids: Any, priorities: Any, *, late: bool | None = None

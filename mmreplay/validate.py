@@ -133,6 +133,22 @@ def transition_ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def frames_out(value: Any, nbytes: int, pin_memory: bool) -> None:
+    """`sample_arrays(out=...)`: a C-contiguous, writable 1-D uint8 array of at least
+    `nbytes` bytes (and no `pin_memory`: a pinned batch's frames are a fresh block)."""
+    if pin_memory:
+        raise InvalidInputError("sample_arrays(out=..., pin_memory=True): the frames go to "
+                                "`out` or to a fresh page-locked block, not both")
+    if type(value) is not np.ndarray or value.dtype != np.uint8 or value.ndim != 1 \
+            or not value.flags.c_contiguous or not value.flags.writeable \
+            or value.size < nbytes:
+        got = (f"{value.dtype} array of shape {value.shape}, contiguous "
+               f"{value.flags.c_contiguous}, writable {value.flags.writeable}"
+               if isinstance(value, np.ndarray) else type(value).__name__)
+        raise InvalidInputError(f"out must be a C-contiguous, writable 1-D uint8 array of "
+                                f"at least {nbytes:,} bytes (the batch's frames), got {got}")
+
+
 def beta(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
             or not math.isfinite(value) or value < 0:

@@ -1,0 +1,143 @@
+"""``batches(..., workers=N, processes=True)``: a read-only store sampled by N processes into
+shared slots (`mmreplay.sampling_processes`). Each test spawns processes (~2 s)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from conftest import frame
+
+from mmreplay import EmptyStoreError, InvalidInputError, ReplayStore
+
+pytestmark = pytest.mark.integration
+OBS = (6, 5)
+EXTRAS = {"logits": ((3,), "float32")}
+
+
+def _record(store: ReplayStore, steps: int) -> None:
+    store.reset(frame(0, OBS))
+    for i in range(steps):
+        store.add(i % 3, float(i), frame(i + 1, OBS), i % 50 == 49, False,
+                  extras={"logits": np.full(3, i, np.float32)})
+        if i % 50 == 49:
+            store.reset(frame(i + 1, OBS))
+
+
+def _read_only(tmp_path, **kw) -> ReplayStore:
+    store = ReplayStore.create(tmp_path / "s", capacity=2000, obs_shape=OBS, frame_stack=4,
+                               n_step=2, seed=0, chunk_frames=4, extras=EXTRAS, **kw)
+    _record(store, 600)
+    if kw.get("sampler") == "prioritized":
+        ids = store.valid_ids()
+        store.update_priorities(ids, np.linspace(0.1, 3, ids.size))
+    store.close()
+    return ReplayStore.open(tmp_path / "s", mode="r")
+
+
+def _assert_same(batch, again) -> None:
+    for name in ("obs", "next_obs", "action", "reward", "terminated", "truncated", "discount",
+                 "ids", "steps"):
+        assert torch.equal(getattr(batch, name), getattr(again, name)), name
+    assert torch.equal(batch.extras["logits"], again.extras["logits"])
+
+
+def test_processes_hand_out_the_transitions_of_their_ids(tmp_path):
+    reader = _read_only(tmp_path)
+    with reader.batches(16, prefetch=2, workers=2, processes=True) as it:
+        batches = [next(it) for _ in range(30)]
+        for batch in batches:
+            assert batch.obs.shape == (16, 4, *OBS) and batch.obs.dtype == torch.uint8
+            _assert_same(batch, reader.get(batch.ids))
+    # two seeds drawn from the store's generator: the processes do not draw alike
+    assert len({tuple(b.ids.tolist()) for b in batches}) == 30
+    reader.close()
+
+
+def test_batches_kept_past_the_slots_stay_intact(tmp_path):
+    """More batches kept than there are slots (2 processes x 2 in flight + prefetch + 2):
+    the ones past that are copies; every batch still holds its transitions at the end, and
+    slots come back once their batches are dropped."""
+    reader = _read_only(tmp_path)
+    with reader.batches(8, prefetch=1, workers=2, processes=True) as it:
+        kept = [next(it) for _ in range(40)]
+        assert it.copies >= 40 - 8
+        for batch in kept:
+            _assert_same(batch, reader.get(batch.ids))
+        del kept, batch
+        copies = it.copies
+        for _ in range(40):  # slots reclaimed: no copies needed
+            _assert_same(b := next(it), reader.get(b.ids))
+        assert it.copies == copies
+    reader.close()
+
+
+def test_beta_reaches_the_processes(tmp_path):
+    reader = _read_only(tmp_path, sampler="prioritized")
+    with reader.batches(16, prefetch=1, workers=2, processes=True, beta=0.0) as it:
+        assert all(bool((next(it).weights == 1).all()) for _ in range(5))
+        it.beta = 1.0
+        weights = torch.cat([next(it).weights for _ in range(20)])
+    assert weights.min() < 1
+    reader.close()
+
+
+def test_close_stops_the_processes_and_removes_the_slots(tmp_path):
+    reader = _read_only(tmp_path)
+    it = reader.batches(8, workers=2, processes=True)
+    batch = next(it)
+    procs, slots = list(it._procs), it._file
+    assert all(p.is_alive() for p in procs) and os.path.exists(slots)
+    it.close()
+    it.close()  # twice: nothing more
+    assert not any(p.is_alive() for p in procs) and not os.path.exists(slots)
+    with pytest.raises(StopIteration):
+        next(it)
+    _assert_same(batch, reader.get(batch.ids))  # a batch handed out outlives the iterator
+    second = reader.batches(8, workers=1, processes=True)
+    next(second)
+    reader.close()  # the store's close closes its iterators
+    assert not second._procs[0].is_alive()
+
+
+def test_errors_and_refusals(tmp_path):
+    store = ReplayStore.create(tmp_path / "empty", capacity=50, obs_shape=OBS, frame_stack=4)
+    store.close()
+    empty = ReplayStore.open(tmp_path / "empty", mode="r")
+    it = empty.batches(4, workers=1, processes=True)
+    with pytest.raises(EmptyStoreError, match="no sampleable transition"):
+        next(it)
+    assert not it._procs[0].is_alive()  # an error closes the iterator
+    for kw, match in (({"pin_memory": True}, "CPU tensors in shared memory"),
+                      ({"device": "cpu"}, "CPU tensors in shared memory"),
+                      ({"workers": 0}, "workers must be a positive int")):
+        with pytest.raises(InvalidInputError, match=match):
+            empty.batches(4, processes=True, **kw)
+    empty.close()
+    writable = ReplayStore.open(tmp_path / "empty")
+    with pytest.raises(InvalidInputError, match="opened read-only"):
+        writable.batches(4, workers=2, processes=True)
+    writable.close()
+
+
+def test_sample_arrays_reads_into_out(tmp_path):
+    """What each process does with its slot: the frames read straight into `out`."""
+    reader = _read_only(tmp_path)
+    size = 2 * 16 * 4 * int(np.prod(OBS))
+    out = np.zeros(size + 5, np.uint8)
+    reader.reseed(3)
+    arrays = reader.sample_arrays(16, out=out)
+    assert arrays.frames.ctypes.data == out.ctypes.data
+    reader.reseed(3)
+    assert np.array_equal(reader.sample_arrays(16).frames, arrays.frames)
+    for bad, match in ((np.zeros(size - 1, np.uint8), f"at least {size:,} bytes"),
+                       (np.zeros(size, np.int16), "int16"),
+                       (np.zeros((2, size), np.uint8), r"shape \(2, "),
+                       ([0] * size, "got list")):
+        with pytest.raises(InvalidInputError, match=match):
+            reader.sample_arrays(16, out=bad)
+    with pytest.raises(InvalidInputError, match="not both"):
+        reader.sample_arrays(16, out=out, pin_memory=True)
+    reader.close()
