@@ -29,11 +29,12 @@ def test_bench_gpu_runs_its_feeds_on_the_cpu(tmp_path):
     feeds = {(a["sampler"], a["feed"]) for a in result["arms"]}
     assert {("uniform", "ceiling"), ("uniform", "store_sample"), ("uniform", "prefetch"),
             ("uniform", "device_batches"), ("uniform", "device_batches_shared"),
+            ("uniform", "processes"),
             ("prioritized", "device_batches"),
             ("prioritized", "device_store"), ("prioritized", "device_store_late")} <= feeds
     assert all(a["updates_per_s"] > 0 for a in result["arms"])
     scaling = result["sampling_batches_per_s_by_workers"]
-    for kind in ("read_only", "writable"):  # a view a worker; reads shared by the workers
+    for kind in ("read_only", "processes", "writable"):  # views; processes; reads shared
         assert set(scaling[kind]) == {"32", "256"}
         assert all(set(by) == {"1", "2"} and min(by.values()) > 0
                    for by in scaling[kind].values())

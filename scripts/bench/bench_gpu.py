@@ -19,6 +19,8 @@ step, which brings |td| back to the host):
     device_batches_workers  the same from a read-only view, ``workers=--workers``
     device_batches_shared   the same from the writable store, ``workers=--workers``: one
                      prefetch thread, each read shared by the workers
+    processes        ``batches(workers=--workers, processes=True)`` of the read-only view:
+                     CPU batches sampled by processes into shared memory, + copy
     device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it;
                      prioritized: |td| brought to the host every step (the learner waits)
     device_store_late  the same store, prioritized, ``update_priorities(batch.ids, |td|)``
@@ -26,7 +28,8 @@ step, which brings |td| back to the host):
                      draw (at most 2 late; docs/guides/device_frames.md)
 
 Sampling throughput alone (no learner): ``batches(32)`` and ``batches(256)`` of a read-only
-view and of the writable store with 1, 2, 4, ... up to `--workers` threads. Then the
+view (threads, and processes), and of the writable store, with 1, 2, 4, ... up to
+`--workers` workers. Then the
 wrong-batch check: batches copied ``non_blocking`` (or delivered on the device) with the GPU
 kept behind (``torch.cuda._sleep``) and never synchronized; each batch's bytes on the GPU
 compared with its CPU copy at the end.
@@ -63,7 +66,7 @@ from common import run_main
 from mmreplay import InvalidInputError, ReplayStore
 
 FEEDS = ("ceiling", "cpprb", "store_sample", "prefetch", "pinned", "device_batches",
-         "device_batches_workers", "device_batches_shared", "device_store")
+         "device_batches_workers", "device_batches_shared", "processes", "device_store")
 PRIORITIZED_FEEDS = ("cpprb", "store_sample", "prefetch", "pinned", "device_batches",
                      "device_store", "device_store_late")
 
@@ -250,6 +253,10 @@ def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: to
             yield None
         elif name == "store_sample":
             yield store_feed(lambda: store.sample(size), store, device)
+        elif name == "processes":
+            it = stack.enter_context(bufs.reader.batches(size, prefetch=2 * workers,
+                                                         workers=workers, processes=True))
+            yield store_feed(lambda: next(it), store, device)
         elif name in ("device_batches_workers", "device_batches_shared"):
             source = bufs.reader if name == "device_batches_workers" else store
             it = stack.enter_context(source.batches(size, prefetch=2 * workers, device=device,
@@ -353,16 +360,19 @@ def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device,
 def worker_scaling(bufs: Buffers, most: int, frames: int = 20_000
                    ) -> dict[str, dict[str, dict[str, float]]]:
     """Batches a second of ``batches(32)`` and ``batches(256)`` with 1, 2, 4, ... `most`
-    workers: from a read-only view (a view a worker) and from the writable store (reads
-    shared), ~`frames` batches' frames timed each."""
+    workers: from a read-only view (a view a worker thread; processes) and from the writable
+    store (reads shared), ~`frames` batches' frames timed each."""
     counts = [1 << k for k in range(most.bit_length()) if 1 << k <= most]
     rates: dict[str, dict[str, dict[str, float]]] = {}
-    for kind, store in (("read_only", bufs.reader), ("writable", bufs.store)):
+    for kind, store, processes in (("read_only", bufs.reader, False),
+                                   ("processes", bufs.reader, True),
+                                   ("writable", bufs.store, False)):
         for size in (32, 256):
             by = rates.setdefault(kind, {}).setdefault(str(size), {})
             batches = max(50, frames // size)
             for workers in counts:
-                with store.batches(size, prefetch=2 * workers, workers=workers) as it:
+                with store.batches(size, prefetch=2 * workers, workers=workers,
+                                   processes=processes) as it:
                     for _ in range(10):
                         next(it)
                     start = time.perf_counter()
