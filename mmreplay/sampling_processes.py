@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -225,8 +225,12 @@ class SamplingProcesses(Iterator[Batch]):
         """Keep `IN_FLIGHT` requests with every process while free slots last."""
         for i, conn in enumerate(self._conns):
             while self._asked[i] < IN_FLIGHT and self._free:
-                slot = self._free.popleft()
-                conn.send_bytes(REQUEST.pack(slot, float(self.beta)))
+                slot = self._free[0]
+                try:
+                    conn.send_bytes(REQUEST.pack(slot, float(self.beta)))
+                except OSError as exc:
+                    self._ended(exc)
+                self._free.popleft()
                 self._asked[i] += 1
                 self._owner[slot] = i
 
@@ -246,8 +250,7 @@ class SamplingProcesses(Iterator[Batch]):
             try:
                 data = conn.recv_bytes()
             except (EOFError, OSError) as exc:
-                self.close()
-                raise RuntimeError("a sampling process ended unexpectedly") from exc
+                self._ended(exc)
             slot, status = REPLY.unpack(data[:REPLY.size])
             self._asked[self._owner.pop(slot)] -= 1
             if status:
@@ -257,6 +260,13 @@ class SamplingProcesses(Iterator[Batch]):
                     message if kind in _ERRORS else f"a sampling process failed: {kind}: "
                                                     f"{message}")
             self._ready.append(slot)
+
+    def _ended(self, exc: BaseException) -> NoReturn:
+        """A process is gone (killed, or out of memory): close, and say so."""
+        codes = [p.exitcode for p in self._procs]
+        self.close()
+        raise RuntimeError(f"a sampling process ended unexpectedly (exit codes of the "
+                           f"processes: {codes})") from exc
 
     def close(self) -> None:
         """Stop the processes and remove the slots' file (batches handed out stay valid:

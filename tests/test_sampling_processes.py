@@ -141,3 +141,16 @@ def test_sample_arrays_reads_into_out(tmp_path):
     with pytest.raises(InvalidInputError, match="not both"):
         reader.sample_arrays(16, out=out, pin_memory=True)
     reader.close()
+
+
+def test_a_process_killed_midway_is_an_error_not_a_hang(tmp_path):
+    reader = _read_only(tmp_path)
+    it = reader.batches(8, workers=2, processes=True)
+    next(it)
+    it._procs[1].kill()
+    it._procs[1].join(timeout=10)
+    with pytest.raises(RuntimeError, match="a sampling process ended unexpectedly"):
+        for _ in range(50):  # the killed one's answers never come: its pipe ends
+            next(it)
+    assert not any(p.is_alive() for p in it._procs) and not os.path.exists(it._file)
+    reader.close()
