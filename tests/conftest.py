@@ -5,7 +5,9 @@ Helpers (import them: ``from conftest import frame``; pytest puts tests/ on sys.
 - `frame(value, shape)`: a uint8 frame filled with ``value % 256``;
 - `numbered_frame(t, shape)`: a frame unique to ``t`` (its first four bytes are ``t``,
   little-endian), so a frame read from the wrong slot never matches;
-- `new_frame_store(path, ...)`: a writable `FrameStore` over a fresh frames array.
+- `new_frame_store(path, ...)`: a writable `FrameStore` over a fresh frames array;
+- `ShadowWriter(fs, rng)`: random frames appended to a writable `FrameStore` and remembered:
+  random slots that hold a written frame (`readable`) and what reading them must give (`want`).
 
 `scripts/` and `scripts/bench/` are put on sys.path too, so tests can import the scripts,
 their shared module (`common`) and the benchmarks' (`ale_frames`, `benchlib`) as
@@ -66,6 +68,43 @@ def new_frame_store(path: Path, *, slots: int, chunk: int, shard: int = 1, envs:
     create_frames_array(path, spec)
     (path / "tmp").mkdir()
     return spec, FrameStore(path, spec, writable=True, before_chunk_write=hook)
+
+
+class ShadowWriter:
+    """Random frames appended to a writable `FrameStore` (`append`: one frame, to a random
+    env), remembered, so that every read of the store can be checked (`want`)."""
+
+    def __init__(self, fs: FrameStore, rng: np.random.Generator) -> None:
+        self.fs, self.rng = fs, rng
+        spec = fs.spec
+        self.slots = spec.slots_per_env
+        self.shadow = np.zeros((spec.num_envs, self.slots, *spec.obs_shape), np.uint8)
+        self.written = np.zeros(spec.num_envs, bool)  # whether each env's ring went round
+
+    def append(self) -> None:
+        env = int(self.rng.integers(self.written.size))
+        slot = int(self.fs.next_slot[env])
+        new = self.rng.integers(1, 255, (1, *self.shadow.shape[2:]), dtype=np.uint8)
+        self.fs.append(np.array([env]), np.array([slot]), new)
+        self.shadow[env, slot] = new[0]
+        self.written[env] |= slot == self.slots - 1
+
+    def readable(self, count: int) -> np.ndarray:
+        """`count` random flat slots holding a written frame (below an env's cursor, or
+        anywhere once its ring wrapped), -1 (the zero frame) one time in ten."""
+        out = []
+        for _ in range(count):
+            env = int(self.rng.integers(self.written.size))
+            top = self.slots if self.written[env] else int(self.fs.next_slot[env])
+            out.append(-1 if top == 0 or self.rng.random() < 0.1
+                       else env * self.slots + int(self.rng.integers(top)))
+        return np.array(out, np.int64)
+
+    def want(self, flat: np.ndarray) -> np.ndarray:
+        """The frames a read of `flat` must return."""
+        frames = self.shadow.reshape(-1, *self.shadow.shape[2:])[flat]
+        frames[flat < 0] = 0
+        return frames
 
 
 @pytest.fixture

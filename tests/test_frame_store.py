@@ -9,7 +9,7 @@ import google_crc32c
 import numpy as np
 import pytest
 import zarr
-from conftest import new_frame_store
+from conftest import ShadowWriter, new_frame_store
 
 from mmreplay.errors import InvalidStoreError
 from mmreplay.spec import make_spec
@@ -248,39 +248,19 @@ def test_one_pass_read_matches_the_frames_written(tmp_path, slots):
     spec, fs = new_frame_store(tmp_path, slots=slots, chunk=2, shard=3, envs=2,
                                obs_shape=(3, 2))
     assert fs.reader.fast_path == LZ4_SHARDS_ONE_PASS
-    rng = np.random.default_rng(slots)
-    shadow = np.zeros((2, slots, 3, 2), np.uint8)
-    written = np.zeros(2, bool)
+    writer = ShadowWriter(fs, np.random.default_rng(slots))
     for step in range(5 * slots):
-        env = int(rng.integers(2))
-        slot = int(fs.next_slot[env])
-        frame = rng.integers(1, 255, (1, 3, 2), dtype=np.uint8)
-        fs.append(np.array([env]), np.array([slot]), frame)
-        shadow[env, slot] = frame[0]
-        written[env] |= slot == slots - 1
+        writer.append()
         if step % 11 == 0:
             fs.drain()
-        flat = _readable(rng, fs, written, slots)
-        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, 3, 2)[flat])
-        assert np.array_equal(fs.read(flat), want)
+        flat = writer.readable(40)
+        assert np.array_equal(fs.read(flat), writer.want(flat))
     fs.drain()
     reader = FrameStore(tmp_path, spec, writable=False)
     assert reader.reader.fast_path == LZ4_SHARDS_ONE_PASS
-    flat = _readable(rng, fs, written, slots)
-    want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, 3, 2)[flat])
+    flat = writer.readable(40)
     reader.load_tail(fs.tail_frames(), fs.next_slot)
-    assert np.array_equal(reader.read(flat), want)
-
-
-def _readable(rng, fs, written, slots):
-    """Random flat slots (and -1) that hold a written frame: below an env's cursor, or
-    anywhere once its ring wrapped."""
-    out = []
-    for _ in range(40):
-        env = int(rng.integers(2))
-        top = slots if written[env] else int(fs.next_slot[env])
-        out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
-    return np.array(out, np.int64)
+    assert np.array_equal(reader.read(flat), writer.want(flat))
 
 
 def test_one_pass_read_reports_a_damaged_chunk(tmp_path):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import frame, new_frame_store
+from conftest import ShadowWriter, frame, new_frame_store
 
 import mmreplay.device_reader as device_reader
 from mmreplay import ReplayStore
@@ -69,16 +69,6 @@ def test_an_error_is_raised_only_once_every_share_finished(failing):
         threads.close()
 
 
-def _readable(rng, fs, written, slots):
-    """Random flat slots (and -1) holding a written frame, with repeats (a batch's stacks)."""
-    out = []
-    for _ in range(48):
-        env = int(rng.integers(2))
-        top = slots if written[env] else int(fs.next_slot[env])
-        out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
-    return np.repeat(np.array(out, np.int64), 2)
-
-
 @pytest.mark.parametrize(("codec", "shard", "cache"), [
     ("lz4", 3, 0),  # the one-pass path, its chunks split among the threads
     ("lz4", 3, 1 << 20),  # a table store: the general path, its decoding split
@@ -100,30 +90,21 @@ def test_reads_shared_by_threads_return_the_frames_written(tmp_path, small_share
     assert fs.reader.fast_path == path.get((codec, shard, cache))
     release = fs.reader.use_threads(3)
     assert fs.reader.threads is not None and fs.reader.threads.count == 3
-    rng = np.random.default_rng(shard + cache)
-    shadow = np.zeros((2, slots, *OBS), np.uint8)
-    written = np.zeros(2, bool)
+    writer = ShadowWriter(fs, np.random.default_rng(shard + cache))
     for step in range(5 * slots):
-        env = int(rng.integers(2))
-        slot = int(fs.next_slot[env])
-        new = rng.integers(1, 255, (1, *OBS), dtype=np.uint8)
-        fs.append(np.array([env]), np.array([slot]), new)
-        shadow[env, slot] = new[0]
-        written[env] |= slot == slots - 1
+        writer.append()
         if step % 11 == 0:
             fs.drain()
-        flat = _readable(rng, fs, written, slots)
-        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *OBS)[flat])
-        assert np.array_equal(fs.read(flat), want)
+        flat = np.repeat(writer.readable(48), 2)  # repeats, as a batch's stacks have
+        assert np.array_equal(fs.read(flat), writer.want(flat))
     release()
     assert fs.reader.threads is None
     fs.drain()
     reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
     reader.load_tail(fs.tail_frames(), fs.next_slot)
     release = reader.reader.use_threads(3)
-    flat = _readable(rng, fs, written, slots)
-    want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *OBS)[flat])
-    assert np.array_equal(reader.read(flat), want)
+    flat = np.repeat(writer.readable(48), 2)
+    assert np.array_equal(reader.read(flat), writer.want(flat))
     release()
     reader.close()
     fs.close()

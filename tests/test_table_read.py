@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import numbered_frame
+from conftest import ShadowWriter, numbered_frame
 
 from mmreplay import ReplayStore, UnknownIdError
 from mmreplay.errors import InvalidInputError, InvalidStoreError
@@ -35,14 +35,10 @@ def _stores(tmp_path, slots: int, envs: int = 2, cache: int = WHOLE, codec: str 
     return spec, writer
 
 
-def _slots(rng, fs, written, slots, envs=2, n=40):
-    """Random flat slots (and -1) that hold a written frame; `n` of them (0: 1 to 8)."""
-    out = []
-    for _ in range(n or int(rng.integers(1, 9))):
-        env = int(rng.integers(envs))
-        top = slots if written[env] else int(fs.next_slot[env])
-        out.append(-1 if top == 0 or rng.random() < 0.1 else env * slots + int(rng.integers(top)))
-    return np.array(out, np.int64)
+def _slots(writer: ShadowWriter) -> np.ndarray:
+    """Random flat slots (and -1) holding a written frame: 40, or 1 to 8 (a small read)."""
+    n = int(writer.rng.choice([0, 40]))
+    return writer.readable(n or int(writer.rng.integers(1, 9)))
 
 
 CASES = [(13, WHOLE, "lz4", 3), (16, WHOLE, "lz4", 3), (13, TINY, "lz4", 3),
@@ -60,26 +56,18 @@ def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, sh
     the same cache and a reader with no cache read the same after it."""
     spec, fs = _stores(tmp_path, slots, cache=cache, codec=codec, shard=shard)
     rows = fs._table.num_rows
-    rng = np.random.default_rng(slots)
-    shadow = np.zeros((2, slots, *SHAPE), np.uint8)
-    written = np.zeros(2, bool)
+    writer = ShadowWriter(fs, np.random.default_rng(slots))
     from_ram = 0
     for step in range(6 * slots):
-        env = int(rng.integers(2))
-        slot = int(fs.next_slot[env])
-        frame = rng.integers(1, 255, (1, *SHAPE), dtype=np.uint8)
-        fs.append(np.array([env]), np.array([slot]), frame)
-        shadow[env, slot] = frame[0]
-        written[env] |= slot == slots - 1
+        writer.append()
         if step % 11 == 0:
             fs.drain()
-        if rng.random() < 0.4:  # every chunk read again from RAM or its file
+        if writer.rng.random() < 0.4:  # every chunk read again from RAM or its file
             fs._table.clear()
             if fs.finished.shard_writer is not None:
                 from_ram += int(np.count_nonzero(fs.finished.shard_writer.ram_src))
-        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
-        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
-        assert np.array_equal(fs.read(flat), want)
+        flat = _slots(writer)
+        assert np.array_equal(fs.read(flat), writer.want(flat))
         _check_stats(fs, cache, rows)
     assert from_ram or shard == 1  # some reads took chunks from the writer's RAM
     fs.drain()
@@ -90,10 +78,9 @@ def test_table_read_matches_the_frames_written(tmp_path, slots, cache, codec, sh
         reader.load_tail(fs.tail_frames(), fs.next_slot)
     kept = 0
     for _ in range(30):
-        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
-        want = np.where((flat < 0)[:, None, None], 0, shadow.reshape(-1, *SHAPE)[flat])
-        assert np.array_equal(table.read(flat), want)
-        assert np.array_equal(plain.read(flat), want)
+        flat = _slots(writer)
+        assert np.array_equal(table.read(flat), writer.want(flat))
+        assert np.array_equal(plain.read(flat), writer.want(flat))
         kept = max(kept, _check_stats(table, cache, rows))
     assert kept > 0  # the reader's reads filled its table
 
@@ -111,23 +98,18 @@ def test_fast_paths_read_what_the_general_path_reads(tmp_path, cache):
     (tmp_path / "tmp").mkdir()
     fs = FrameStore(tmp_path, spec, writable=True, cache_bytes=cache)
     assert fs.reader.fast_path == (LZ4_SHARDS_TABLE if cache else LZ4_SHARDS_ONE_PASS)
-    rng = np.random.default_rng(cache)
-    written = np.zeros(2, bool)
+    writer = ShadowWriter(fs, np.random.default_rng(cache))
     for step in range(6 * slots):
-        env = int(rng.integers(2))
-        slot = int(fs.next_slot[env])
-        fs.append(np.array([env]), np.array([slot]),
-                  rng.integers(1, 255, (1, *SHAPE), dtype=np.uint8))
-        written[env] |= slot == slots - 1
+        writer.append()
         if step % 11 == 0:
             fs.drain()
-        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
+        flat = _slots(writer)
         assert np.array_equal(fs.read(flat), fs.reader.read_general(flat))
     fs.drain()
     reader = FrameStore(tmp_path, spec, writable=False, cache_bytes=cache)
     reader.load_tail(fs.tail_frames(), fs.next_slot)
     for _ in range(20):
-        flat = _slots(rng, fs, written, slots, n=int(rng.choice([0, 40])))
+        flat = _slots(writer)
         assert np.array_equal(reader.read(flat), reader.reader.read_general(flat))
 
 
