@@ -301,38 +301,43 @@ class Packing:
     `pack` copies arrays made elsewhere into a fresh buffer; `host` hands out a fresh buffer
     and a numpy view of each field, for code that computes a batch straight into it (a
     device store's `sample`: its compiled lookup writes there, nothing is packed after).
-    `moved` copies a buffer to the device and splits it into the fields as tensors."""
+    `moved` copies a buffer to the device and splits it into the fields as tensors. `views`
+    alone needs no torch (the slots of `sampling_processes` are laid out by it too)."""
 
     def __init__(self, fields: Iterable[tuple[str, tuple[int, ...], Any]]) -> None:
         self.names: list[str] = []
         self.sizes: list[int] = []  # bytes each field takes in the buffer (padded)
-        # (name, start, bytes, numpy dtype, torch dtype, shape) per field
-        self._layout: list[tuple[str, int, int, np.dtype[Any], Any, tuple[int, ...]]] = []
+        # (name, start, bytes, numpy dtype, shape) per field
+        self._layout: list[tuple[str, int, int, np.dtype[Any], tuple[int, ...]]] = []
         start = 0
         for name, shape, dtype in fields:
             dt = np.dtype(dtype).newbyteorder("=")
             nbytes = math.prod(shape) * dt.itemsize
             self.names.append(name)
             self.sizes.append(-(-nbytes // ALIGN) * ALIGN or ALIGN)
-            self._layout.append((name, start, nbytes, dt, torch_dtype(dt), tuple(shape)))
+            self._layout.append((name, start, nbytes, dt, tuple(shape)))
             start += self.sizes[-1]
         self.nbytes = start
+        self._torch_dtypes: list[Any] = []  # by field, on the first `moved`
 
     @classmethod
     def like(cls, arrays: dict[str, np.ndarray]) -> Packing:
         """The packing of arrays shaped and typed as `arrays`."""
         return cls((name, a.shape, a.dtype) for name, a in arrays.items())
 
+    def views(self, raw: np.ndarray) -> dict[str, np.ndarray]:
+        """Each field as a view of `raw` (uint8, at least `nbytes`), by name."""
+        return {name: raw[start:start + nbytes].view(dt).reshape(shape)
+                for name, start, nbytes, dt, shape in self._layout}
+
     def host(self, device: torch.device) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """A fresh host buffer for `device` (`host_buffer`) and a view of each field in it."""
         buffer = host_buffer(self.nbytes, device)
-        raw = buffer.numpy()
-        return buffer, {name: raw[start:start + nbytes].view(dt).reshape(shape)
-                        for name, start, nbytes, dt, _, shape in self._layout}
+        return buffer, self.views(buffer.numpy())
 
     def field(self, buffer: torch.Tensor, name: str) -> np.ndarray:
         """The numpy view of field `name` in `buffer`."""
-        _, start, nbytes, dt, _, shape = self._layout[self.names.index(name)]
+        _, start, nbytes, dt, shape = self._layout[self.names.index(name)]
         return buffer.numpy()[start:start + nbytes].view(dt).reshape(shape)
 
     def pack(self, arrays: dict[str, np.ndarray], device: torch.device) -> torch.Tensor:
@@ -345,9 +350,12 @@ class Packing:
     def moved(self, buffer: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """`buffer` copied to `device` (``non_blocking``: `host_buffer` says why that is
         safe) and split (one call) into its fields as tensors, by name."""
+        if not self._torch_dtypes:
+            self._torch_dtypes = [torch_dtype(dt) for _, _, _, dt, _ in self._layout]
         parts = buffer.to(device, non_blocking=True).split(self.sizes)
         out = {}
-        for (name, _, nbytes, _, tdt, shape), part in zip(self._layout, parts, strict=True):
+        for (name, _, nbytes, _, shape), tdt, part in zip(self._layout, self._torch_dtypes,
+                                                          parts, strict=True):
             if part.numel() != nbytes:
                 part = part[:nbytes]
             part = part.view(tdt)

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from mmreplay.device_frames import Packing
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
 from mmreplay.spec import StoreSpec
 from mmreplay.torch_batch import ArrayBatch, Batch, make_batch
@@ -47,6 +48,7 @@ from mmreplay.torch_batch import ArrayBatch, Batch, make_batch
 REQUEST = struct.Struct("<qd")  # slot (-1: stop), beta
 REPLY = struct.Struct("<qq")  # slot, status (0: done; else a message follows)
 IN_FLIGHT = 2  # requests each process holds at once
+EXTRA = "extra:"  # the key of an extra among a slot's fields
 START_TIMEOUT_S = 120.0  # a process that has not answered its first request by then failed
 _ERRORS = {"EmptyStoreError": EmptyStoreError, "InvalidStoreError": InvalidStoreError}
 
@@ -60,40 +62,24 @@ def slot_fields(spec: StoreSpec, batch_size: int) -> list[tuple[str, tuple[int, 
             ("truncated", (size,), np.bool_), ("discount", (size,), np.float32),
             ("weights", (size,), np.float32), ("ids", (size,), np.int64),
             ("steps", (size,), np.int64),
-            *(("extra:" + name, (size, *shape), dtype) for name, shape, dtype in spec.extras)]
+            *((EXTRA + name, (size, *shape), dtype) for name, shape, dtype in spec.extras)]
 
 
-class SlotLayout:
-    """Where each field of a batch sits in a slot (8-byte aligned), and the slot's size (a
-    whole number of pages: each slot is mapped on its own)."""
+def slot_packing(spec: StoreSpec, batch_size: int) -> tuple[Packing, int]:
+    """Where each field of a batch sits in a slot (`Packing`), and the slot's size: a whole
+    number of pages, so that each slot is mapped on its own."""
+    packing = Packing(slot_fields(spec, batch_size))
+    return packing, -(-max(packing.nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
 
-    def __init__(self, spec: StoreSpec, batch_size: int) -> None:
-        self.fields: list[tuple[str, int, np.dtype[Any], tuple[int, ...]]] = []
-        start = 0
-        for name, shape, dtype in slot_fields(spec, batch_size):
-            dt = np.dtype(dtype).newbyteorder("=")
-            self.fields.append((name, start, dt, tuple(shape)))
-            start += -(-int(np.prod(shape, dtype=np.int64)) * dt.itemsize // 8) * 8
-        self.nbytes = -(-max(start, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
 
-    def views(self, raw: np.ndarray) -> dict[str, np.ndarray]:
-        """Each field as a view of the slot `raw` (uint8)."""
-        out = {}
-        for name, start, dt, shape in self.fields:
-            count = int(np.prod(shape, dtype=np.int64))
-            out[name] = raw[start:start + count * dt.itemsize].view(dt).reshape(shape)
-        return out
-
-    def arrays(self, raw: np.ndarray) -> ArrayBatch:
-        """The `ArrayBatch` a slot holds, viewing it."""
-        views = self.views(raw)
-        extras = {name[len("extra:"):]: a for name, a in views.items()
-                  if name.startswith("extra:")}
-        return ArrayBatch(frames=views["frames"], action=views["action"],
-                          reward=views["reward"], terminated=views["terminated"],
-                          truncated=views["truncated"], discount=views["discount"],
-                          weights=views["weights"], ids=views["ids"], steps=views["steps"],
-                          extras=extras)
+def slot_arrays(packing: Packing, raw: np.ndarray) -> ArrayBatch:
+    """The `ArrayBatch` a slot holds, viewing it."""
+    views = packing.views(raw)
+    extras = {name[len(EXTRA):]: a for name, a in views.items() if name.startswith(EXTRA)}
+    return ArrayBatch(frames=views["frames"], action=views["action"], reward=views["reward"],
+                      terminated=views["terminated"], truncated=views["truncated"],
+                      discount=views["discount"], weights=views["weights"], ids=views["ids"],
+                      steps=views["steps"], extras=extras)
 
 
 def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
@@ -104,7 +90,7 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
     close: Callable[[], None] | None = None
     try:
         maker, close = open_view(seed)
-        layout = SlotLayout(maker.spec, batch_size)
+        packing, _ = slot_packing(maker.spec, batch_size)
         frame_bytes = 2 * batch_size * maker.spec.frame_stack * maker.spec.frame_bytes
         with open(slots_path, "r+b") as f:
             shared = mmap.mmap(f.fileno(), 0)
@@ -123,7 +109,7 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
             try:
                 if failure is not None:
                     raise failure
-                views = layout.views(raw[slot])  # the frames field first: read into place
+                views = packing.views(raw[slot])  # the frames field first: read into place
                 arrays = maker.sample_arrays(batch_size, beta, False, raw[slot][:frame_bytes])
                 if arrays.frames.ctypes.data != views["frames"].ctypes.data:
                     views["frames"][...] = arrays.frames  # (a read that could not use `out`)
@@ -131,7 +117,7 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
                              "weights", "ids", "steps"):
                     views[name][...] = getattr(arrays, name)
                 for name, values in arrays.extras.items():
-                    views["extra:" + name][...] = values
+                    views[EXTRA + name][...] = values
                 conn.send_bytes(REPLY.pack(slot, 0))
             except Exception as exc:  # noqa: BLE001  (told to the iterator, which raises)
                 conn.send_bytes(REPLY.pack(slot, 1)
@@ -154,7 +140,7 @@ class SamplingProcesses(Iterator[Batch]):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
         self.beta = beta
-        self._layout = SlotLayout(spec, batch_size)
+        self._packing, slot_bytes = slot_packing(spec, batch_size)
         count = IN_FLIGHT * workers + prefetch + 2
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
         fd, name = tempfile.mkstemp(prefix="mmreplay-slots-", dir=folder)
@@ -163,9 +149,12 @@ class SamplingProcesses(Iterator[Batch]):
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         try:
-            os.ftruncate(fd, count * self._layout.nbytes)
-            self._maps = [mmap.mmap(fd, self._layout.nbytes, offset=i * self._layout.nbytes)
+            os.ftruncate(fd, count * slot_bytes)
+            self._maps = [mmap.mmap(fd, slot_bytes, offset=i * slot_bytes)
                           for i in range(count)]
+        except BaseException:
+            os.unlink(name)
+            raise
         finally:
             os.close(fd)
         self._free: deque[int] = deque(range(count))
@@ -181,8 +170,8 @@ class SamplingProcesses(Iterator[Batch]):
             for seed in seeds[:workers]:
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(target=serve, daemon=True, name="mmreplay-sampler",
-                                   args=(open_view, seed, batch_size, name,
-                                         self._layout.nbytes, theirs))
+                                   args=(open_view, seed, batch_size, name, slot_bytes,
+                                         theirs))
                 proc.start()
                 theirs.close()
                 self._procs.append(proc)
@@ -204,12 +193,12 @@ class SamplingProcesses(Iterator[Batch]):
         if not self._free and not any(self._asked) and not self._ready:
             # the consumer holds every other slot: lending this one would leave none to
             # sample into, so a copy, and the slot goes back
-            batch = make_batch(self._layout.arrays(raw.copy()))
+            batch = make_batch(slot_arrays(self._packing, raw.copy()))
             self._free.append(slot)
             self.copies += 1
             return batch
         self._lent.append((slot, weakref.ref(raw)))
-        return make_batch(self._layout.arrays(raw))
+        return make_batch(slot_arrays(self._packing, raw))
 
     def _reclaim(self) -> None:
         """Slots whose batches no longer exist go back to the free list."""
