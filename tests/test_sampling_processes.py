@@ -154,3 +154,37 @@ def test_a_process_killed_midway_is_an_error_not_a_hang(tmp_path):
             next(it)
     assert not any(p.is_alive() for p in it._procs) and not os.path.exists(it._file)
     reader.close()
+
+
+def test_processes_beside_a_writer_never_hand_out_overwritten_frames(tmp_path):
+    """A read-only store beside a live writer that laps its ring: each process follows the
+    writer's give-ups as any reader does, so every transition of a batch whose id the writer
+    still holds has the writer's frames (a frame read while it was overwritten is read
+    again), and ids given up before a batch was asked for are not drawn."""
+    store = ReplayStore.create(tmp_path / "s", capacity=1_000, obs_shape=OBS, frame_stack=4,
+                               n_step=2, seed=0, chunk_frames=4, extras=EXTRAS)
+    _record(store, 900)
+    store.flush()
+    reader = ReplayStore.open(tmp_path / "s", mode="r")
+    checked = 0
+    with reader.batches(16, prefetch=1, workers=2, processes=True) as it:
+        next(it)
+        for i in range(900, 1400):  # the ring laps: ~400 of the reader's steps given up
+            store.add(i % 3, float(i), frame(i + 1, OBS), False, False,
+                      extras={"logits": np.full(3, i, np.float32)})
+        store.flush()
+        held = set(store.valid_ids().tolist())
+        for step in range(40):
+            batch = next(it)
+            keep = [j for j, t in enumerate(batch.ids.tolist()) if t in held]
+            if keep:
+                rows = torch.tensor(keep)
+                again = store.get(batch.ids[rows])
+                for name in ("obs", "next_obs", "reward", "ids"):
+                    assert torch.equal(getattr(batch, name)[rows], getattr(again, name)), name
+                checked += len(keep)
+            if step >= 2 * 2 + 1 + 2:  # past the slots filled before the give-ups
+                assert len(keep) == len(batch)
+    assert checked > 300
+    reader.close()
+    store.close()
