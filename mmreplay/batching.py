@@ -140,24 +140,43 @@ class BatchMaker:
         return it
 
     def _processes(self, batch_size: int, prefetch: int, beta: float, pin_memory: bool,
-                   device: Any, workers: int, remote: RemoteChunks | None) -> SamplingProcesses:
+                   device: Any, workers: int, remote: RemoteChunks | None
+                   ) -> SamplingProcesses | BatchPrefetcher:
         """``batches(..., processes=True)``: `workers` sampling processes, each with a
-        read-only view of the store's directory (`sampling_processes`)."""
+        read-only view of the store's directory (`sampling_processes`); with a `device`,
+        a prefetch thread copying their batches there (`DeviceMover`)."""
         if self.open_view is None or remote is not None or self.device is not None:
             raise InvalidInputError(
                 "batches(processes=True) needs a local store opened read-only "
                 "(ReplayStore.open(path, mode='r')) with no device=; a writable store shares "
                 "each read among `workers` threads instead (processes=False)")
-        if pin_memory or device is not None:
+        if pin_memory:
             raise InvalidInputError(
-                f"batches(processes=True) hands out CPU tensors in shared memory; expected "
-                f"pin_memory=False and device=None, got pin_memory={pin_memory!r}, "
-                f"device={device!r}")
+                "batches(processes=True, pin_memory=True): the processes' batches are in "
+                "shared memory; pass device= to have them copied to a device")
+        mover = None
+        if device is not None:
+            from mmreplay.device_batches import DeviceMover  # imports torch
+
+            mover = DeviceMover(device)
         with self.lock:
             self.refuse_closed("batches")
             seeds = self.rng.integers(0, 1 << 63, size=max(1, _items(workers))).tolist()
-        return SamplingProcesses(self.open_view, self.spec, batch_size, workers=workers,
-                                 prefetch=prefetch, beta=beta, seeds=seeds)
+        procs = SamplingProcesses(self.open_view, self.spec, batch_size, workers=workers,
+                                  prefetch=prefetch, beta=beta, seeds=seeds)
+        if mover is None:
+            return procs
+
+        def upload(size: int, b: float) -> Any:
+            procs.beta = b
+            return mover.upload(procs.next_arrays())
+
+        try:
+            return BatchPrefetcher(upload, batch_size, prefetch=prefetch, beta=beta,
+                                   receive=mover.receive, on_close=procs.close)
+        except BaseException:
+            procs.close()
+            raise
 
     def _prefetcher(self, batch_size: int, prefetch: int, beta: float, pin_memory: bool,
                     device: Any, workers: int, remote: RemoteChunks | None) -> BatchPrefetcher:

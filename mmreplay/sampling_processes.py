@@ -20,9 +20,11 @@ more batches than there are slots gets copies of the ones past that (always corr
 memcpy each). Each process follows a writer beside the store as any reader does (the
 store's directory is the only thing the processes share with it).
 
-Batches are CPU tensors: copy them to a GPU yourself (`pin_memory` and `device` are for
-the thread paths). Processes start with ``spawn``: a script that creates them needs the
-usual ``if __name__ == "__main__":`` guard.
+With ``device=``, a thread of this process takes each batch and copies it to the device on
+a side stream (`device_batches.DeviceMover`, as for the thread paths: the frames from the
+slot, pageable, which the copy has read when it returns; the small fields packed and
+page-locked), so the slot is free again at once. Processes start with ``spawn``: a script
+that creates them needs the usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -181,6 +183,11 @@ class SamplingProcesses(Iterator[Batch]):
             raise
 
     def __next__(self) -> Batch:
+        return make_batch(self.next_arrays())
+
+    def next_arrays(self) -> ArrayBatch:
+        """The next batch as numpy arrays viewing its slot (`ReplayStore.sample_arrays`'s
+        fields): the slot is lent until nothing views them."""
         if self._closed:
             raise StopIteration
         self._reclaim()
@@ -193,12 +200,12 @@ class SamplingProcesses(Iterator[Batch]):
         if not self._free and not any(self._asked) and not self._ready:
             # the consumer holds every other slot: lending this one would leave none to
             # sample into, so a copy, and the slot goes back
-            batch = make_batch(slot_arrays(self._packing, raw.copy()))
+            arrays = slot_arrays(self._packing, raw.copy())
             self._free.append(slot)
             self.copies += 1
-            return batch
+            return arrays
         self._lent.append((slot, weakref.ref(raw)))
-        return make_batch(slot_arrays(self._packing, raw))
+        return slot_arrays(self._packing, raw)
 
     def _reclaim(self) -> None:
         """Slots whose batches no longer exist go back to the free list."""

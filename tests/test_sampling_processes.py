@@ -56,6 +56,32 @@ def test_processes_hand_out_the_transitions_of_their_ids(tmp_path):
     reader.close()
 
 
+def test_processes_with_a_device_hand_over_device_batches(tmp_path, monkeypatch):
+    """``device=``: a prefetch thread takes each slot's arrays and copies them to the device
+    (`DeviceMover`; on the CPU the frames stay views of the slot, the small fields are
+    copied); batches hold their transitions, and closing the iterator stops the processes."""
+    from mmreplay import sampling_processes
+
+    made = []
+    real = sampling_processes.SamplingProcesses.__init__
+
+    def spy(self, *args, **kw):
+        made.append(self)
+        real(self, *args, **kw)
+
+    monkeypatch.setattr(sampling_processes.SamplingProcesses, "__init__", spy)
+    reader = _read_only(tmp_path, sampler="prioritized")
+    with reader.batches(16, prefetch=2, workers=2, processes=True, device="cpu",
+                        beta=1.0) as it:
+        batches = [next(it) for _ in range(20)]
+        for batch in batches:
+            assert batch.obs.device.type == "cpu"
+            _assert_same(batch, reader.get(batch.ids))
+        assert min(float(b.weights.min()) for b in batches) < 1  # beta reached them
+    assert len(made) == 1 and not any(p.is_alive() for p in made[0]._procs)
+    reader.close()
+
+
 def test_batches_kept_past_the_slots_stay_intact(tmp_path):
     """More batches kept than there are slots (2 processes x 2 in flight + prefetch + 2):
     the ones past that are copies; every batch still holds its transitions at the end, and
@@ -110,8 +136,7 @@ def test_errors_and_refusals(tmp_path):
     with pytest.raises(EmptyStoreError, match="no sampleable transition"):
         next(it)
     assert not it._procs[0].is_alive()  # an error closes the iterator
-    for kw, match in (({"pin_memory": True}, "CPU tensors in shared memory"),
-                      ({"device": "cpu"}, "CPU tensors in shared memory"),
+    for kw, match in (({"pin_memory": True}, "pass device= to have them copied"),
                       ({"workers": 0}, "workers must be a positive int")):
         with pytest.raises(InvalidInputError, match=match):
             empty.batches(4, processes=True, **kw)

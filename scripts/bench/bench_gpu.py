@@ -19,8 +19,9 @@ step, which brings |td| back to the host):
     device_batches_workers  the same from a read-only view, ``workers=--workers``
     device_batches_shared   the same from the writable store, ``workers=--workers``: one
                      prefetch thread, each read shared by the workers
-    processes        ``batches(workers=--workers, processes=True)`` of the read-only view:
-                     CPU batches sampled by processes into shared memory, + copy
+    processes        ``batches(workers=--workers, processes=True, device=...)`` of the
+                     read-only view: sampled by processes into shared memory, copied to
+                     the device by a prefetch thread
     device_store     ``ReplayStore.create(..., device=...)``, where this mmreplay has it;
                      prioritized: |td| brought to the host every step (the learner waits)
     device_store_late  the same store, prioritized, ``update_priorities(batch.ids, |td|)``
@@ -255,7 +256,8 @@ def open_feed(name: str, bufs: Buffers, size: int, prioritized: bool, device: to
             yield store_feed(lambda: store.sample(size), store, device)
         elif name == "processes":
             it = stack.enter_context(bufs.reader.batches(size, prefetch=2 * workers,
-                                                         workers=workers, processes=True))
+                                                         workers=workers, processes=True,
+                                                         device=device))
             yield store_feed(lambda: next(it), store, device)
         elif name in ("device_batches_workers", "device_batches_shared"):
             source = bufs.reader if name == "device_batches_workers" else store
