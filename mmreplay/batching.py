@@ -183,9 +183,10 @@ class BatchMaker:
         """What `batches` iterates: a prefetch thread, or for a bucket store (`remote`) the
         pipeline; with a `device`, each batch copied there by the thread (`DeviceMover`);
         for a ``device=`` store, its own batches, gathered on its device."""
-        if self.device is not None:
+        if self.device is not None:  # handed to the consumer's stream in its thread
             _refuse_device_options(pin_memory, device, workers)
-            return BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta)
+            return BatchPrefetcher(self.sample, batch_size, prefetch=prefetch, beta=beta,
+                                   receive=self.device.receive)
         finish: Callable[[Any], Any] = make_batch
         receive: Receive | None = None
         if device is not None:

@@ -139,7 +139,7 @@ class DeviceFrames:
         self.staged = 0
         # Every write and gather runs on one stream (the device's default one), so a gather
         # queued before a write reads the frame it planned for, whatever stream the caller is
-        # on; the caller's stream then waits for the batch (`_hand_over`).
+        # on; the caller's stream then waits for the batch (`hand_over`).
         self._stream = torch.cuda.default_stream(device) if device.type == "cuda" else None
 
     @property
@@ -255,7 +255,7 @@ class DeviceFrames:
         with self._on_ring():
             self.flush()
             out = self.frames.index_select(0, plan.reshape(-1))
-        self._hand_over(out, plan)
+        self.hand_over(out, plan)
         return out.view(*plan.shape, *self.frames.shape[1:])
 
     def _on_ring(self) -> contextlib.AbstractContextManager[Any]:
@@ -266,9 +266,12 @@ class DeviceFrames:
 
         return torch.cuda.stream(self._stream)
 
-    def _hand_over(self, *tensors: torch.Tensor) -> None:
-        """Let the caller's current stream use `tensors`, made on the ring's stream: it waits
-        for that stream, and their memory is not reused before it is done with them."""
+    def hand_over(self, *tensors: torch.Tensor) -> None:
+        """Let the calling thread's current stream use `tensors`, made on the ring's stream:
+        it waits for that stream, and their memory is not reused before it is done with them
+        (one tensor of each storage is enough). `gather` hands its batch to the stream of
+        the thread that sampled; a batch sampled by a prefetch thread is handed again in
+        the consumer's thread (`DeviceReader.receive`)."""
         if self._stream is None:
             return
         import torch

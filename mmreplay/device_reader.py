@@ -90,6 +90,13 @@ class DeviceReader:
 
         return reader.consistent(attempt)
 
+    def receive(self, batch: Batch) -> Batch:
+        """`batch`, sampled in another thread (``batches``' prefetch thread), made usable on
+        this thread's current stream (`DeviceFrames.hand_over`: its frames, and its small
+        fields' buffer)."""
+        self.frames.hand_over(batch.obs, batch.ids)
+        return batch
+
     def get(self, wanted: np.ndarray) -> Batch:
         """The sampleable transitions with these ids (`UnknownIdError` otherwise)."""
         flat = self.reader.locate(wanted)

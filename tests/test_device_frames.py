@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -230,7 +231,18 @@ def test_a_plain_store_opens_with_a_device_and_back(tmp_path):
         assert_batches_equal(want, s.get(s.valid_ids()))
 
 
-def test_prefetched_device_batches(tmp_path):
+def test_prefetched_device_batches(tmp_path, monkeypatch):
+    """Batches drawn by the prefetch thread equal the plain store's, and each is handed over
+    again in the consumer's thread (to its current stream: on CUDA, a wait and
+    ``record_stream``; on the CPU nothing to do)."""
+    handed: list[tuple[int, int]] = []
+    real = DeviceFrames.hand_over
+
+    def spy(self, *tensors):
+        handed.append((threading.get_ident(), len(tensors)))
+        real(self, *tensors)
+
+    monkeypatch.setattr(DeviceFrames, "hand_over", spy)
     a, b = twins(tmp_path, capacity=50, num_envs=2, frame_stack=4, n_step=3)
     with a, b:
         drive((a, b), 60)
@@ -239,6 +251,9 @@ def test_prefetched_device_batches(tmp_path):
             batch = next(it)
             assert_batches_equal(a.get(batch.ids.cpu()), batch)
         it.close()
+    here = [count for ident, count in handed if ident == threading.get_ident()]
+    assert len(here) >= 5 and set(here) == {2}  # frames and small fields, in this thread
+    assert any(ident != threading.get_ident() for ident, _ in handed)  # and at the gather
 
 
 @pytest.mark.parametrize("cross", [False, True])
@@ -372,6 +387,29 @@ def test_cuda_prefetch_keeps_batches_apart(tmp_path):
             drive((a, b), 3, seed=7, start=50_000 + int(batch.ids[0]))  # writes meanwhile
             assert torch.equal(a.get(batch.ids.cpu()).obs, batch.obs.cpu())
         it.close()
+
+
+@CUDA
+def test_cuda_prefetched_batches_are_handed_to_the_consumers_stream(tmp_path):
+    """The ring's stream (the default one) kept busy while the prefetch thread queues its
+    gathers behind it; the consumer uses each batch at once on a side stream: `next()` makes
+    that stream wait for the ring's, so every batch holds its frames (without the hand-over
+    the side stream would read the gathers' output before they ran)."""
+    a, b = twins(tmp_path, device="cuda", capacity=200, frame_stack=4)
+    side = torch.cuda.Stream()
+    with a, b:
+        drive((a, b), 300)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            torch.cuda._sleep(500_000_000)  # the ring's stream lags
+        kept = []
+        with b.batches(16, prefetch=4) as it, torch.cuda.stream(side):
+            for _ in range(20):
+                batch = next(it)
+                kept.append((batch.ids.clone(), batch.obs + 0))  # used at once, side stream
+        torch.cuda.synchronize()
+        for ids, obs in kept:
+            assert torch.equal(a.get(ids.cpu()).obs, obs.cpu())
 
 
 # -- the bench, with tiny arguments --------------------------------------------------------------
