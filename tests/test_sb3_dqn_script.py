@@ -73,8 +73,12 @@ def test_killed_run_resumes_with_every_transition_up_to_the_checkpoint(tmp_path)
                   "--eval-episodes", "0")
     at = resumed[0]
     # SB3 calls the checkpoint callback after a step, before storing its transition: the
-    # buffer saved at step S holds S - 1 transitions (SB3's own buffer too)
-    assert at["resumed_at"] >= 800 and at["buffer_transitions"] == at["resumed_at"] - 1
+    # buffer saved at step S holds S - 1 transitions (SB3's own buffer too). SB3 writes a
+    # checkpoint's pickle after pickling the buffer, which commits the store: a kill between
+    # the two leaves the store at the next checkpoint (S + 400, one commit ahead of the newest
+    # complete pickle), which the resume takes with a warning (running episodes truncated)
+    assert at["resumed_at"] >= 800
+    assert at["buffer_transitions"] in (at["resumed_at"] - 1, at["resumed_at"] + 400 - 1)
     final = resumed[-1]["timesteps"]
     assert final >= 3000  # rollouts of train_freq=256 steps
     with ReplayStore.open(tmp_path / "store", mode="r") as store:
