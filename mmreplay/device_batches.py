@@ -42,10 +42,8 @@ from typing import Any
 
 import torch
 
-from mmreplay.device_frames import parse_device, to_device
+from mmreplay.device_frames import parse_device, small_arrays, to_device, transition_batch
 from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, frames_tensor
-
-EXTRA = "extra:"  # the key of an extra among the small fields packed for one copy
 
 
 @dataclass(frozen=True)
@@ -102,10 +100,7 @@ def _batch_of(arrays: ArrayBatch | FrameSetBatch, device: torch.device) -> Batch
     gathered there, one ``index_select``), every small field (and a frame set's index) in
     one more (`to_device`); ``obs`` and ``next_obs`` are the halves of one tensor, the small
     fields views of one buffer. On the CPU the frames are not copied."""
-    small = {"action": arrays.action, "reward": arrays.reward,
-             "terminated": arrays.terminated, "truncated": arrays.truncated,
-             "discount": arrays.discount, "weights": arrays.weights, "ids": arrays.ids,
-             "steps": arrays.steps, **{EXTRA + name: a for name, a in arrays.extras.items()}}
+    small = small_arrays(arrays)
     if isinstance(arrays, FrameSetBatch):
         small["index"] = arrays.index
     frames = frames_tensor(arrays).to(device, non_blocking=True)
@@ -114,9 +109,4 @@ def _batch_of(arrays: ArrayBatch | FrameSetBatch, device: torch.device) -> Batch
         index = moved.pop("index")  # (2, B, stack)
         frames = frames.index_select(0, index.reshape(-1)).view(*index.shape,
                                                                   *frames.shape[1:])
-    return Batch(
-        obs=frames[0], next_obs=frames[1], action=moved["action"], reward=moved["reward"],
-        terminated=moved["terminated"], truncated=moved["truncated"],
-        discount=moved["discount"], weights=moved["weights"], ids=moved["ids"],
-        extras={name[len(EXTRA):]: t for name, t in moved.items() if name.startswith(EXTRA)},
-        steps=moved["steps"])
+    return transition_batch(frames, moved)

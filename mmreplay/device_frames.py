@@ -29,12 +29,14 @@ import numpy as np
 
 from mmreplay.errors import DeviceMemoryError, InvalidInputError
 from mmreplay.spec import StoreSpec
+from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch
 
 if TYPE_CHECKING:
     import torch
 
 FILL_BYTES = 32 << 20  # a fill reads and copies this many bytes of frames at a time
 STAGE_BYTES = 4 << 20  # write-through frames staged before one copy to the device
+EXTRA = "extra:"  # the name of an extra among the fields of a `Packing`
 ALIGN = 16  # every array packed by `to_device` starts at a multiple of this many bytes
 
 
@@ -228,15 +230,15 @@ class DeviceFrames:
         """A batch on the device: `arrays` (its ``"plan"``, flat slots, and its small fields)
         packed (`Packing.pack`), then as `gather_packed`."""
         packing = Packing.like(arrays)
-        return self.gather_packed(packing, packing.pack(arrays, self.device))
+        buffer, views = packing.pack(arrays, self.device)
+        return self.gather_packed(packing, buffer, views["plan"])
 
-    def gather_packed(self, packing: Packing, buffer: torch.Tensor
+    def gather_packed(self, packing: Packing, buffer: torch.Tensor, plan: np.ndarray
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A batch on the device from `buffer`, laid out by `packing` with a ``"plan"`` field
-        of flat slots (`Packing.host`): the plan made rows (`plan_rows`, in place), the
-        buffer moved in one copy, then the plan's frames gathered (`gather`). Returns the
-        frames and the other fields as tensors."""
-        plan = packing.field(buffer, "plan")
+        of flat slots, `plan` its view (`Packing.host`): the plan made rows (`plan_rows`, in
+        place), the buffer moved in one copy, then the plan's frames gathered (`gather`).
+        Returns the frames and the other fields as tensors."""
         self.plan_rows(plan, out=plan)
         with self._on_ring():
             moved = packing.moved(buffer, self.device)
@@ -290,11 +292,47 @@ class DeviceFrames:
         return self.gather(torch.from_numpy(rows).to(self.device))
 
 
+def small_fields(spec: StoreSpec, size: int) -> list[tuple[str, tuple[int, ...], Any]]:
+    """Every field of a batch of `size` transitions but its frames, ``(name, shape, dtype)``
+    in the dtypes a batch hands them out, extras named ``EXTRA + name``: how a device batch
+    (`device_reader`, `device_batches`) and a sampling process's slot (`sampling_processes`)
+    lay them out (`Packing`)."""
+    return [("action", (size, *spec.action_shape), spec.action_dtype),
+            ("reward", (size,), np.float32), ("terminated", (size,), np.bool_),
+            ("truncated", (size,), np.bool_), ("discount", (size,), np.float32),
+            ("weights", (size,), np.float32), ("ids", (size,), np.int64),
+            ("steps", (size,), np.int64),
+            *((EXTRA + name, (size, *shape), dtype) for name, shape, dtype in spec.extras)]
+
+
+def small_arrays(arrays: ArrayBatch | FrameSetBatch) -> dict[str, np.ndarray]:
+    """The `small_fields` of a batch of arrays, by name."""
+    return {"action": arrays.action, "reward": arrays.reward,
+            "terminated": arrays.terminated, "truncated": arrays.truncated,
+            "discount": arrays.discount, "weights": arrays.weights, "ids": arrays.ids,
+            "steps": arrays.steps, **{EXTRA + name: a for name, a in arrays.extras.items()}}
+
+
+def extras_of(fields: dict[str, Any]) -> dict[str, Any]:
+    """The extras among named fields (``EXTRA + name``), by their own names."""
+    return {name[len(EXTRA):]: a for name, a in fields.items() if name.startswith(EXTRA)}
+
+
+def transition_batch(frames: torch.Tensor, moved: dict[str, torch.Tensor]) -> Batch:
+    """The `Batch` of `frames` (``(2, B, stack, *obs)``: its obs and next obs stacks) and
+    its `small_fields` as tensors, by name."""
+    return Batch(obs=frames[0], next_obs=frames[1], action=moved["action"],
+                 reward=moved["reward"], terminated=moved["terminated"],
+                 truncated=moved["truncated"], discount=moved["discount"],
+                 weights=moved["weights"], ids=moved["ids"], steps=moved["steps"],
+                 extras=extras_of(moved))
+
+
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """The arrays as tensors on `device`, moved in one copy (`Packing`). On the CPU the
     tensors view one buffer."""
     packing = Packing.like(arrays)
-    return packing.moved(packing.pack(arrays, device), device)
+    return packing.moved(packing.pack(arrays, device)[0], device)
 
 
 class Packing:
@@ -338,17 +376,13 @@ class Packing:
         buffer = host_buffer(self.nbytes, device)
         return buffer, self.views(buffer.numpy())
 
-    def field(self, buffer: torch.Tensor, name: str) -> np.ndarray:
-        """The numpy view of field `name` in `buffer`."""
-        _, start, nbytes, dt, shape = self._layout[self.names.index(name)]
-        return buffer.numpy()[start:start + nbytes].view(dt).reshape(shape)
-
-    def pack(self, arrays: dict[str, np.ndarray], device: torch.device) -> torch.Tensor:
-        """A fresh host buffer holding `arrays` (named as the fields)."""
+    def pack(self, arrays: dict[str, np.ndarray], device: torch.device
+             ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """A fresh host buffer holding `arrays` (named as the fields), and its views."""
         buffer, views = self.host(device)
         for name, view in views.items():
             view[...] = arrays[name]
-        return buffer
+        return buffer, views
 
     def moved(self, buffer: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """`buffer` copied to `device` (``non_blocking``: `host_buffer` says why that is

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmreplay.device_frames import DeviceFrames, Packing, check_fits
+from mmreplay.device_frames import (
+    EXTRA,
+    DeviceFrames,
+    Packing,
+    check_fits,
+    extras_of,
+    small_fields,
+    transition_batch,
+)
 from mmreplay.index.ring import Lookup
 from mmreplay.index.sequences import SequenceKey, windows
 from mmreplay.kernels import lazy_entry, samples
@@ -37,7 +45,6 @@ from mmreplay.torch_batch import Batch, SequenceBatch
 if TYPE_CHECKING:
     import torch
 
-EXTRA = "extra:"  # the key of an extra among the fields of a batch's `Packing`
 _DRAW_AND_LOOK = lazy_entry(samples, "draw_and_look")
 
 
@@ -86,7 +93,7 @@ class DeviceReader:
             out["action"][...] = ring.actions_at(flat)
             for name, values in ring.extras_at(flat).items():
                 out[EXTRA + name][...] = values
-            return self.on_device(packing, buffer)
+            return self.on_device(packing, buffer, plan)
 
         return reader.consistent(attempt)
 
@@ -108,34 +115,25 @@ class DeviceReader:
         packing = self._packings.get(size)
         if packing is None:
             spec = self.reader.ring.spec
-            one = [("ids", (), np.int64), ("steps", (), np.int64), ("reward", (), np.float32),
-                   ("discount", (), np.float32), ("weights", (), np.float32),
-                   ("terminated", (), np.bool_), ("truncated", (), np.bool_),
-                   ("action", spec.action_shape, spec.action_dtype),
-                   *((EXTRA + name, shape, dtype) for name, shape, dtype in spec.extras)]
             packing = self._packings[size] = Packing([
-                ("plan", (2, size, spec.frame_stack), np.int64),
-                *((name, (size, *shape), dtype) for name, shape, dtype in one)])
+                ("plan", (2, size, spec.frame_stack), np.int64), *small_fields(spec, size)])
         return packing
 
     def batch(self, look: Lookup, weights: np.ndarray) -> Batch:
         """The `Batch` of a lookup (and its draw's weights), packed and moved in one copy,
         its stacks gathered."""
         packing = self.packing(look.ids.size)
-        return self.on_device(packing, packing.pack({
+        buffer, views = packing.pack({
             "plan": look.slots, "action": look.action, "reward": look.reward,
             "terminated": look.terminated, "truncated": look.truncated,
             "discount": look.discount, "weights": weights, "ids": look.ids, "steps": look.steps,
-            **{EXTRA + name: a for name, a in look.extras.items()}}, self.device))
+            **{EXTRA + name: a for name, a in look.extras.items()}}, self.device)
+        return self.on_device(packing, buffer, views["plan"])
 
-    def on_device(self, packing: Packing, buffer: torch.Tensor) -> Batch:
-        """The `Batch` of a buffer laid out by `packing`: moved, its stacks gathered."""
-        both, moved = self.frames.gather_packed(packing, buffer)
-        return Batch(obs=both[0], next_obs=both[1], action=moved["action"],
-                     reward=moved["reward"], terminated=moved["terminated"],
-                     truncated=moved["truncated"], discount=moved["discount"],
-                     weights=moved["weights"], ids=moved["ids"], steps=moved["steps"],
-                     extras=_extras(moved))
+    def on_device(self, packing: Packing, buffer: torch.Tensor, plan: np.ndarray) -> Batch:
+        """The `Batch` of a buffer laid out by `packing` (`plan`: its plan's view): moved,
+        its stacks gathered."""
+        return transition_batch(*self.frames.gather_packed(packing, buffer, plan))
 
     # -- sequences ---------------------------------------------------------------------
     def sample_sequences(self, key: SequenceKey, rng: np.random.Generator, size: int,
@@ -166,12 +164,8 @@ class DeviceReader:
             obs=obs, next_obs=frames[:, length * k:], action=moved["action"],
             reward=moved["reward"], terminated=moved["terminated"],
             truncated=moved["truncated"], is_first=moved["is_first"], mask=moved["mask"],
-            ids=moved["ids"], weights=moved["weights"], extras=_extras(moved))
+            ids=moved["ids"], weights=moved["weights"], extras=extras_of(moved))
         return DeviceSequences(batch=batch, starts=starts)
-
-
-def _extras(moved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name[len(EXTRA):]: t for name, t in moved.items() if name.startswith(EXTRA)}
 
 
 def fill_threads() -> int:

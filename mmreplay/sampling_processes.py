@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from mmreplay.device_frames import Packing
+from mmreplay.device_frames import Packing, extras_of, small_arrays, small_fields
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
 from mmreplay.spec import StoreSpec
 from mmreplay.torch_batch import ArrayBatch, Batch, make_batch
@@ -50,21 +50,14 @@ from mmreplay.torch_batch import ArrayBatch, Batch, make_batch
 REQUEST = struct.Struct("<qd")  # slot (-1: stop), beta
 REPLY = struct.Struct("<qq")  # slot, status (0: done; else a message follows)
 IN_FLIGHT = 2  # requests each process holds at once
-EXTRA = "extra:"  # the key of an extra among a slot's fields
 START_TIMEOUT_S = 120.0  # a process that has not answered its first request by then failed
 _ERRORS = {"EmptyStoreError": EmptyStoreError, "InvalidStoreError": InvalidStoreError}
 
 
 def slot_fields(spec: StoreSpec, batch_size: int) -> list[tuple[str, tuple[int, ...], Any]]:
     """The fields of a batch slot: what `ReplayStore.sample_arrays` returns, in order."""
-    size = batch_size
-    return [("frames", (2, size, spec.frame_stack, *spec.obs_shape), spec.obs_dtype),
-            ("action", (size, *spec.action_shape), spec.action_dtype),
-            ("reward", (size,), np.float32), ("terminated", (size,), np.bool_),
-            ("truncated", (size,), np.bool_), ("discount", (size,), np.float32),
-            ("weights", (size,), np.float32), ("ids", (size,), np.int64),
-            ("steps", (size,), np.int64),
-            *((EXTRA + name, (size, *shape), dtype) for name, shape, dtype in spec.extras)]
+    return [("frames", (2, batch_size, spec.frame_stack, *spec.obs_shape), spec.obs_dtype),
+            *small_fields(spec, batch_size)]
 
 
 def slot_packing(spec: StoreSpec, batch_size: int) -> tuple[Packing, int]:
@@ -77,11 +70,10 @@ def slot_packing(spec: StoreSpec, batch_size: int) -> tuple[Packing, int]:
 def slot_arrays(packing: Packing, raw: np.ndarray) -> ArrayBatch:
     """The `ArrayBatch` a slot holds, viewing it."""
     views = packing.views(raw)
-    extras = {name[len(EXTRA):]: a for name, a in views.items() if name.startswith(EXTRA)}
     return ArrayBatch(frames=views["frames"], action=views["action"], reward=views["reward"],
                       terminated=views["terminated"], truncated=views["truncated"],
                       discount=views["discount"], weights=views["weights"], ids=views["ids"],
-                      steps=views["steps"], extras=extras)
+                      steps=views["steps"], extras=extras_of(views))
 
 
 def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
@@ -115,11 +107,8 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
                 arrays = maker.sample_arrays(batch_size, beta, False, raw[slot][:frame_bytes])
                 if arrays.frames.ctypes.data != views["frames"].ctypes.data:
                     views["frames"][...] = arrays.frames  # (a read that could not use `out`)
-                for name in ("action", "reward", "terminated", "truncated", "discount",
-                             "weights", "ids", "steps"):
-                    views[name][...] = getattr(arrays, name)
-                for name, values in arrays.extras.items():
-                    views[EXTRA + name][...] = values
+                for name, values in small_arrays(arrays).items():
+                    views[name][...] = values
                 conn.send_bytes(REPLY.pack(slot, 0))
             except Exception as exc:  # noqa: BLE001  (told to the iterator, which raises)
                 conn.send_bytes(REPLY.pack(slot, 1)
