@@ -29,14 +29,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import ale_py
-import gymnasium as gym
 import numpy as np
 import scripts_path  # noqa: F401  (scripts/ on sys.path)
-from common import make_env
-from tqdm import tqdm
-
-gym.register_envs(ale_py)
 
 CACHE_DIR = Path(__file__).resolve().parents[2] / "data" / "cache"
 # Bump when the recording procedure changes, so stale caches are not reused.
@@ -67,7 +61,14 @@ class AleFrames:
 
 
 def record(game: str, n_frames: int, seed: int, *, progress: bool = False) -> AleFrames:
-    """Record `n_frames` observations with a uniform random policy (no cache)."""
+    """Record `n_frames` observations with a uniform random policy (no cache). The ALE is
+    imported here: cached frames load where it is not installed (a GPU host)."""
+    import ale_py
+    import gymnasium as gym
+    from common import make_env
+    from tqdm import tqdm
+
+    gym.register_envs(ale_py)
     if n_frames < 1:
         raise ValueError(f"n_frames must be >= 1, got {n_frames}")
     # obs_type="grayscale" does not change the output (the wrapper reads the ALE screen

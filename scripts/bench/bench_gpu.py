@@ -36,7 +36,9 @@ kept behind (``torch.cuda._sleep``) and never synchronized; each batch's bytes o
 compared with its CPU copy at the end.
 `--sections` picks among the learner arms, the sampling throughput and the wrong-batch
 check (``--device cpu --sections scaling``: the throughput on any machine). Writes
-``gpu.json`` (`--out-name`) under `--out-dir`. Frames: real ALE frames of `--games` (recorded
+``gpu.json`` (`--out-name`) under `--out-dir`, again after each section (the wrong-batch
+check first, then the learner, then the throughput), so a run cut short keeps what it
+measured. Frames: real ALE frames of `--games` (recorded
 once, cached), or synthetic ones.
 """
 
@@ -455,22 +457,38 @@ def main() -> int:
         args.frames, args.distinct_frames = min(args.frames, 20_000), min(args.distinct_frames,
                                                                            5_000)
         args.steps, args.warmup = min(args.steps, 40), min(args.warmup, 5)
+    sections = args.sections.split(",")
+    if unknown := set(sections) - {"learner", "scaling", "wrong"}:
+        raise InvalidInputError(f"--sections takes learner, scaling, wrong; got {sorted(unknown)}")
     stream = load_stream(args)
     with tempfile.TemporaryDirectory(prefix="bench_gpu-") as tmp:
         bufs = make_buffers(Path(tmp), stream, args.frames, device)
-        sections = set(args.sections.split(","))
-        try:
-            arms = learner_arms(bufs, args, device) if "learner" in sections else []
-            scaling = worker_scaling(bufs, args.workers) if "scaling" in sections else {}
-            wrong = (wrong_batch_check(bufs, args.check_batches)
-                     if device.type == "cuda" and "wrong" in sections else {})
+        found: dict[str, Any] = {"arms": [], "scaling": {}, "wrong": {}}
+        try:  # the result is written after each section: a run cut short keeps what it has
+            for section in ("wrong", "learner", "scaling"):
+                if section in sections:
+                    found[section_key(section)] = run_section(section, bufs, args, device)
+                    write_result(args, found["arms"], found["scaling"], found["wrong"])
         finally:
             for store in (bufs.reader, bufs.store, bufs.pstore, bufs.device_store,
                           bufs.pdevice_store):
                 if store is not None:
                     store.close()
-    write_result(args, arms, scaling, wrong)
     return 0
+
+
+def section_key(section: str) -> str:
+    return "arms" if section == "learner" else section
+
+
+def run_section(section: str, bufs: Buffers, args: Args, device: torch.device) -> Any:
+    """One section's figures: the learner arms, the sampling throughput, or the wrong-batch
+    check (CUDA only: elsewhere nothing can lag; {})."""
+    if section == "learner":
+        return learner_arms(bufs, args, device)
+    if section == "scaling":
+        return worker_scaling(bufs, args.workers)
+    return wrong_batch_check(bufs, args.check_batches) if device.type == "cuda" else {}
 
 
 def write_result(args: Args, arms: list[dict[str, Any]], scaling: dict[str, Any],
