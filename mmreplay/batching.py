@@ -95,12 +95,18 @@ class BatchMaker:
             return self.reader.sample(self.rng, size, beta, pin_memory=bool(pin_memory),
                                       out=out)
 
-    def sample_frame_set(self, batch_size: int, beta: float,
-                         pin_memory: bool) -> FrameSetBatch:
+    def sample_frame_set(self, batch_size: int, beta: float, pin_memory: bool,
+                         out: np.ndarray | None = None) -> FrameSetBatch:
+        """`sample_arrays`' draw as a `FrameSetBatch`; `out` as there (room for every frame
+        of the stacks: the distinct ones are its first rows)."""
         with self.limits.sampling(_items(batch_size)), self.lock:
             self.refuse_closed("sample")
             size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            return self.reader.sample_frame_set(self.rng, size, beta, pin_memory=pin_memory)
+            if out is not None:
+                validate.frames_out(out, 2 * size * self.spec.frame_stack
+                                    * self.spec.frame_bytes, bool(pin_memory))
+            return self.reader.sample_frame_set(self.rng, size, beta, pin_memory=pin_memory,
+                                                out=out)
 
     def get(self, ids: Any) -> Batch:
         """`ReplayStore.get`; under the store's lock."""
@@ -144,7 +150,8 @@ class BatchMaker:
                    ) -> SamplingProcesses | BatchPrefetcher:
         """``batches(..., processes=True)``: `workers` sampling processes, each with a
         read-only view of the store's directory (`sampling_processes`); with a `device`,
-        a prefetch thread copying their batches there (`DeviceMover`)."""
+        they sample frame sets, which a prefetch thread copies there (`DeviceMover`; on
+        CUDA from the slots page-locked, each held until its copy is done)."""
         if self.open_view is None or remote is not None or self.device is not None:
             raise InvalidInputError(
                 "batches(processes=True) needs a local store opened read-only "
@@ -163,15 +170,22 @@ class BatchMaker:
             self.refuse_closed("batches")
             seeds = self.rng.integers(0, 1 << 63, size=max(1, _items(workers))).tolist()
         procs = SamplingProcesses(self.open_view, self.spec, batch_size, workers=workers,
-                                  prefetch=prefetch, beta=beta, seeds=seeds)
+                                  prefetch=prefetch, beta=beta, seeds=seeds,
+                                  frame_sets=mover is not None)
         if mover is None:
             return procs
 
         def upload(size: int, b: float) -> Any:
             procs.beta = b
-            return mover.upload(procs.next_arrays())
+            arrays = procs.next_arrays()
+            staged = mover.upload(arrays)
+            if staged.event is not None:  # from a locked slot the copy is only queued
+                procs.release_after(arrays, staged.event)
+            return staged
 
         try:
+            if mover.cuda:
+                procs.page_lock(mover.device)
             return BatchPrefetcher(upload, batch_size, prefetch=prefetch, beta=beta,
                                    receive=mover.receive, on_close=procs.close)
         except BaseException:

@@ -68,12 +68,14 @@ def ring_bytes(spec: StoreSpec) -> int:
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Bytes free for the ring on `device`: CUDA's free memory, for the CPU the kernel's
-    ``MemAvailable`` (None where it cannot be known: no check)."""
+    """Bytes free for the ring on `device`: CUDA's free memory plus what PyTorch's caching
+    allocator holds unused there (it serves the ring from that first), for the CPU the
+    kernel's ``MemAvailable`` (None where it cannot be known: no check)."""
     if device.type == "cuda":
         import torch
 
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + max(0, cached)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -126,11 +128,18 @@ class DeviceFrames:
         self.spec = spec
         self.device = device
         rows = spec.num_envs * spec.slots_per_env + 1
+        # Every write and gather runs on one stream (the device's default one), so a gather
+        # queued before a write reads the frame it planned for, whatever stream the caller is
+        # on; the caller's stream then waits for the batch (`hand_over`).
+        self._stream = torch.cuda.default_stream(device) if device.type == "cuda" else None
         # Rows are written before any plan reads them (only kept frames are read), so the
         # ring is not cleared, but for its last row: the zero frame of zero stack padding.
-        self.frames = torch.empty((rows, *spec.obs_shape), dtype=torch_dtype(spec.obs_dtype),
-                                  device=device)
-        self.frames[-1].zero_()
+        # Made on the ring's stream (a store opened under another stream included), so the
+        # zeroing is ordered before the gathers and the memory belongs to that stream.
+        with self._on_ring():
+            self.frames = torch.empty((rows, *spec.obs_shape),
+                                      dtype=torch_dtype(spec.obs_dtype), device=device)
+            self.frames[-1].zero_()
         # At most slots_per_env staged frames: no slot is staged twice (one index_copy_).
         self.stage_rows = max(1, min(spec.slots_per_env, STAGE_BYTES // spec.frame_bytes))
         # One page-locked buffer per stage: the slots (stage_rows int64), then the frames.
@@ -139,10 +148,6 @@ class DeviceFrames:
         self._stage_slots: np.ndarray = np.empty(0, np.int64)  # view of `_host` too
         self._slot_bytes = -(-self.stage_rows * 8 // ALIGN) * ALIGN
         self.staged = 0
-        # Every write and gather runs on one stream (the device's default one), so a gather
-        # queued before a write reads the frame it planned for, whatever stream the caller is
-        # on; the caller's stream then waits for the batch (`hand_over`).
-        self._stream = torch.cuda.default_stream(device) if device.type == "cuda" else None
 
     @property
     def nbytes(self) -> int:

@@ -69,9 +69,10 @@ class Pending:
 
 
 def is_device_tensor(value: Any) -> bool:
-    """A torch tensor on a device other than the CPU (without importing torch)."""
+    """A torch tensor on a CUDA device (without importing torch). Tensors of other
+    accelerators are read at once, like CPU ones (no CUDA stream or event to queue on)."""
     device = getattr(value, "device", None)  # the device first: a CPU tensor stops there
-    return getattr(device, "type", "cpu") != "cpu" and hasattr(value, "detach")
+    return getattr(device, "type", "cpu") == "cuda" and hasattr(value, "detach")
 
 
 def wants_late(ids: Any, values: Any, late: Any) -> bool:
@@ -189,7 +190,7 @@ def _to_host(value: Any) -> Any:
     if is_device_tensor(value):
         import torch
 
-        value = value.detach()
+        value = validate.numpy_typed(value.detach())  # (a bfloat16 |td| made float32 there)
         host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
         host.copy_(value, non_blocking=True)
         return host

@@ -140,25 +140,27 @@ class Reader:
         return self.consistent(attempt)
 
     def sample_frame_set(self, rng: np.random.Generator, size: int, beta: float, *,
-                         pin_memory: bool = False) -> FrameSetBatch:
+                         pin_memory: bool = False, out: np.ndarray | None = None
+                         ) -> FrameSetBatch:
         """`sample`'s batch (the same draw) with each distinct frame read once
-        (`FrameSetBatch`)."""
+        (`FrameSetBatch`); the frames into `out` if given (as `frame_set`)."""
         def attempt() -> FrameSetBatch | None:
             self.ready(follow=False)
             draw = self.sampler.sample(rng, size, beta)
-            batch = self.frame_set(draw.slots, draw.weights, pin_memory)
+            batch = self.frame_set(draw.slots, draw.weights, pin_memory, out)
             return batch if self.still_valid(draw.slots) else None
 
         return self.consistent(attempt)
 
-    def frame_set(self, flat: np.ndarray, weights: np.ndarray,
-                  pin_memory: bool) -> FrameSetBatch:
+    def frame_set(self, flat: np.ndarray, weights: np.ndarray, pin_memory: bool,
+                  out: np.ndarray | None = None) -> FrameSetBatch:
         """The transitions at valid flat slots, each distinct frame of their stacks read once
-        (-1, the zero padding of an episode's first stacks, is a frame like any other)."""
+        (-1, the zero padding of an episode's first stacks, is a frame like any other), into
+        `out` (uint8, room for every frame of the stacks) or a buffer of the pool."""
         look = self.ring.lookup(flat)
         unique, index = np.unique(look.slots, return_inverse=True)
         frames = self.frames.read(unique, out=self.pool(pin_memory).take(
-            unique.size * self.frame_nbytes))
+            unique.size * self.frame_nbytes) if out is None else out)
         return FrameSetBatch(
             frames=frames, index=index.reshape(look.slots.shape).astype(np.int64, copy=False),
             action=native(look.action, look.action.dtype), reward=look.reward,

@@ -20,20 +20,30 @@ more batches than there are slots gets copies of the ones past that (always corr
 memcpy each). Each process follows a writer beside the store as any reader does (the
 store's directory is the only thing the processes share with it).
 
-With ``device=``, a thread of this process takes each batch and copies it to the device on
-a side stream (`device_batches.DeviceMover`, as for the thread paths: the frames from the
-slot, pageable, which the copy has read when it returns; the small fields packed and
-page-locked), so the slot is free again at once. Processes start with ``spawn``: a script
-that creates them needs the usual ``if __name__ == "__main__":`` guard.
+With ``device=``, each slot holds a frame set instead (`FrameSetBatch`: each distinct
+frame of the batch once, the stacks' rows beside them; a one-step batch of 4-stacks: 5
+frames a transition, not 8), and a thread of this process copies each batch to the device
+on a side stream (`device_batches.DeviceMover`, as for the thread paths: the distinct
+frames straight from the slot, the stacks gathered on the device). On a CUDA device the
+slots are page-locked in place (`page_lock`: ``cudaHostRegister``, as PyTorch's own
+checkpoint stager pins its shared memory), so that copy is DMA; it is only queued when
+the thread moves on, so a slot copied from goes back to the processes once the copy's
+event completed (`release_after`), not when the arrays die. Where CUDA refuses to lock
+them the copies stay pageable (the driver stages them: done when they return).
+
+Processes start with ``spawn``: a script that creates them needs the usual
+``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import multiprocessing
 import os
 import struct
 import tempfile
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -45,46 +55,75 @@ import numpy as np
 from mmreplay.device_frames import Packing, extras_of, small_arrays, small_fields
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
 from mmreplay.spec import StoreSpec
-from mmreplay.torch_batch import ArrayBatch, Batch, make_batch
+from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, make_batch
 
 REQUEST = struct.Struct("<qd")  # slot (-1: stop), beta
-REPLY = struct.Struct("<qq")  # slot, status (0: done; else a message follows)
+REPLY = struct.Struct("<qqq")  # slot, status (0: done; else a message follows), frame count
 IN_FLIGHT = 2  # requests each process holds at once
 START_TIMEOUT_S = 120.0  # a process that has not answered its first request by then failed
 _ERRORS = {"EmptyStoreError": EmptyStoreError, "InvalidStoreError": InvalidStoreError}
 
 
-def slot_fields(spec: StoreSpec, batch_size: int) -> list[tuple[str, tuple[int, ...], Any]]:
-    """The fields of a batch slot: what `ReplayStore.sample_arrays` returns, in order."""
-    return [("frames", (2, batch_size, spec.frame_stack, *spec.obs_shape), spec.obs_dtype),
-            *small_fields(spec, batch_size)]
+def slot_fields(spec: StoreSpec, batch_size: int, frame_sets: bool = False
+                ) -> list[tuple[str, tuple[int, ...], Any]]:
+    """The fields of a batch slot, in order: what `ReplayStore.sample_arrays` returns, or
+    with `frame_sets` a `FrameSetBatch`'s (room for every frame of the stacks, the distinct
+    ones first, then the stacks' rows). The frames come first: a slot's address is theirs."""
+    stacks = (2, batch_size, spec.frame_stack)
+    if not frame_sets:
+        return [("frames", (*stacks, *spec.obs_shape), spec.obs_dtype),
+                *small_fields(spec, batch_size)]
+    return [("frames", (math.prod(stacks), *spec.obs_shape), spec.obs_dtype),
+            ("index", stacks, np.int64), *small_fields(spec, batch_size)]
 
 
-def slot_packing(spec: StoreSpec, batch_size: int) -> tuple[Packing, int]:
+def slot_packing(spec: StoreSpec, batch_size: int, frame_sets: bool = False
+                 ) -> tuple[Packing, int]:
     """Where each field of a batch sits in a slot (`Packing`), and the slot's size: a whole
     number of pages, so that each slot is mapped on its own."""
-    packing = Packing(slot_fields(spec, batch_size))
+    packing = Packing(slot_fields(spec, batch_size, frame_sets))
     return packing, -(-max(packing.nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def slot_arrays(packing: Packing, raw: np.ndarray) -> ArrayBatch:
-    """The `ArrayBatch` a slot holds, viewing it."""
+def slot_arrays(packing: Packing, raw: np.ndarray, count: int) -> ArrayBatch | FrameSetBatch:
+    """The batch a slot holds, viewing it (a frame set's first `count` frames)."""
     views = packing.views(raw)
-    return ArrayBatch(frames=views["frames"], action=views["action"], reward=views["reward"],
-                      terminated=views["terminated"], truncated=views["truncated"],
-                      discount=views["discount"], weights=views["weights"], ids=views["ids"],
-                      steps=views["steps"], extras=extras_of(views))
+    small = {"action": views["action"], "reward": views["reward"],
+             "terminated": views["terminated"], "truncated": views["truncated"],
+             "discount": views["discount"], "weights": views["weights"], "ids": views["ids"],
+             "steps": views["steps"], "extras": extras_of(views)}
+    if "index" in views:
+        return FrameSetBatch(frames=views["frames"][:count], index=views["index"], **small)
+    return ArrayBatch(frames=views["frames"], **small)
+
+
+def fill_slot(maker: Any, views: dict[str, np.ndarray], frames_out: np.ndarray,
+              batch_size: int, beta: float) -> int:
+    """Sample a batch into a slot (`views`, `frames_out` its frames' bytes); returns how
+    many frames a frame set holds (0 for stacks)."""
+    if "index" in views:
+        arrays: ArrayBatch | FrameSetBatch = maker.sample_frame_set(batch_size, beta, False,
+                                                                    frames_out)
+        views["index"][...] = arrays.index
+    else:
+        arrays = maker.sample_arrays(batch_size, beta, False, frames_out)
+    if arrays.frames.ctypes.data != views["frames"].ctypes.data:
+        views["frames"][:len(arrays.frames)] = arrays.frames  # (a read that could not use it)
+    for name, values in small_arrays(arrays).items():
+        views[name][...] = values
+    return len(arrays.frames) if "index" in views else 0
 
 
 def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
-          batch_size: int, slots_path: str, slot_bytes: int, conn: Connection) -> None:
+          batch_size: int, frame_sets: bool, slots_path: str, slot_bytes: int,
+          conn: Connection) -> None:
     """A sampling process: open a read-only view of the store (`open_view`, the store's
     `batching.OpenView`), answer each request with a batch written into its slot, until a
     stop request or the end of the pipe."""
     close: Callable[[], None] | None = None
     try:
         maker, close = open_view(seed)
-        packing, _ = slot_packing(maker.spec, batch_size)
+        packing, _ = slot_packing(maker.spec, batch_size, frame_sets)
         frame_bytes = 2 * batch_size * maker.spec.frame_stack * maker.spec.frame_bytes
         with open(slots_path, "r+b") as f:
             shared = mmap.mmap(f.fileno(), 0)
@@ -103,66 +142,132 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
             try:
                 if failure is not None:
                     raise failure
-                views = packing.views(raw[slot])  # the frames field first: read into place
-                arrays = maker.sample_arrays(batch_size, beta, False, raw[slot][:frame_bytes])
-                if arrays.frames.ctypes.data != views["frames"].ctypes.data:
-                    views["frames"][...] = arrays.frames  # (a read that could not use `out`)
-                for name, values in small_arrays(arrays).items():
-                    views[name][...] = values
-                conn.send_bytes(REPLY.pack(slot, 0))
+                count = fill_slot(maker, packing.views(raw[slot]), raw[slot][:frame_bytes],
+                                  batch_size, beta)
+                conn.send_bytes(REPLY.pack(slot, 0, count))
             except Exception as exc:  # noqa: BLE001  (told to the iterator, which raises)
-                conn.send_bytes(REPLY.pack(slot, 1)
+                conn.send_bytes(REPLY.pack(slot, 1, 0)
                                 + f"{type(exc).__name__}\0{exc}".encode("utf-8", "replace"))
     finally:
         if close is not None:
             close()
 
 
+class LockedSlots:
+    """The slots' mappings, page-locked for copies to a CUDA device once `lock` is called.
+
+    ``cudaHostRegister`` (flag portable) pins the pages in place, so a ``non_blocking`` copy
+    from a slot is DMA, not staged by the driver; nothing else changes for the slot.
+    Registering and unregistering run in a thread of their own: a CUDA runtime call that
+    fails leaves its error as its thread's "last error", which PyTorch's next kernel launch
+    check in that thread would raise as its own."""
+
+    PORTABLE = 1  # cudaHostRegisterPortable
+
+    def __init__(self, maps: list[mmap.mmap]) -> None:
+        self.maps = maps  # kept until unlocked: locked pages must stay mapped
+        self.addresses = [np.frombuffer(m, np.uint8).ctypes.data for m in maps]
+        self.locked: list[int] = []  # addresses registered
+        self.device: Any = None
+
+    def lock(self, device: Any) -> bool:
+        """Lock every slot for `device`; all or none (False: CUDA refused one)."""
+        import torch
+
+        self.device = device
+
+        def register() -> None:
+            cudart = torch.cuda.cudart()
+            for address, m in zip(self.addresses, self.maps, strict=True):
+                if int(cudart.cudaHostRegister(address, len(m), self.PORTABLE)) != 0:
+                    return
+                self.locked.append(address)
+
+        _in_own_thread(register, device)
+        if len(self.locked) == len(self.maps):
+            return True
+        self.unlock()
+        return False
+
+    def unlock(self) -> None:
+        """Unregister what `lock` registered (once the copies from it are done)."""
+        addresses, self.locked = self.locked, []
+        if not addresses:
+            return
+        import torch
+
+        def unregister() -> None:
+            cudart = torch.cuda.cudart()
+            for address in addresses:
+                cudart.cudaHostUnregister(address)
+
+        _in_own_thread(unregister, self.device)
+
+
+def _in_own_thread(work: Callable[[], None], device: Any = None) -> None:
+    """Run `work` in a new thread (with `device` current, if given) and wait for it; its
+    exception, if any, is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if device is None:
+                work()
+            else:
+                import torch
+
+                with torch.cuda.device(device):
+                    work()
+        except BaseException as exc:  # noqa: BLE001  (raised in the caller's thread)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="mmreplay-page-lock")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+
+
 class SamplingProcesses(Iterator[Batch]):
     """An endless iterator of batches sampled by `workers` processes (see the module doc).
     ``beta`` may be changed between batches; ``close`` (or the context manager) stops the
-    processes and removes the slots' file."""
+    processes and removes the slots' file. With `frame_sets` the slots hold `FrameSetBatch`
+    es (`next_arrays`; iterated, their stacks are built here)."""
 
     def __init__(self, open_view: Callable[[int], tuple[Any, Callable[[], None]]],
                  spec: StoreSpec, batch_size: int, *, workers: int, prefetch: int, beta: float,
-                 seeds: list[int]) -> None:
+                 seeds: list[int], frame_sets: bool = False) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise InvalidInputError(f"workers must be a positive int, got {workers!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
         self.beta = beta
-        self._packing, slot_bytes = slot_packing(spec, batch_size)
+        self._packing, slot_bytes = slot_packing(spec, batch_size, frame_sets)
         count = IN_FLIGHT * workers + prefetch + 2
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, name = tempfile.mkstemp(prefix="mmreplay-slots-", dir=folder)
-        self._file = name
+        self._file, self._maps = _slots_file(count, slot_bytes)
+        name = self._file
         self._closed = False
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
-        try:
-            os.ftruncate(fd, count * slot_bytes)
-            self._maps = [mmap.mmap(fd, slot_bytes, offset=i * slot_bytes)
-                          for i in range(count)]
-        except BaseException:
-            os.unlink(name)
-            raise
-        finally:
-            os.close(fd)
         self._free: deque[int] = deque(range(count))
         self._ready: deque[int] = deque()
-        self._lent: list[tuple[int, weakref.ref[np.ndarray]]] = []
+        self._counts = [0] * count  # frames of each slot's frame set, from its answer
+        # (slot, its array handed out, the event of a copy from it still to complete)
+        self._lent: list[tuple[int, weakref.ref[np.ndarray], Any]] = []
+        self._locked = LockedSlots(self._maps)
         self._asked = [0] * workers  # requests in flight, by process
         self._owner: dict[int, int] = {}  # slot -> process answering it
         self._started = False
         self.copies = 0  # batches handed out as copies (the consumer held every other slot)
-        self._finalize = weakref.finalize(self, _stop, self._procs, self._conns, name)
+        self._finalize = weakref.finalize(self, _stop, self._procs, self._conns, name,
+                                          self._lent, self._locked)
         ctx = multiprocessing.get_context("spawn")
         try:
             for seed in seeds[:workers]:
                 mine, theirs = ctx.Pipe()
                 proc = ctx.Process(target=serve, daemon=True, name="mmreplay-sampler",
-                                   args=(open_view, seed, batch_size, name, slot_bytes,
-                                         theirs))
+                                   args=(open_view, seed, batch_size, frame_sets, name,
+                                         slot_bytes, theirs))
                 proc.start()
                 theirs.close()
                 self._procs.append(proc)
@@ -172,11 +277,13 @@ class SamplingProcesses(Iterator[Batch]):
             raise
 
     def __next__(self) -> Batch:
-        return make_batch(self.next_arrays())
+        arrays = self.next_arrays()
+        return make_batch(arrays if isinstance(arrays, ArrayBatch) else arrays.assembled())
 
-    def next_arrays(self) -> ArrayBatch:
+    def next_arrays(self) -> ArrayBatch | FrameSetBatch:
         """The next batch as numpy arrays viewing its slot (`ReplayStore.sample_arrays`'s
-        fields): the slot is lent until nothing views them."""
+        fields, or a frame set's): the slot is lent until nothing views them (and a copy
+        from it is done: `release_after`)."""
         if self._closed:
             raise StopIteration
         self._reclaim()
@@ -186,25 +293,46 @@ class SamplingProcesses(Iterator[Batch]):
             self._feed()
         slot = self._ready.popleft()
         raw = np.frombuffer(self._maps[slot], np.uint8)
-        if not self._free and not any(self._asked) and not self._ready:
+        if not self._free and not any(self._asked) and not self._ready \
+                and not self._copying():
             # the consumer holds every other slot: lending this one would leave none to
             # sample into, so a copy, and the slot goes back
-            arrays = slot_arrays(self._packing, raw.copy())
+            arrays = slot_arrays(self._packing, raw.copy(), self._counts[slot])
             self._free.append(slot)
             self.copies += 1
             return arrays
-        self._lent.append((slot, weakref.ref(raw)))
-        return slot_arrays(self._packing, raw)
+        self._lent.append((slot, weakref.ref(raw), None))
+        return slot_arrays(self._packing, raw, self._counts[slot])
+
+    def release_after(self, arrays: ArrayBatch | FrameSetBatch, event: Any) -> None:
+        """Keep the slot `arrays` view lent until `event` (a ``torch.cuda.Event`` recorded
+        after a copy from it was queued) completed, however soon `arrays` die. Arrays that
+        view no slot (a copy) need nothing."""
+        address = arrays.frames.ctypes.data
+        for i, (slot, ref, _) in enumerate(self._lent):
+            if self._locked.addresses[slot] == address:
+                self._lent[i] = (slot, ref, event)
+
+    def page_lock(self, device: Any) -> bool:
+        """Page-lock every slot for copies to this CUDA device (`LockedSlots.lock`); False
+        where CUDA refused (copies from the slots stay pageable)."""
+        return self._locked.lock(device)
 
     def _reclaim(self) -> None:
-        """Slots whose batches no longer exist go back to the free list."""
+        """Slots whose batches no longer exist, and whose copies are done, go back to the
+        free list."""
         held = []
-        for slot, ref in self._lent:
-            if ref() is None:
+        for slot, ref, event in self._lent:
+            if ref() is None and (event is None or event.query()):
                 self._free.append(slot)
             else:
-                held.append((slot, ref))
-        self._lent = held
+                held.append((slot, ref, event))
+        self._lent[:] = held  # in place: the finalizer holds the list
+
+    def _copying(self) -> list[Any]:
+        """The events of the copies that slots no batch views any more wait for, oldest
+        first."""
+        return [event for _, ref, event in self._lent if ref() is None and event is not None]
 
     def _feed(self) -> None:
         """Keep `IN_FLIGHT` requests with every process while free slots last."""
@@ -222,8 +350,13 @@ class SamplingProcesses(Iterator[Batch]):
     def _receive(self) -> None:
         """Wait for answers; raise what a process could not do."""
         busy = [conn for i, conn in enumerate(self._conns) if self._asked[i]]
-        if not busy:  # nothing asked, nothing free: every slot is in the consumer's hands
-            raise AssertionError("no slot to sample into")  # a copy is made before that
+        if not busy:  # nothing asked, nothing free: every slot lent, or waiting on a copy
+            copying = self._copying()
+            if not copying:  # a copy is handed out before the consumer holds every slot
+                raise AssertionError("no slot to sample into")
+            copying[0].synchronize()
+            self._reclaim()
+            return
         timeout = None if self._started else START_TIMEOUT_S
         ready = wait(busy, timeout=timeout)
         if not ready:
@@ -236,7 +369,8 @@ class SamplingProcesses(Iterator[Batch]):
                 data = conn.recv_bytes()
             except (EOFError, OSError) as exc:
                 self._ended(exc)
-            slot, status = REPLY.unpack(data[:REPLY.size])
+            slot, status, count = REPLY.unpack(data[:REPLY.size])
+            self._counts[slot] = count
             self._asked[self._owner.pop(slot)] -= 1
             if status:
                 kind, _, message = data[REPLY.size:].decode("utf-8", "replace").partition("\0")
@@ -267,8 +401,29 @@ class SamplingProcesses(Iterator[Batch]):
         self.close()
 
 
-def _stop(procs: list[Any], conns: list[Connection], slots_file: str) -> None:
-    """Ask each process to stop, wait a little, end the ones left; remove the file."""
+def _slots_file(count: int, slot_bytes: int) -> tuple[str, list[mmap.mmap]]:
+    """A new shared file of `count` slots (in /dev/shm where there is one), and a mapping
+    of each."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, name = tempfile.mkstemp(prefix="mmreplay-slots-", dir=folder)
+    try:
+        os.ftruncate(fd, count * slot_bytes)
+        return name, [mmap.mmap(fd, slot_bytes, offset=i * slot_bytes) for i in range(count)]
+    except BaseException:
+        os.unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _stop(procs: list[Any], conns: list[Connection], slots_file: str,
+          lent: list[tuple[int, Any, Any]], locked: LockedSlots) -> None:
+    """Ask each process to stop, wait a little, end the ones left; remove the file; once
+    the copies from the slots are done, unlock them."""
+    for _, _, event in lent:
+        if event is not None:
+            event.synchronize()
+    locked.unlock()
     for conn in conns:
         try:
             conn.send_bytes(REQUEST.pack(-1, 0.0))

@@ -119,10 +119,20 @@ def to_numpy(value: Any) -> Any:
     it is. Every argument that may come from a learner passes through here."""
     if type(value) is np.ndarray or not hasattr(value, "detach"):
         return value
+    value = numpy_typed(value)
     try:  # a CPU tensor without grad: its array at once, without a detached copy
         return value.numpy()
     except (RuntimeError, TypeError):  # needs grad, or on another device
         return value.detach().cpu().numpy()
+
+
+def numpy_typed(tensor: Any) -> Any:
+    """A torch tensor in a dtype numpy has: bfloat16 and the float8 types (what a learner
+    under autocast hands over) as float32, on the tensor's device; others as they are."""
+    dtype = tensor.dtype
+    if dtype.is_floating_point and dtype.itemsize < 4 and str(dtype) != "torch.float16":
+        return tensor.detach().float()
+    return tensor
 
 
 def transition_ids(ids: Any) -> np.ndarray:

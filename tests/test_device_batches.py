@@ -126,15 +126,29 @@ def test_cuda_batches_wait_on_the_copy_and_record_the_stream(tmp_path):  # pragm
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_batches_behind_a_lagging_gpu_are_intact(tmp_path):  # pragma: no cover
+@pytest.mark.parametrize("lagging", ["learner", "copies"])
+def test_cuda_batches_behind_a_lagging_gpu_are_intact(tmp_path, monkeypatch, lagging
+                                                      ):  # pragma: no cover
     """400 batches used on the current stream at once, never synchronized, the GPU kept
-    behind; each compared at the end with what `get` reads for its ids."""
+    behind: the learner's stream (memory reuse: `record_stream`) or the copies' side stream
+    (a sleep queued there before each upload: the learner must wait for the copies,
+    `wait_event`); each batch compared at the end with what `get` reads for its ids."""
+    if lagging == "copies":
+        real = DeviceMover.upload
+
+        def upload_behind(self, arrays):
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(1_000_000)
+            return real(self, arrays)
+
+        monkeypatch.setattr(DeviceMover, "upload", upload_behind)
     store = filled(tmp_path)
     kept = []
     with store.batches(16, prefetch=4, device="cuda") as it:
         for _ in range(400):
             batch = next(it)
-            torch.cuda._sleep(1_000_000)
+            if lagging == "learner":
+                torch.cuda._sleep(1_000_000)
             kept.append((batch.ids.clone(), batch.obs + 0, batch.next_obs * 1))  # used at once
             del batch
     torch.cuda.synchronize()

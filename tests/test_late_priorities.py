@@ -83,6 +83,22 @@ def test_late_update_returns_none_and_the_next_draw_applies_it(tmp_path):
     np.testing.assert_array_equal(prios(late), prios(now))
 
 
+def test_bfloat16_priorities_are_taken_late_and_at_once(tmp_path):
+    """|td| computed under autocast arrives as bfloat16, which numpy lacks: late or at once
+    it is taken as float32 (late, converted before the queue copies it, so the draw that
+    applies it does not fail)."""
+    late, now = make(tmp_path / "late"), make(tmp_path / "now")
+    ids = torch.arange(3, 9)
+    values = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    assert late.update_priorities(ids, values, late=True) is None
+    assert now.update_priorities(ids, values) == 6
+    late.sample(2)
+    assert len(late._priorities.late) == 0
+    np.testing.assert_array_equal(prios(late), prios(now))
+    got = dict(zip(now.valid_ids().tolist(), prios(now).tolist(), strict=True))
+    assert [got[i] for i in range(3, 9)] == [0.5, 1.0, 1.5, 2.0, 3.0, 4.0]
+
+
 def test_updates_apply_in_order_and_a_synchronous_one_applies_the_queue_first(tmp_path):
     store = make(tmp_path / "s")
     ids = torch.arange(3, 9)

@@ -213,3 +213,100 @@ def test_processes_beside_a_writer_never_hand_out_overwritten_frames(tmp_path):
     assert checked > 300
     reader.close()
     store.close()
+
+
+class _Copy:
+    """A stand-in for the CUDA event of a copy queued from a slot: done when told."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def _frame_set_processes(reader: ReplayStore, batch_size: int = 16):
+    """The processes ``batches(processes=True, device=...)`` makes (slots of frame sets), one
+    process, as few slots as it allows (2 in flight + 1 prefetched + 2)."""
+    from mmreplay.sampling_processes import SamplingProcesses
+
+    return SamplingProcesses(reader._batches.open_view, reader._batches.spec, batch_size,
+                             workers=1, prefetch=1, beta=0.0, seeds=[7], frame_sets=True)
+
+
+def test_frame_set_slots_hold_each_distinct_frame_once(tmp_path):
+    """With a device the slots hold frame sets: the distinct frames of the batch (fewer than
+    its stacks have), and the rows that rebuild the stacks the store's `get` gives."""
+    from mmreplay.torch_batch import FrameSetBatch
+
+    reader = _read_only(tmp_path)
+    with _frame_set_processes(reader) as it:
+        for _ in range(10):
+            arrays = it.next_arrays()
+            assert isinstance(arrays, FrameSetBatch)
+            assert np.unique(arrays.index).tolist() == list(range(len(arrays.frames)))
+            assert len(arrays.frames) < 2 * 16 * 4
+            again = reader.get(arrays.ids)
+            stacks = torch.from_numpy(arrays.assembled().frames)
+            assert torch.equal(stacks[0], again.obs) and torch.equal(stacks[1], again.next_obs)
+            del arrays, stacks
+            _assert_same(batch := next(it), reader.get(batch.ids))  # iterated: stacks built
+    reader.close()
+
+
+def test_a_slot_copied_from_is_reused_only_once_its_copy_is_done(tmp_path):
+    """`release_after`: the slot of a batch whose copy is queued (its event pending) is not
+    sampled into again when the arrays die, only once the event completed; when every other
+    slot waits too, the iterator waits for the oldest copy instead of failing."""
+    reader = _read_only(tmp_path)
+    with _frame_set_processes(reader) as it:
+        first = it.next_arrays()
+        address, copy = first.frames.ctypes.data, _Copy()
+        it.release_after(first, copy)
+        del first
+        assert all(it.next_arrays().frames.ctypes.data != address for _ in range(25))
+        copy.done = True
+        assert any(it.next_arrays().frames.ctypes.data == address for _ in range(25))
+        copies = []
+        for _ in range(12):  # every slot's copy pending: the oldest is waited for
+            arrays = it.next_arrays()
+            copies.append(_Copy())
+            it.release_after(arrays, copies[-1])
+            del arrays
+        assert any(c.waited for c in copies) and it.copies == 0
+    reader.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_process_batches_behind_lagging_copies_are_intact(tmp_path, monkeypatch
+                                                               ):  # pragma: no cover
+    """``device="cuda"``: the slots are page-locked, so each copy from a slot is only queued
+    when the thread moves on. With the copy stream kept behind (a sleep queued before every
+    upload) and the consumer never synchronizing, a slot sampled into again before its copy
+    ran would put another batch's frames on the GPU; every batch must equal `get`."""
+    from mmreplay.device_batches import DeviceMover
+
+    real = DeviceMover.upload
+
+    def lagging(self, arrays):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(2_000_000)
+        return real(self, arrays)
+
+    monkeypatch.setattr(DeviceMover, "upload", lagging)
+    reader = _read_only(tmp_path)
+    kept = []
+    with reader.batches(16, prefetch=2, workers=2, processes=True, device="cuda") as it:
+        for _ in range(200):
+            batch = next(it)
+            kept.append((batch.ids.clone(), batch.obs + 0, batch.next_obs * 1))
+            del batch
+    torch.cuda.synchronize()
+    for ids, obs, next_obs in kept:
+        again = reader.get(ids.cpu())
+        assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+    reader.close()

@@ -397,12 +397,13 @@ def lagging(get: Callable[[], Any], store: ReplayStore, count: int) -> dict[str,
     for _ in range(count):
         torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: copies and kernels stay queued
         ids, obs, next_obs = get()
-        kept.append((ids.cpu(), obs, next_obs))
+        # ids on the device are cloned, not brought back: `.cpu()` would wait for the GPU
+        kept.append((ids.clone() if ids.is_cuda else ids, obs, next_obs))
         del obs, next_obs
     torch.cuda.synchronize()
     wrong = 0
     for ids, obs, next_obs in kept:
-        again = store.get(ids.numpy())
+        again = store.get(ids.cpu().numpy())
         wrong += not (torch.equal(obs.cpu(), again.obs.cpu())
                       and torch.equal(next_obs.cpu(), again.next_obs.cpu()))
     return {"wrong": wrong, "of": count}
@@ -437,6 +438,8 @@ def wrong_batch_check(bufs: Buffers, count: int) -> dict[str, dict[str, int]]:
             found[name] = lagging(lambda it=it, hand=hand: hand(next(it)), store, count)
     found["pinned_sample_arrays"] = lagging(whole_frames, store, count)
     found["pinned_numpy_views"] = lagging(numpy_views, store, count)
+    with bufs.reader.batches(32, prefetch=4, workers=2, processes=True, device=cuda) as it:
+        found["process_batches"] = lagging(lambda: used(next(it)), bufs.reader, count)
     if bufs.device_store is not None:
         ds = bufs.device_store
         found["device_store"] = lagging(lambda: used(ds.sample(32)), ds, count)
