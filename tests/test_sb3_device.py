@@ -102,3 +102,23 @@ def test_cuda_samples_are_gathered_on_the_device(tmp_path):
     assert_same(plain.sample(16), got)
     ours.close()
     plain.close()
+
+
+@CUDA
+@pytest.mark.parametrize("channels", ["first", "last"])
+def test_cuda_samples_equal_the_cpu_buffers_in_either_channel_order(tmp_path, channels):
+    """A buffer on CUDA (frames on the host, batches page-locked and copied) hands out the
+    samples the same buffer on the CPU does for the same seed; channels last, the stacks'
+    channels are moved on the device after the copy."""
+    box = BOX if channels == "first" else spaces.Box(0, 255, (6, 5, 4), np.uint8)
+    frame = (1, 6, 5) if channels == "first" else (6, 5, 1)
+    pair = [FrameOnceReplayBuffer(500, box, spaces.Discrete(3), device=device,
+                                  path=tmp_path / device, frame_stack=4, n_steps=3, gamma=0.9,
+                                  seed=3, channels_order=channels) for device in ("cpu", "cuda")]
+    drive(pair, n_envs=1, frame_shape=frame, steps=60, seed=2, channels_order=channels)
+    for _ in range(5):
+        got = pair[1].sample(16)
+        assert got.observations.is_cuda and got.next_observations.is_cuda
+        assert_same(pair[0].sample(16), got)
+    for buf in pair:
+        buf.close()

@@ -62,6 +62,10 @@ def array_fields(batch: ArrayBatch, layout: StackLayout, obs_shape: tuple[int, .
         obs, next_obs = both[0], both[1]
     else:
         both = frames_tensor(batch)
+        if device.type != "cpu" and not layout.first:
+            # channels last: the frames moved as they are (page-locked, one copy), the
+            # stacks' channels moved on the device, not into pageable memory first
+            both = both.to(device, non_blocking=True)
         obs, next_obs = layout.to_sb3(both[0]), layout.to_sb3(both[1])
     discounts = None
     if gamma is not None:
