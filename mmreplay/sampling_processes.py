@@ -402,10 +402,11 @@ class SamplingProcesses(Iterator[Batch]):
 
 
 def _slots_file(count: int, slot_bytes: int) -> tuple[str, list[mmap.mmap]]:
-    """A new shared file of `count` slots (in /dev/shm where there is one), and a mapping
-    of each."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    fd, name = tempfile.mkstemp(prefix="mmreplay-slots-", dir=folder)
+    """A new shared file of `count` slots, and a mapping of each: in /dev/shm where it has
+    room for them (a container's is often 64 MiB: a process writing past its end would be
+    killed by SIGBUS), else in the temporary directory (the page cache shares it as well)."""
+    fd, name = tempfile.mkstemp(prefix="mmreplay-slots-",
+                                dir=_shared_folder(count * slot_bytes))
     try:
         os.ftruncate(fd, count * slot_bytes)
         return name, [mmap.mmap(fd, slot_bytes, offset=i * slot_bytes) for i in range(count)]
@@ -414,6 +415,16 @@ def _slots_file(count: int, slot_bytes: int) -> tuple[str, list[mmap.mmap]]:
         raise
     finally:
         os.close(fd)
+
+
+def _shared_folder(nbytes: int, folder: str = "/dev/shm") -> str | None:
+    """`folder` if it is there with `nbytes` free (and a margin), else None (the default
+    temporary directory)."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return folder if stat.f_bavail * stat.f_frsize >= nbytes + (64 << 20) else None
 
 
 def _stop(procs: list[Any], conns: list[Connection], slots_file: str,

@@ -310,3 +310,13 @@ def test_cuda_process_batches_behind_lagging_copies_are_intact(tmp_path, monkeyp
         again = reader.get(ids.cpu())
         assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
     reader.close()
+
+
+def test_slots_go_where_there_is_room_for_them(tmp_path):
+    """/dev/shm only when its free space holds the slots (a container's 64 MiB would SIGBUS
+    the processes): else the temporary directory."""
+    from mmreplay.sampling_processes import _shared_folder
+
+    assert _shared_folder(1, str(tmp_path)) == str(tmp_path)
+    assert _shared_folder(1 << 60, str(tmp_path)) is None
+    assert _shared_folder(1, str(tmp_path / "absent")) is None
