@@ -206,7 +206,8 @@ class LockedSlots:
 
 def _in_own_thread(work: Callable[[], None], device: Any = None) -> None:
     """Run `work` in a new thread (with `device` current, if given) and wait for it; its
-    exception, if any, is raised here."""
+    exception, if any, is raised here. At interpreter shutdown (no new thread) in this one:
+    a CUDA error it leaves behind no longer matters then."""
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -222,8 +223,12 @@ def _in_own_thread(work: Callable[[], None], device: Any = None) -> None:
             failed.append(exc)
 
     thread = threading.Thread(target=run, name="mmreplay-page-lock")
-    thread.start()
-    thread.join()
+    try:
+        thread.start()
+    except RuntimeError:  # at interpreter shutdown no thread starts: here, then
+        run()
+    else:
+        thread.join()
     if failed:
         raise failed[0]
 
@@ -431,10 +436,6 @@ def _stop(procs: list[Any], conns: list[Connection], slots_file: str,
           lent: list[tuple[int, Any, Any]], locked: LockedSlots) -> None:
     """Ask each process to stop, wait a little, end the ones left; remove the file; once
     the copies from the slots are done, unlock them."""
-    for _, _, event in lent:
-        if event is not None:
-            event.synchronize()
-    locked.unlock()
     for conn in conns:
         try:
             conn.send_bytes(REQUEST.pack(-1, 0.0))
@@ -451,3 +452,7 @@ def _stop(procs: list[Any], conns: list[Connection], slots_file: str,
         os.unlink(slots_file)
     except FileNotFoundError:
         pass
+    for _, _, event in lent:
+        if event is not None:
+            event.synchronize()
+    locked.unlock()

@@ -320,3 +320,65 @@ def test_slots_go_where_there_is_room_for_them(tmp_path):
     assert _shared_folder(1, str(tmp_path)) == str(tmp_path)
     assert _shared_folder(1 << 60, str(tmp_path)) is None
     assert _shared_folder(1, str(tmp_path / "absent")) is None
+
+
+class _FakeCudart:
+    """CUDA's host-registration calls as a log (which thread, which address); registering
+    the address `refuse` fails with an error code."""
+
+    def __init__(self, log: list, refuse: int | None = None) -> None:
+        self.log, self.refuse = log, refuse
+
+    def cudaHostRegister(self, address, size, flags):  # noqa: N802  (CUDA's name)
+        import threading
+
+        self.log.append(("register", address, size, flags, threading.current_thread().name))
+        return 1 if address == self.refuse else 0
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        import threading
+
+        self.log.append(("unregister", address, threading.current_thread().name))
+        return 0
+
+
+def test_page_locking_registers_every_slot_off_thread_and_undoes_it_after_the_copies(
+        tmp_path, monkeypatch):
+    """`page_lock` (CUDA's calls faked): every slot registered whole and portable, in a
+    thread of its own (a failed call leaves CUDA's error there); one refused: none stays
+    registered; close unregisters only after the copies' events completed."""
+    import contextlib
+
+    log: list = []
+    cudart = _FakeCudart(log)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    reader = _read_only(tmp_path)
+    it = _frame_set_processes(reader)
+    maps = it._maps
+    addresses = [np.frombuffer(m, np.uint8).ctypes.data for m in maps]
+    assert it.page_lock("cuda:0")
+    assert [(a, s, f) for _, a, s, f, _ in log] == [(a, len(m), 1)
+                                                    for a, m in zip(addresses, maps, strict=True)]
+    assert {name for *_, name in log} == {"mmreplay-page-lock"}
+    arrays = it.next_arrays()
+    copy = _Copy()
+    copy.synchronize = lambda: log.append(("copy done",))  # the close waits for it
+    it.release_after(arrays, copy)
+    del arrays
+    log.clear()
+    it.close()
+    assert log[0] == ("copy done",)
+    assert sorted(a for _, a, _ in log[1:]) == sorted(addresses)
+    log.clear()
+    again = _frame_set_processes(reader)
+    cudart.refuse = np.frombuffer(again._maps[2], np.uint8).ctypes.data
+    assert not again.page_lock("cuda:0")
+    registered = [entry[1] for entry in log if entry[0] == "register"]
+    unregistered = [entry[1] for entry in log if entry[0] == "unregister"]
+    assert registered[:3] == [np.frombuffer(m, np.uint8).ctypes.data for m in again._maps[:3]]
+    assert unregistered == registered[:2]  # the ones locked before the refusal
+    log.clear()
+    again.close()
+    assert log == []  # nothing left to undo
+    reader.close()
