@@ -57,9 +57,10 @@ def test_processes_hand_out_the_transitions_of_their_ids(tmp_path):
 
 
 def test_processes_with_a_device_hand_over_device_batches(tmp_path, monkeypatch):
-    """``device=``: a prefetch thread takes each slot's arrays and copies them to the device
-    (`DeviceMover`; on the CPU the frames stay views of the slot, the small fields are
-    copied); batches hold their transitions, and closing the iterator stops the processes."""
+    """``device=``: the processes sample frame sets, a prefetch thread copies each slot's to
+    the device (`DeviceMover`; on the CPU the stacks are gathered out of the slot, the small
+    fields copied); batches hold their transitions, and closing the iterator stops the
+    processes."""
     from mmreplay import sampling_processes
 
     made = []
