@@ -328,20 +328,29 @@ def updates_per_s(learner: Learner, get: Get, prioritize: Prioritize | None, *, 
     return steps / (time.perf_counter() - start)
 
 
-def learner_arms(bufs: Buffers, args: Args, device: torch.device) -> list[dict[str, Any]]:
+def learner_arms(bufs: Buffers, args: Args, device: torch.device,
+                 saved: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """Every arm's updates a second; `saved` is given the arms so far after each one."""
     modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
     arms: list[dict[str, Any]] = []
+
+    def measured(arm: dict[str, Any]) -> None:
+        arms.append(arm)
+        saved(arms)
+
     for mode in modes:
         for size in (int(s) for s in args.batch_sizes.split(",")):
             learner = Learner(device, size, graph=mode == "graph")
             ceiling = learner.static if mode == "graph" else example_batch(device, size)
-            arms += feed_arms(learner, bufs, args, device, mode, size, ceiling)
+            feed_arms(learner, bufs, args, device, mode, size, ceiling, measured)
     return arms
 
 
 def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device, mode: str,
-              size: int, ceiling: DeviceBatch) -> list[dict[str, Any]]:
-    arms, top = [], None
+              size: int, ceiling: DeviceBatch, measured: Callable[[dict[str, Any]], None]
+              ) -> None:
+    """The arms of one learner, each handed to `measured` as it is done."""
+    top = None
     for sampler, feeds in (("uniform", FEEDS), ("prioritized", PRIORITIZED_FEEDS)):
         for name in feeds:
             with open_feed(name, bufs, size, sampler == "prioritized", device, ceiling,
@@ -356,8 +365,7 @@ def feed_arms(learner: Learner, bufs: Buffers, args: Args, device: torch.device,
                        updates_per_s=round(rate, 1), ratio=round(rate / top, 3) if top else None)
             print(f"{mode:5s} {size:4d} {sampler:11s} {name:15s} {rate:9.1f}/s  "
                   f"{arm['ratio']}", flush=True)
-            arms.append(arm)
-    return arms
+            measured(arm)
 
 
 # -- sampling throughput ---------------------------------------------------------------------
@@ -468,9 +476,12 @@ def main() -> int:
         bufs = make_buffers(Path(tmp), stream, args.frames, device)
         found: dict[str, Any] = {"arms": [], "scaling": {}, "wrong": {}}
         try:  # the result is written after each section: a run cut short keeps what it has
+            def save(arms: list[dict[str, Any]]) -> None:
+                write_result(args, arms, found["scaling"], found["wrong"], say=False)
+
             for section in ("wrong", "learner", "scaling"):
                 if section in sections:
-                    found[section_key(section)] = run_section(section, bufs, args, device)
+                    found[section_key(section)] = run_section(section, bufs, args, device, save)
                     write_result(args, found["arms"], found["scaling"], found["wrong"])
         finally:
             for store in (bufs.reader, bufs.store, bufs.pstore, bufs.device_store,
@@ -484,24 +495,27 @@ def section_key(section: str) -> str:
     return "arms" if section == "learner" else section
 
 
-def run_section(section: str, bufs: Buffers, args: Args, device: torch.device) -> Any:
-    """One section's figures: the learner arms, the sampling throughput, or the wrong-batch
-    check (CUDA only: elsewhere nothing can lag; {})."""
+def run_section(section: str, bufs: Buffers, args: Args, device: torch.device,
+                save: Callable[[list[dict[str, Any]]], None]) -> Any:
+    """One section's figures: the learner arms (each saved as it is done), the sampling
+    throughput, or the wrong-batch check (CUDA only: elsewhere nothing can lag; {})."""
     if section == "learner":
-        return learner_arms(bufs, args, device)
+        return learner_arms(bufs, args, device, save)
     if section == "scaling":
         return worker_scaling(bufs, args.workers)
     return wrong_batch_check(bufs, args.check_batches) if device.type == "cuda" else {}
 
 
 def write_result(args: Args, arms: list[dict[str, Any]], scaling: dict[str, Any],
-                 wrong: dict[str, Any]) -> None:
+                 wrong: dict[str, Any], *, say: bool = True) -> None:
     from benchlib.harness import machine_info, write_json
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     result = dict(args=asdict(args), machine={**machine_info(), "gpu": gpu}, arms=arms,
                   sampling_batches_per_s_by_workers=scaling, wrong_batches=wrong)
-    print(f"wrote {write_json(result, Path(args.out_dir), args.out_name)}")
+    path = write_json(result, Path(args.out_dir), args.out_name)
+    if say:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
