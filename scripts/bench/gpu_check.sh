@@ -42,7 +42,7 @@ step cuda_tests 150 "$py" -m pytest -q -rs -p no:cacheprovider \
 
 quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
-step bench_gpu 270 "$py" scripts/bench/bench_gpu.py "${quick[@]}" --games "$GAMES" \
+step bench_gpu 270 "$py" scripts/bench/bench_gpu.py ${quick[@]+"${quick[@]}"} --games "$GAMES" \
     --distinct-frames 30000 --out-dir "$OUT" --out-name gpu.json
 
 step device_frames 120 "$py" scripts/bench/bench_device_frames.py --device cuda \
