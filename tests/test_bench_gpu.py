@@ -39,3 +39,29 @@ def test_bench_gpu_runs_its_feeds_on_the_cpu(tmp_path):
         assert all(set(by) == {"1", "2"} and min(by.values()) > 0
                    for by in scaling[kind].values())
     assert result["wrong_batches"] == {}  # the check needs CUDA
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: it would measure")
+def test_gpu_check_runs_every_step_and_keeps_their_logs(tmp_path):
+    """scripts/bench/gpu_check.sh without CUDA: every step runs (the tests, whose CUDA ones
+    skip; the benches, which say CUDA is absent), each log is kept, and it exits 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(root / "scripts/bench/gpu_check.sh")], cwd=root,
+                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+                               "QUICK": "1"},
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr
+    for step in ("cuda_tests", "bench_gpu", "device_frames"):
+        assert f"{step}: exit" in done.stdout
+    assert " passed" in (out / "cuda_tests.log").read_text()
+    assert "needs CUDA" in (out / "cuda_tests.log").read_text()
+    assert "CUDA is not available" in (out / "bench_gpu.log").read_text()
+    assert "needs CUDA" in (out / "device_frames.log").read_text()
+    assert (out / "machine.txt").exists()
