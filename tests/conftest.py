@@ -121,6 +121,40 @@ def fast_switches() -> Iterator[None]:
 INTEGRATION_FIXTURES = frozenset({"s3_session", "s3_auth_session", "browser", "cluster"})
 
 
+def lag_copies(monkeypatch: pytest.MonkeyPatch, cycles: int) -> None:
+    """Keep `DeviceMover`'s copy stream behind (CUDA): a sleep of `cycles` GPU cycles is
+    queued on it before every upload, so each batch's copies run late."""
+    import torch
+
+    from mmreplay.device_batches import DeviceMover
+
+    real = DeviceMover.upload
+
+    def upload_behind(self: DeviceMover, arrays: object) -> object:
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(cycles)
+        return real(self, arrays)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DeviceMover, "upload", upload_behind)
+
+
+def used_at_once(batch: object) -> tuple[object, object, object]:
+    """A device batch used by kernels on the current stream at once (no sync): its ids and
+    copies of its stacks made there, for `assert_used_equal`."""
+    return batch.ids.clone(), batch.obs + 0, batch.next_obs * 1  # type: ignore[attr-defined]
+
+
+def assert_used_equal(store: object, used: list[tuple[object, object, object]]) -> None:
+    """Once the GPU caught up, each `used_at_once` result holds the stacks `get` reads for
+    its ids."""
+    import torch
+
+    torch.cuda.synchronize()
+    for ids, obs, next_obs in used:
+        again = store.get(ids.cpu())  # type: ignore[attr-defined]
+        assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``integration`` each test that uses a fixture of `INTEGRATION_FIXTURES`."""
     for item in items:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import frame
+from conftest import assert_used_equal, frame, lag_copies, used_at_once
 
 from mmreplay import InvalidInputError, ReplayStore
 from mmreplay.device_batches import DeviceMover, Staged, parse_device
@@ -134,27 +134,17 @@ def test_cuda_batches_behind_a_lagging_gpu_are_intact(tmp_path, monkeypatch, lag
     (a sleep queued there before each upload: the learner must wait for the copies,
     `wait_event`); each batch compared at the end with what `get` reads for its ids."""
     if lagging == "copies":
-        real = DeviceMover.upload
-
-        def upload_behind(self, arrays):
-            with torch.cuda.stream(self.stream):
-                torch.cuda._sleep(1_000_000)
-            return real(self, arrays)
-
-        monkeypatch.setattr(DeviceMover, "upload", upload_behind)
+        lag_copies(monkeypatch, 1_000_000)
     store = filled(tmp_path)
-    kept = []
+    used = []
     with store.batches(16, prefetch=4, device="cuda") as it:
         for _ in range(400):
             batch = next(it)
             if lagging == "learner":
                 torch.cuda._sleep(1_000_000)
-            kept.append((batch.ids.clone(), batch.obs + 0, batch.next_obs * 1))  # used at once
+            used.append(used_at_once(batch))
             del batch
-    torch.cuda.synchronize()
-    for ids, obs, next_obs in kept:
-        again = store.get(ids.cpu())
-        assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+    assert_used_equal(store, used)
     store.close()
 
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import frame
+from conftest import assert_used_equal, frame, lag_copies, used_at_once
 
 from mmreplay import EmptyStoreError, InvalidInputError, ReplayStore
 
@@ -289,27 +289,11 @@ def test_cuda_process_batches_behind_lagging_copies_are_intact(tmp_path, monkeyp
     when the thread moves on. With the copy stream kept behind (a sleep queued before every
     upload) and the consumer never synchronizing, a slot sampled into again before its copy
     ran would put another batch's frames on the GPU; every batch must equal `get`."""
-    from mmreplay.device_batches import DeviceMover
-
-    real = DeviceMover.upload
-
-    def lagging(self, arrays):
-        with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(2_000_000)
-        return real(self, arrays)
-
-    monkeypatch.setattr(DeviceMover, "upload", lagging)
+    lag_copies(monkeypatch, 2_000_000)
     reader = _read_only(tmp_path)
-    kept = []
     with reader.batches(16, prefetch=2, workers=2, processes=True, device="cuda") as it:
-        for _ in range(200):
-            batch = next(it)
-            kept.append((batch.ids.clone(), batch.obs + 0, batch.next_obs * 1))
-            del batch
-    torch.cuda.synchronize()
-    for ids, obs, next_obs in kept:
-        again = reader.get(ids.cpu())
-        assert torch.equal(obs.cpu(), again.obs) and torch.equal(next_obs.cpu(), again.next_obs)
+        used = [used_at_once(next(it)) for _ in range(200)]
+    assert_used_equal(reader, used)
     reader.close()
 
 
