@@ -88,10 +88,11 @@ def slot_packing(spec: StoreSpec, batch_size: int, frame_sets: bool = False
 def slot_arrays(packing: Packing, raw: np.ndarray, count: int) -> ArrayBatch | FrameSetBatch:
     """The batch a slot holds, viewing it (a frame set's first `count` frames)."""
     views = packing.views(raw)
-    small = {"action": views["action"], "reward": views["reward"],
-             "terminated": views["terminated"], "truncated": views["truncated"],
-             "discount": views["discount"], "weights": views["weights"], "ids": views["ids"],
-             "steps": views["steps"], "extras": extras_of(views)}
+    small: dict[str, Any] = {
+        "action": views["action"], "reward": views["reward"],
+        "terminated": views["terminated"], "truncated": views["truncated"],
+        "discount": views["discount"], "weights": views["weights"], "ids": views["ids"],
+        "steps": views["steps"], "extras": extras_of(views)}
     if "index" in views:
         return FrameSetBatch(frames=views["frames"][:count], index=views["index"], **small)
     return ArrayBatch(frames=views["frames"], **small)
@@ -101,10 +102,11 @@ def fill_slot(maker: Any, views: dict[str, np.ndarray], frames_out: np.ndarray,
               batch_size: int, beta: float) -> int:
     """Sample a batch into a slot (`views`, `frames_out` its frames' bytes); returns how
     many frames a frame set holds (0 for stacks)."""
+    arrays: ArrayBatch | FrameSetBatch
     if "index" in views:
-        arrays: ArrayBatch | FrameSetBatch = maker.sample_frame_set(batch_size, beta, False,
-                                                                    frames_out)
-        views["index"][...] = arrays.index
+        frame_set = maker.sample_frame_set(batch_size, beta, False, frames_out)
+        views["index"][...] = frame_set.index
+        arrays = frame_set
     else:
         arrays = maker.sample_arrays(batch_size, beta, False, frames_out)
     if arrays.frames.ctypes.data != views["frames"].ctypes.data:
