@@ -60,6 +60,7 @@ from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, make_batch
 REQUEST = struct.Struct("<qd")  # slot (-1: stop), beta
 REPLY = struct.Struct("<qqq")  # slot, status (0: done; else a message follows), frame count
 IN_FLIGHT = 2  # requests each process holds at once
+COPYING = 2  # slots of frame sets whose copies to a device may still be queued
 START_TIMEOUT_S = 120.0  # a process that has not answered its first request by then failed
 _ERRORS = {"EmptyStoreError": EmptyStoreError, "InvalidStoreError": InvalidStoreError}
 
@@ -250,7 +251,9 @@ class SamplingProcesses(Iterator[Batch]):
             raise InvalidInputError(f"prefetch must be a positive int, got {prefetch!r}")
         self.beta = beta
         self._packing, slot_bytes = slot_packing(spec, batch_size, frame_sets)
-        count = IN_FLIGHT * workers + prefetch + 2
+        # slots: requests in flight, the batches the consumer holds (CPU batches view their
+        # slot; frame sets, copied to a device, hold one only until their copy is done)
+        count = IN_FLIGHT * workers + (COPYING if frame_sets else prefetch) + 2
         self._file, self._maps = _slots_file(count, slot_bytes)
         name = self._file
         self._closed = False

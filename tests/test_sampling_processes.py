@@ -232,7 +232,7 @@ class _Copy:
 
 def _frame_set_processes(reader: ReplayStore, batch_size: int = 16):
     """The processes ``batches(processes=True, device=...)`` makes (slots of frame sets), one
-    process, as few slots as it allows (2 in flight + 1 prefetched + 2)."""
+    process, as few slots as it allows (2 in flight + 2 copying + 2)."""
     from mmreplay.sampling_processes import SamplingProcesses
 
     return SamplingProcesses(reader._batches.open_view, reader._batches.spec, batch_size,
