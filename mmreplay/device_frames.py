@@ -245,9 +245,11 @@ class DeviceFrames:
         place), the buffer moved in one copy, then the plan's frames gathered (`gather`).
         Returns the frames and the other fields as tensors."""
         self.plan_rows(plan, out=plan)
-        with self._on_ring():
+        with self._on_ring():  # one stream switch for the copy and the gather
             moved = packing.moved(buffer, self.device)
-        return self.gather(moved.pop("plan")), moved
+            rows = moved.pop("plan")
+            out = self._select(rows)
+        return self._handed(out, rows), moved
 
     def plan_rows(self, flat: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Flat slots as rows of the ring (the host side of a plan): ``-1`` (zero padding)
@@ -260,8 +262,18 @@ class DeviceFrames:
         `plan_rows`), shaped ``(*plan.shape, *obs_shape)``: one ``index_select`` (whole rows
         copied, on the CPU a ``memcpy`` each, where ``frames[plan]`` goes element by element)."""
         with self._on_ring():
-            self.flush()
-            out = self.frames.index_select(0, plan.reshape(-1))
+            out = self._select(plan)
+        return self._handed(out, plan)
+
+    def _select(self, plan: torch.Tensor) -> torch.Tensor:
+        """`gather`'s work on the ring's stream (made current by the caller): the staged
+        frames flushed, then one ``index_select``."""
+        self.flush()
+        return self.frames.index_select(0, plan.reshape(-1))
+
+    def _handed(self, out: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """`out` (gathered by `_select` for `plan`) handed to the caller's stream (outside the
+        ring's stream context), shaped ``(*plan.shape, *obs_shape)``."""
         self.hand_over(out, plan)
         return out.view(*plan.shape, *self.frames.shape[1:])
 
