@@ -43,7 +43,6 @@ import multiprocessing
 import os
 import struct
 import tempfile
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ import numpy as np
 
 from mmreplay.device_frames import Packing, extras_of, small_arrays, small_fields
 from mmreplay.errors import EmptyStoreError, InvalidInputError, InvalidStoreError
+from mmreplay.locked_memory import LockedMaps
 from mmreplay.spec import StoreSpec
 from mmreplay.torch_batch import ArrayBatch, Batch, FrameSetBatch, make_batch
 
@@ -156,86 +156,6 @@ def serve(open_view: Callable[[int], tuple[Any, Callable[[], None]]], seed: int,
             close()
 
 
-class LockedSlots:
-    """The slots' mappings, page-locked for copies to a CUDA device once `lock` is called.
-
-    ``cudaHostRegister`` (flag portable) pins the pages in place, so a ``non_blocking`` copy
-    from a slot is DMA, not staged by the driver; nothing else changes for the slot.
-    Registering and unregistering run in a thread of their own: a CUDA runtime call that
-    fails leaves its error as its thread's "last error", which PyTorch's next kernel launch
-    check in that thread would raise as its own."""
-
-    PORTABLE = 1  # cudaHostRegisterPortable
-
-    def __init__(self, maps: list[mmap.mmap]) -> None:
-        self.maps = maps  # kept until unlocked: locked pages must stay mapped
-        self.addresses = [np.frombuffer(m, np.uint8).ctypes.data for m in maps]
-        self.locked: list[int] = []  # addresses registered
-        self.device: Any = None
-
-    def lock(self, device: Any) -> bool:
-        """Lock every slot for `device`; all or none (False: CUDA refused one)."""
-        import torch
-
-        self.device = device
-
-        def register() -> None:
-            cudart = torch.cuda.cudart()
-            for address, m in zip(self.addresses, self.maps, strict=True):
-                if int(cudart.cudaHostRegister(address, len(m), self.PORTABLE)) != 0:
-                    return
-                self.locked.append(address)
-
-        _in_own_thread(register, device)
-        if len(self.locked) == len(self.maps):
-            return True
-        self.unlock()
-        return False
-
-    def unlock(self) -> None:
-        """Unregister what `lock` registered (once the copies from it are done)."""
-        addresses, self.locked = self.locked, []
-        if not addresses:
-            return
-        import torch
-
-        def unregister() -> None:
-            cudart = torch.cuda.cudart()
-            for address in addresses:
-                cudart.cudaHostUnregister(address)
-
-        _in_own_thread(unregister, self.device)
-
-
-def _in_own_thread(work: Callable[[], None], device: Any = None) -> None:
-    """Run `work` in a new thread (with `device` current, if given) and wait for it; its
-    exception, if any, is raised here. At interpreter shutdown (no new thread) in this one:
-    a CUDA error it leaves behind no longer matters then."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            if device is None:
-                work()
-            else:
-                import torch
-
-                with torch.cuda.device(device):
-                    work()
-        except BaseException as exc:  # noqa: BLE001  (raised in the caller's thread)
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name="mmreplay-page-lock")
-    try:
-        thread.start()
-    except RuntimeError:  # at interpreter shutdown no thread starts: here, then
-        run()
-    else:
-        thread.join()
-    if failed:
-        raise failed[0]
-
-
 class SamplingProcesses(Iterator[Batch]):
     """An endless iterator of batches sampled by `workers` processes (see the module doc).
     ``beta`` may be changed between batches; ``close`` (or the context manager) stops the
@@ -264,7 +184,7 @@ class SamplingProcesses(Iterator[Batch]):
         self._counts = [0] * count  # frames of each slot's frame set, from its answer
         # (slot, its array handed out, the event of a copy from it still to complete)
         self._lent: list[tuple[int, weakref.ref[np.ndarray], Any]] = []
-        self._locked = LockedSlots(self._maps)
+        self._locked = LockedMaps(self._maps)
         self._asked = [0] * workers  # requests in flight, by process
         self._owner: dict[int, int] = {}  # slot -> process answering it
         self._started = False
@@ -324,7 +244,7 @@ class SamplingProcesses(Iterator[Batch]):
                 self._lent[i] = (slot, ref, event)
 
     def page_lock(self, device: Any) -> bool:
-        """Page-lock every slot for copies to this CUDA device (`LockedSlots.lock`); False
+        """Page-lock every slot for copies to this CUDA device (`LockedMaps.lock`); False
         where CUDA refused (copies from the slots stay pageable)."""
         return self._locked.lock(device)
 
@@ -438,7 +358,7 @@ def _shared_folder(nbytes: int, folder: str = "/dev/shm") -> str | None:
 
 
 def _stop(procs: list[Any], conns: list[Connection], slots_file: str,
-          lent: list[tuple[int, Any, Any]], locked: LockedSlots) -> None:
+          lent: list[tuple[int, Any, Any]], locked: LockedMaps) -> None:
     """Ask each process to stop, wait a little, end the ones left; remove the file; once
     the copies from the slots are done, unlock them."""
     for conn in conns:
