@@ -89,9 +89,7 @@ class BatchMaker:
         with self.limits.sampling(_items(batch_size)), self.lock:
             self.refuse_closed("sample")
             size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            if out is not None:
-                validate.frames_out(out, 2 * size * self.spec.frame_stack
-                                    * self.spec.frame_bytes, bool(pin_memory))
+            self._check_out(out, size, pin_memory)
             return self.reader.sample(self.rng, size, beta, pin_memory=bool(pin_memory),
                                       out=out)
 
@@ -102,11 +100,16 @@ class BatchMaker:
         with self.limits.sampling(_items(batch_size)), self.lock:
             self.refuse_closed("sample")
             size, beta = validate.batch_size(batch_size), validate.beta(beta)
-            if out is not None:
-                validate.frames_out(out, 2 * size * self.spec.frame_stack
-                                    * self.spec.frame_bytes, bool(pin_memory))
+            self._check_out(out, size, pin_memory)
             return self.reader.sample_frame_set(self.rng, size, beta, pin_memory=pin_memory,
                                                 out=out)
+
+    def _check_out(self, out: np.ndarray | None, size: int, pin_memory: bool) -> None:
+        """`out`, if given, holds every frame of a batch of `size` stacks
+        (`validate.frames_out`)."""
+        if out is not None:
+            validate.frames_out(out, 2 * size * self.spec.frame_stack * self.spec.frame_bytes,
+                                bool(pin_memory))
 
     def get(self, ids: Any) -> Batch:
         """`ReplayStore.get`; under the store's lock."""

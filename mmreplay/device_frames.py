@@ -363,7 +363,6 @@ class Packing:
     alone needs no torch (the slots of `sampling_processes` are laid out by it too)."""
 
     def __init__(self, fields: Iterable[tuple[str, tuple[int, ...], Any]]) -> None:
-        self.names: list[str] = []
         self.sizes: list[int] = []  # bytes each field takes in the buffer (padded)
         # (name, start, bytes, numpy dtype, shape) per field
         self._layout: list[tuple[str, int, int, np.dtype[Any], tuple[int, ...]]] = []
@@ -371,7 +370,6 @@ class Packing:
         for name, shape, dtype in fields:
             dt = np.dtype(dtype).newbyteorder("=")
             nbytes = math.prod(shape) * dt.itemsize
-            self.names.append(name)
             self.sizes.append(-(-nbytes // ALIGN) * ALIGN or ALIGN)
             self._layout.append((name, start, nbytes, dt, tuple(shape)))
             start += self.sizes[-1]

@@ -102,9 +102,7 @@ class Priorities:
         wanted, checked = validate.id_priorities(ids, values)
         self.require("update_priorities", ("prioritized", "rank"))
         assert self.ring is not None  # the store's column is given its ring
-        if self.late.queued:  # `set_ids`, one call less
-            self.late.apply_all()
-        return self._set_ids(wanted, checked, self.ring)
+        return self.set_ids(wanted, checked, self.ring)
 
     def update_later(self, ids: Any, values: Any) -> None:
         """`ReplayStore.update_priorities` late: queued (device tensors: no wait for the

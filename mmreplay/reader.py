@@ -159,8 +159,8 @@ class Reader:
         `out` (uint8, room for every frame of the stacks) or a buffer of the pool."""
         look = self.ring.lookup(flat)
         unique, index = np.unique(look.slots, return_inverse=True)
-        frames = self.frames.read(unique, out=self.pool(pin_memory).take(
-            unique.size * self.frame_nbytes) if out is None else out)
+        frames = self.frames.read(unique, out=self.destination(pin_memory, out,
+                                                               unique.size * self.frame_nbytes))
         return FrameSetBatch(
             frames=frames, index=index.reshape(look.slots.shape).astype(np.int64, copy=False),
             action=native(look.action, look.action.dtype), reward=look.reward,

@@ -132,4 +132,3 @@ def lazy_entry(load: Callable[[], ModuleType], name: str,
 
     found._kernel = first_call
     return found
-
